@@ -1,0 +1,39 @@
+"""What a policy can ask for. Actions are plain frozen records; `knobs.py` carries them out.
+
+Every action has a `reason`, written to the journal whether the action is applied or
+suppressed, so a user can always tell why the run changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Union
+
+
+@dataclasses.dataclass(frozen=True)
+class SetMicroBatch:
+    """Run forward/backward on `size` samples at a time (the same batch is retried on OOM)."""
+
+    size: int
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class EmptyCache:
+    """Return cached, unused memory: `gc.collect()` and `torch.cuda.empty_cache()` on CUDA."""
+
+    reason: str = ""
+
+
+Action = Union[SetMicroBatch, EmptyCache]
+
+
+def action_kind(action: Action) -> str:
+    """The journal name of an action: its class name in snake_case (`SetMicroBatch` -> `set_micro_batch`)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(action).__name__).lower()
+
+
+def action_params(action: Action) -> dict[str, Any]:
+    """The action's fields except `reason`, for the journal."""
+    return {f.name: getattr(action, f.name) for f in dataclasses.fields(action) if f.name != "reason"}

@@ -1,0 +1,51 @@
+"""The run's journal: `run_dir/events.jsonl`, one JSON object per line, append-only.
+
+Every line has `time` (unix seconds), `kind`, `step` and `epoch`; the rest depends on the
+kind (`fit_start`, `oom`, `action`, `epoch_end`, `fit_end`, ...). Lines are flushed as
+they are written so a crashed run keeps everything up to the crash.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class Journal:
+    """Append-only JSONL writer. `Journal(None)` records nothing (e.g. non-zero ranks)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", buffering=1, encoding="utf-8")
+
+    def write(self, kind: str, step: int, epoch: int, **fields: Any) -> dict[str, Any]:
+        """Append one record and return it."""
+        record = {"time": time.time(), "kind": kind, "step": step, "epoch": epoch, **fields}
+        if self._file is not None:
+            self._file.write(json.dumps(record, default=str) + "\n")
+        return record
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_journal(path: Path) -> Iterator[dict[str, Any]]:
+    """Yield the records of a journal. A truncated last line (a crash mid-write) is skipped;
+    a bad line anywhere else is an error naming the file and line."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                return
+            raise ValueError(f"{path}:{number}: not a JSON line: {exc}") from exc

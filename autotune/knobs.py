@@ -1,0 +1,60 @@
+"""The only code that changes training state in response to an action.
+
+Policies propose; `apply` carries an action out on the trainer's `Knobs` and says what
+happened, so the journal can record it. Add a new action by adding its record to
+actions.py and one `@apply.register` function here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from autotune.actions import EmptyCache, SetMicroBatch
+from autotune.memory import device_sample, free_memory
+from autotune.units import format_bytes
+
+
+@dataclasses.dataclass
+class Knobs:
+    """The settings of a run that actions may change."""
+
+    batch_size: int  # samples per optimizer step (the loader's batch)
+    micro_batch_size: int  # samples per forward/backward
+    device: torch.device
+    memory_cap_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What applying an action did: `applied` False means it was suppressed, `note` says why."""
+
+    applied: bool
+    note: str = ""
+
+
+@functools.singledispatch
+def apply(action: object, knobs: Knobs) -> Outcome:
+    """Carry out `action` on `knobs`."""
+    raise TypeError(f"no knob applies actions of type {type(action).__name__}")
+
+
+@apply.register
+def _set_micro_batch(action: SetMicroBatch, knobs: Knobs) -> Outcome:
+    size = min(max(1, int(action.size)), knobs.batch_size)
+    if size == knobs.micro_batch_size:
+        return Outcome(False, f"micro-batch is already {size}")
+    old, knobs.micro_batch_size = knobs.micro_batch_size, size
+    return Outcome(True, f"micro-batch {old} -> {size}")
+
+
+@apply.register
+def _empty_cache(action: EmptyCache, knobs: Knobs) -> Outcome:
+    before = device_sample(knobs.device, knobs.memory_cap_bytes).used_bytes
+    free_memory(knobs.device)
+    after = device_sample(knobs.device, knobs.memory_cap_bytes).used_bytes
+    if before is None or after is None:
+        return Outcome(True, "freed cached memory (amount not measurable here)")
+    return Outcome(True, f"returned {format_bytes(before - after)}")

@@ -1,0 +1,76 @@
+"""Memory figures and clean-up for the training device, small and direct.
+
+CUDA figures come from the in-process allocator (`torch.cuda.memory_stats`, one call per
+step) and `torch.cuda.mem_get_info`; CPU figures from the host (see monitor/host.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import time
+
+import torch
+
+from autotune.monitor.host import describe_host_memory, host_sample
+from autotune.snapshot import AllocatorStats, DeviceSample
+from autotune.units import format_bytes
+
+_libc = None
+
+
+def _malloc_trim() -> None:
+    # glibc keeps freed heap pages; malloc_trim(0) hands them back to the OS, the CPU
+    # analogue of empty_cache. Not available outside glibc: then there is nothing to do.
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        _libc = ctypes.CDLL(name) if name else False
+    if _libc and hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)
+
+
+def free_memory(device: torch.device) -> None:
+    """Collect garbage and return cached memory to the device (CUDA) or the OS (CPU)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "cpu":
+        _malloc_trim()
+
+
+def device_sample(device: torch.device, soft_cap_bytes: int | None = None) -> DeviceSample:
+    """Memory in use against the cap that binds on `device`."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceSample(time=time.time(), used_bytes=total - free, cap_bytes=soft_cap_bytes or total,
+                            total_bytes=total, source="cuda")
+    return host_sample(soft_cap_bytes)
+
+
+def allocator_stats(device: torch.device, reset_peak: bool = True) -> AllocatorStats | None:
+    """The CUDA caching allocator's figures since the last reset; None on other devices."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats(device)
+    return AllocatorStats(
+        allocated_bytes=stats.get("allocated_bytes.all.current", 0),
+        reserved_bytes=stats.get("reserved_bytes.all.current", 0),
+        peak_bytes=stats.get("allocated_bytes.all.peak", 0),
+        num_alloc_retries=stats.get("num_alloc_retries", 0),
+        num_ooms=stats.get("num_ooms", 0),
+        inactive_split_bytes=stats.get("inactive_split_bytes.all.current", 0),
+    )
+
+
+def describe_memory(device: torch.device) -> str:
+    """One line of memory figures for messages: allocator and device on CUDA, host on CPU."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return (f"allocated {format_bytes(torch.cuda.memory_allocated(device))}, "
+                f"reserved {format_bytes(torch.cuda.memory_reserved(device))}, "
+                f"device free {format_bytes(free)} of {format_bytes(total)}")
+    return describe_host_memory()

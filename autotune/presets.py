@@ -1,0 +1,154 @@
+"""Presets: TOML files that name the policies of a run and their parameters.
+
+::
+
+    # policies/default.toml
+    [[policy]]
+    use = "halve_on_oom"      # built-in name, entry-point name, or "package.module:Class"
+    min_micro_batch = 1
+
+A preset is picked by name (a file shipped in `autotune/presets/`, also visible as the
+repository's `policies/` folder) or by path. Unknown presets, policies and keys are
+errors that name the culprit and the choices.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Sequence
+
+from autotune.policies import BUILTIN_POLICIES
+from autotune.policy import Policy
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+PRESET_DIR = Path(__file__).parent / "presets"
+ENTRY_POINT_GROUP = "autotune.policies"
+
+
+class PresetError(ValueError):
+    """A preset or one of its policies is not valid; the message names the file, policy and key."""
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped with autotune."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def installed_policies() -> dict[str, type]:
+    """Built-in policies plus those installed through the `autotune.policies` entry-point group."""
+    found = dict(BUILTIN_POLICIES)
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(entry.name, entry)  # loaded lazily: a broken plug-in only hurts when used
+    return found
+
+
+def resolve_policy(use: str) -> type:
+    """The policy class for `use`: a built-in name, an entry-point name, or `module:Class`."""
+    if ":" in use:
+        module_name, _, attr = use.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise PresetError(f"cannot load policy {use!r}: {exc}") from exc
+    known = installed_policies()
+    if use not in known:
+        raise PresetError(f"unknown policy {use!r}; choices: {', '.join(sorted(known))} (or 'package.module:Class')")
+    found = known[use]
+    return found.load() if isinstance(found, metadata.EntryPoint) else found
+
+
+def policy_parameters(cls: type) -> dict[str, Any]:
+    """The parameters a preset may set on `cls`, with their defaults (`inspect.Parameter.empty` if required)."""
+    return {
+        name: param.default
+        for name, param in inspect.signature(cls).parameters.items()
+        if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+    }
+
+
+def _check_type(where: str, key: str, value: Any, default: Any) -> None:
+    # TOML gives ints, floats, strings, bools, lists, tables; catch the common slips
+    # (a string where a number belongs) here, and leave value ranges to the policy.
+    if default is inspect.Parameter.empty or default is None:
+        return
+    expected: tuple[type, ...]
+    if isinstance(default, bool):
+        expected = (bool,)
+    elif isinstance(default, int):
+        expected = (int,)
+    elif isinstance(default, float):
+        expected = (int, float)
+    else:
+        expected = (type(default),)
+    if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+        raise PresetError(f"{where}: {key} = {value!r} must be {' or '.join(t.__name__ for t in expected)}")
+
+
+def build_policy(spec: dict[str, Any], where: str = "policy") -> Policy:
+    """Build one policy from a `[[policy]]` table: `use` plus its parameters."""
+    spec = dict(spec)
+    use = spec.pop("use", None)
+    if not isinstance(use, str):
+        raise PresetError(f"{where}: missing 'use = \"policy_name\"'")
+    cls = resolve_policy(use)
+    where = f"{where} ({use})"
+    params = policy_parameters(cls)
+    for key, value in spec.items():
+        if key not in params:
+            raise PresetError(f"{where}: unknown key {key!r}; choices: {', '.join(params) or '(none)'}")
+        _check_type(where, key, value, params[key])
+    try:
+        policy = cls(**spec)
+    except (TypeError, ValueError) as exc:
+        raise PresetError(f"{where}: {exc}") from exc
+    if not isinstance(policy, Policy):
+        raise PresetError(f"{where}: {cls.__name__} lacks the Policy interface (name, events, decide, state_dict, load_state_dict)")
+    return policy
+
+
+def load_preset(path: Path) -> list[Policy]:
+    """Read a preset file into policies. Errors name the file, the policy and the key."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise PresetError(f"cannot read preset {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise PresetError(f"{path}: not valid TOML: {exc}") from exc
+    unknown = set(data) - {"policy"}
+    if unknown:
+        raise PresetError(f"{path}: unknown top-level key(s) {', '.join(sorted(unknown))}; expected [[policy]] tables")
+    specs = data.get("policy", [])
+    if not isinstance(specs, list):
+        raise PresetError(f"{path}: 'policy' must be an array of tables ([[policy]])")
+    return [build_policy(spec, where=f"{path}: policy #{i + 1}") for i, spec in enumerate(specs)]
+
+
+def resolve_policies(policies: str | Path | Sequence[Policy]) -> list[Policy]:
+    """Turn the `policies=` argument of AutoTrainer into policy objects.
+
+    A preset name ("default"), a path to a TOML file, or a list of policy objects.
+    """
+    if isinstance(policies, (str, Path)):
+        path = Path(policies)
+        if path.suffix == ".toml" or path.exists():
+            if not path.is_file():
+                raise PresetError(f"preset file {path} does not exist")
+            return load_preset(path)
+        shipped = PRESET_DIR / f"{policies}.toml"
+        if not shipped.is_file():
+            raise PresetError(f"unknown preset {str(policies)!r}; choices: {', '.join(preset_names())} or a path to a .toml file")
+        return load_preset(shipped)
+    policies = list(policies)
+    for policy in policies:
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policies: {policy!r} lacks the Policy interface (name, events, decide, state_dict, load_state_dict)")
+    return policies
+

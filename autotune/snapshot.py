@@ -1,0 +1,75 @@
+"""What a policy sees: frozen records of the training state and the memory figures.
+
+Policies get a `Snapshot` and nothing else, so they can be tested with a few lines:
+build a snapshot, call `decide`, compare the actions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSample:
+    """One reading of device (or host) memory.
+
+    `used_bytes` is what counts against `cap_bytes`: device memory in use on CUDA; on
+    CPU the figure the tightest cap is measured against (virtual size under RLIMIT_AS,
+    resident size under a cgroup or a soft cap). `None` means "not available".
+    """
+
+    time: float
+    used_bytes: int | None = None
+    cap_bytes: int | None = None
+    total_bytes: int | None = None
+    source: str = ""  # what the cap is: "cuda", "rlimit_as", "cgroup", "memory_cap", "host"
+
+    @property
+    def used_fraction(self) -> float | None:
+        """`used_bytes / cap_bytes`, or None when either is not known."""
+        if self.used_bytes is None or not self.cap_bytes:
+            return None
+        return self.used_bytes / self.cap_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocatorStats:
+    """In-process allocator figures for the last step (CUDA: `torch.cuda.memory_stats`)."""
+
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    peak_bytes: int = 0  # highest allocated during the step; reset every step
+    num_alloc_retries: int = 0
+    num_ooms: int = 0
+    inactive_split_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """Where the time of the last optimizer step went."""
+
+    step_seconds: float = 0.0  # from asking the loader for the batch to the optimizer step
+    data_wait_seconds: float = 0.0  # blocked in the loader's next()
+    retries: int = 0  # OOMs survived while doing this batch
+
+    @property
+    def data_wait_fraction(self) -> float:
+        return self.data_wait_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The training state at the moment an event fires. Policies must treat it as read-only."""
+
+    step: int  # optimizer steps completed in this fit
+    epoch: int
+    batch_size: int  # samples per optimizer step the user asked for
+    micro_batch_size: int  # samples per forward/backward now
+    device: str
+    keep_effective_batch: bool = True
+    failed_micro_batch: int | None = None  # set on OOM: the size that just failed
+    ooms: int = 0  # OOMs survived so far in this fit
+    sample: DeviceSample | None = None  # latest memory reading
+    window: tuple[DeviceSample, ...] = ()  # recent readings, oldest first
+    allocator: AllocatorStats | None = None
+    timing: StepTiming | None = None

@@ -1,0 +1,459 @@
+"""AutoTrainer: a training loop that survives out-of-memory errors and loses nothing.
+
+The loop, and where each `Event` fires (see events.py for the full picture)::
+
+    fit():                                          FIT_START
+      for epoch:                                    EPOCH_START
+        for batch in loader:                        (time blocked in next() = data wait)
+          while the batch is not done:              # retry the same batch until it fits
+            try:
+              for micro in split(batch, micro_batch_size):
+                loss = step(model, micro) * len(micro) / len(batch)
+                loss.backward()
+              optimizer.step(); zero_grad()
+            except OOM: note the size that failed (keep no reference to the exception)
+            clean up outside `except`: zero_grad(set_to_none), gc, empty_cache
+                                                    OOM -> policies -> e.g. SetMicroBatch(n // 2)
+            no policy shrank the micro-batch: raise autotune.OutOfMemory with the figures
+                                                    BATCH_END
+                                                    EPOCH_END
+                                                    FIT_END
+
+With `keep_effective_batch=True` the micro-batches of a batch are accumulated with loss
+weights len(micro)/len(batch), so the optimizer step equals the one without an OOM. With
+False, every micro-batch is its own optimizer step, and a retry resumes at the first
+sample not yet stepped on. Either way no sample is skipped or repeated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from loguru import logger
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from tqdm.auto import tqdm
+
+from autotune.batching import SplitFn, batch_len, check_splittable, micro_batches
+from autotune.dispatch import Dispatcher
+from autotune.events import Event
+from autotune.journal import Journal
+from autotune.knobs import Knobs
+from autotune.memory import allocator_stats, describe_memory, device_sample, free_memory
+from autotune.oom import OutOfMemory, is_oom
+from autotune.policy import Policy
+from autotune.presets import resolve_policies
+from autotune.snapshot import Snapshot, StepTiming
+from autotune.data.sampler import EpochSampler
+from autotune.units import format_bytes
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+StepFn = Callable[[nn.Module, Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What `AutoTrainer.fit` did."""
+
+    samples_seen: int  # each sample counted once per epoch, when its optimizer step completed
+    steps: int  # optimizer steps
+    epochs: int  # epochs completed
+    batch_size: int  # samples per optimizer step at the end
+    micro_batch_size: int  # samples per forward/backward at the end
+    ooms: int  # out-of-memory errors survived
+    loss: float | None  # mean training loss over the last epoch's completed steps
+    wall_seconds: float
+    run_dir: Path
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples_seen / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to train on: the given one, checked, or CUDA when available, else CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif resolved.type not in ("cpu", "mps", "xpu"):
+        raise ValueError(f"unsupported device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+    return resolved
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, to_device(v, device)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(to_device(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+class AutoTrainer:
+    """Train `model` on `dataset`, adapting to memory limits instead of crashing.
+
+    Args:
+        model: the `nn.Module` to train; moved to `device`.
+        dataset: a map-style `Dataset` (batched here, with `batch_size`), or a `DataLoader`
+            (its `batch_size` is the batch).
+        loss_fn: `loss_fn(outputs, targets) -> mean loss`; batches are `(inputs, targets)`.
+        step_fn: instead of `loss_fn`, `step_fn(model, micro_batch) -> mean loss` for any layout.
+        optimizer: an optimizer over the model's parameters, or a factory `params -> Optimizer`;
+            default AdamW(lr=1e-3).
+        batch_size: samples per optimizer step.
+        micro_batch_size: samples per forward/backward at the start; default `batch_size`.
+        keep_effective_batch: on OOM, accumulate smaller micro-batches into the same step
+            (True) or make each smaller chunk its own optimizer step (False).
+        device: "cpu", "cuda", "cuda:1" or a `torch.device`; default CUDA when available.
+        policies: a preset name ("default", "conservative"), a path to a TOML preset, or a
+            list of policy objects.
+        run_dir: where the journal (events.jsonl) goes; default `runs/<timestamp>`.
+        shuffle, seed: the sample order of each epoch is a function of (seed, epoch).
+        num_workers, collate_fn: passed to the DataLoader built for a map-style dataset.
+        split_fn: `split_fn(batch, size) -> list of micro-batches` for batch types the
+            built-in splitter does not know.
+        progress: show a tqdm bar with loss, micro-batch and memory.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataset: Dataset | DataLoader,
+        *,
+        loss_fn: LossFn | None = None,
+        step_fn: StepFn | None = None,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+        batch_size: int = 32,
+        micro_batch_size: int | None = None,
+        keep_effective_batch: bool = True,
+        device: str | torch.device | None = None,
+        policies: str | Path | Sequence[Policy] = "default",
+        run_dir: str | Path | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        collate_fn: Callable[[list], Any] | None = None,
+        split_fn: SplitFn | None = None,
+        progress: bool = True,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if (loss_fn is None) == (step_fn is None):
+            raise ValueError("pass exactly one of loss_fn(outputs, targets) or step_fn(model, micro_batch)")
+        self.device = resolve_device(device)
+        self.model = model.to(self.device)
+        self.loss_fn = loss_fn
+        self.step_fn = step_fn
+        self.split_fn = split_fn
+        self.keep_effective_batch = keep_effective_batch
+        self.progress = progress
+
+        self.sampler: EpochSampler | None = None
+        self.loader = self._make_loader(dataset, batch_size, shuffle, seed, num_workers, collate_fn)
+        batch_size = self.loader.batch_size or batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        micro = batch_size if micro_batch_size is None else micro_batch_size
+        if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+            raise ValueError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
+        if micro > batch_size:
+            raise ValueError(f"micro_batch_size ({micro}) cannot exceed batch_size ({batch_size})")
+        if loss_fn is not None and isinstance(dataset, Dataset) and not isinstance(dataset, IterableDataset):
+            self._check_sample_layout(dataset[0])
+
+        self.optimizer = self._make_optimizer(optimizer)
+        self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(self.run_dir / "events.jsonl")
+        self.knobs = Knobs(batch_size=batch_size, micro_batch_size=micro, device=self.device)
+        self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
+
+        self.step = 0  # optimizer steps, across fit() calls
+        self.epoch = 0  # epochs completed
+        self.ooms = 0
+        self.samples_seen = 0
+
+    # ----------------------------------------------------------------------------- set-up
+    def _make_loader(self, dataset, batch_size, shuffle, seed, num_workers, collate_fn) -> DataLoader:
+        if isinstance(dataset, DataLoader):
+            if dataset.batch_size is None:
+                raise ValueError("the DataLoader must have a batch_size (it is the batch of one optimizer step)")
+            return dataset
+        if isinstance(dataset, IterableDataset):
+            raise TypeError("an IterableDataset must come wrapped in a DataLoader (its batch_size is the batch)")
+        if not isinstance(dataset, Dataset) and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise TypeError(f"dataset must be a map-style torch Dataset or a DataLoader, got {type(dataset).__name__}")
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty: there is nothing to train on")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed)
+        return DataLoader(
+            dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
+            collate_fn=collate_fn, pin_memory=self.device.type == "cuda",
+            generator=torch.Generator().manual_seed(seed),  # worker seeds follow `seed`
+        )
+
+    def _check_sample_layout(self, sample: Any) -> None:
+        if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+            raise TypeError(
+                f"with loss_fn, each sample must be (inputs, targets); got {type(sample).__name__}"
+                f"{' of length ' + str(len(sample)) if isinstance(sample, (tuple, list)) else ''}: "
+                "pass step_fn(model, micro_batch) for other layouts"
+            )
+
+    def _make_optimizer(self, optimizer) -> torch.optim.Optimizer:
+        if optimizer is None:
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer, got {type(optimizer).__name__}")
+            optimizer = optimizer(self.model.parameters())
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        own = {id(p) for p in self.model.parameters()}
+        foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+        if foreign:
+            raise ValueError(f"the optimizer holds {foreign} parameter(s) that are not the model's; build it over model.parameters()")
+        return optimizer
+
+    # ----------------------------------------------------------------------------- the loop
+    def fit(self, epochs: int = 1, max_steps: int | None = None) -> FitResult:
+        """Train for `epochs` epochs (or until `max_steps` optimizer steps in this call)."""
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"max_steps must be an integer >= 1 or None, got {max_steps!r}")
+        self._warm_up_oom_path()
+        started = time.perf_counter()
+        first_step = self.step
+        self.journal.write("fit_start", self.step, self.epoch, device=str(self.device),
+                           batch_size=self.knobs.batch_size, micro_batch_size=self.knobs.micro_batch_size,
+                           keep_effective_batch=self.keep_effective_batch, epochs=epochs, max_steps=max_steps,
+                           policies=[p.name for p in self.dispatcher.policies])
+        logger.info(f"training on {self.device}: batch {self.knobs.batch_size}, micro-batch "
+                    f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
+        self._fire(Event.FIT_START)
+        bar = tqdm(total=self._planned_batches(epochs, max_steps), disable=not self.progress,
+                   unit="batch", dynamic_ncols=True)
+        epoch_loss = None
+        try:
+            for _ in range(epochs):
+                epoch_loss = self._train_epoch(bar, first_step, max_steps)
+                if max_steps is not None and self.step - first_step >= max_steps:
+                    break
+        finally:
+            bar.close()
+        wall = time.perf_counter() - started
+        result = FitResult(
+            samples_seen=self.samples_seen, steps=self.step, epochs=self.epoch,
+            batch_size=self._step_size(), micro_batch_size=self.knobs.micro_batch_size, ooms=self.ooms,
+            loss=epoch_loss, wall_seconds=wall, run_dir=self.run_dir,
+        )
+        self.journal.write("fit_end", self.step, self.epoch, samples_seen=result.samples_seen, ooms=self.ooms,
+                           batch_size=result.batch_size, micro_batch_size=result.micro_batch_size,
+                           wall_seconds=wall, loss=epoch_loss)
+        self._fire(Event.FIT_END)
+        return result
+
+    def _train_epoch(self, bar: tqdm, first_step: int, max_steps: int | None) -> float | None:
+        if self.sampler is not None:
+            self.sampler.set_epoch(self.epoch)
+        elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
+            self.loader.sampler.set_epoch(self.epoch)  # e.g. a user's DistributedSampler
+        self._fire(Event.EPOCH_START)
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)  # summed on the device: no sync per step
+        loss_samples = 0
+        last_shown = 0.0
+        batches = iter(self.loader)
+        finished_epoch = True
+        while True:
+            wait_start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            step_start = time.perf_counter()
+            n = batch_len(batch)
+            retries, batch_loss = self._train_batch(batch, n)
+            step_end = time.perf_counter()
+            loss_sum += batch_loss
+            loss_samples += n
+            self._fire(Event.BATCH_END, timing=StepTiming(step_seconds=step_end - wait_start,
+                                                          data_wait_seconds=step_start - wait_start,
+                                                          retries=retries))
+            bar.update(1)
+            if self.progress and step_end - last_shown > 0.5:
+                last_shown = step_end
+                bar.set_postfix(loss=f"{loss_sum.item() / max(loss_samples, 1):.4f}",
+                                micro=self.knobs.micro_batch_size, mem=self._memory_text(), refresh=False)
+            if max_steps is not None and self.step - first_step >= max_steps:
+                finished_epoch = False
+                break
+        epoch_loss = loss_sum.item() / loss_samples if loss_samples else None
+        if finished_epoch:
+            self.epoch += 1
+            self.journal.write("epoch_end", self.step, self.epoch - 1, samples_seen=self.samples_seen,
+                               loss=epoch_loss, micro_batch_size=self.knobs.micro_batch_size)
+            self._fire(Event.EPOCH_END)
+        return epoch_loss
+
+    def _train_batch(self, batch: Any, n: int) -> tuple[int, torch.Tensor]:
+        """Train on one batch until every sample of it is in a completed optimizer step.
+
+        Returns the number of OOMs survived on it and its summed (not mean) loss.
+        """
+        done = 0  # samples whose optimizer step has completed
+        retries = 0
+        tried: list[int] = []
+        loss_sum = torch.zeros((), device=self.device)
+        while done < n:
+            failed_size, done, loss_sum = self._attempt(batch, n, done, loss_sum)
+            if failed_size is None:
+                break
+            # Out of the `except` block now, so the exception and its frames are gone and
+            # the tensors they pinned (activations, partial gradients) can be freed.
+            retries += 1
+            tried.append(failed_size)
+            self._recover_from_oom(failed_size, tried)
+        return retries, loss_sum
+
+    def _attempt(self, batch: Any, n: int, done: int, loss_sum: torch.Tensor) -> tuple[int | None, int, torch.Tensor]:
+        """Run the batch from sample `done` on. Returns (size that hit OOM or None, done, loss_sum)."""
+        size = self.knobs.micro_batch_size if self.keep_effective_batch else min(self.knobs.micro_batch_size, n)
+        accumulated = torch.zeros((), device=self.device)
+        try:
+            for micro, m in micro_batches(batch, size, start=done, split_fn=self.split_fn):
+                loss = self._loss(to_device(micro, self.device))
+                if self.keep_effective_batch:
+                    # Weight by the micro-batch's share so the accumulated gradient is the
+                    # gradient of the mean loss over the whole batch.
+                    (loss * (m / n)).backward()
+                    accumulated += loss.detach() * m
+                else:
+                    loss.backward()
+                    self._optimizer_step(m)
+                    loss_sum = loss_sum + loss.detach() * m
+                    done += m
+                del loss
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            self._last_oom_message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            return size, done, loss_sum
+        if self.keep_effective_batch:
+            self._optimizer_step(n)
+            loss_sum = loss_sum + accumulated
+            done = n
+        return None, done, loss_sum
+
+    def _loss(self, micro: Any) -> torch.Tensor:
+        if self.step_fn is not None:
+            return self.step_fn(self.model, micro)
+        inputs, targets = micro
+        return self.loss_fn(self.model(inputs), targets)
+
+    def _optimizer_step(self, n_samples: int) -> None:
+        # An OOM inside optimizer.step() may leave some parameters updated and others not,
+        # and a smaller micro-batch cannot help it: it is not retried.
+        try:
+            self.optimizer.step()
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            failure = str(exc).strip().splitlines()[0][:300]
+        else:
+            failure = None
+        if failure is not None:
+            memory = describe_memory(self.device)
+            self.journal.write("out_of_memory", self.step, self.epoch, phase="optimizer_step",
+                               device=str(self.device), memory=memory)
+            raise OutOfMemory(f"out of memory on {self.device} in optimizer.step(): the optimizer state does "
+                              f"not fit, whatever the micro-batch. Memory: {memory}. Last error: {failure}")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.samples_seen += n_samples
+
+    def _recover_from_oom(self, failed_size: int, tried: list[int]) -> None:
+        """Free what the failed attempt held, tell the policies, and give up if none helped."""
+        # Partial gradients of the failed batch must not leak into the retry.
+        self.optimizer.zero_grad(set_to_none=True)
+        free_memory(self.device)
+        self.ooms += 1
+        self.journal.write("oom", self.step, self.epoch, micro_batch_size=failed_size, device=str(self.device),
+                           message=self._last_oom_message)
+        logger.warning(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch")
+        self._fire(Event.OOM, failed_micro_batch=failed_size, force=True)
+        if self.knobs.micro_batch_size < failed_size:
+            return
+        memory = describe_memory(self.device)
+        self.journal.write("out_of_memory", self.step, self.epoch, micro_batch_size=failed_size,
+                           device=str(self.device), tried=tried, memory=memory)
+        raise OutOfMemory(
+            f"out of memory on {self.device} even at micro-batch {failed_size} "
+            f"(sizes tried on this batch: {', '.join(map(str, tried))}); no policy could make more room. "
+            f"Memory: {memory}. Last error: {self._last_oom_message}"
+        )
+
+    # ----------------------------------------------------------------------------- helpers
+    def _fire(self, event: Event, failed_micro_batch: int | None = None, timing: StepTiming | None = None,
+              force: bool = False) -> None:
+        # Building a snapshot reads memory figures; skip it when nobody listens.
+        if not force and not any(event in p.events for p in self.dispatcher.policies):
+            return
+        snap = Snapshot(
+            step=self.step, epoch=self.epoch, batch_size=self.knobs.batch_size,
+            micro_batch_size=self.knobs.micro_batch_size, device=str(self.device),
+            keep_effective_batch=self.keep_effective_batch, failed_micro_batch=failed_micro_batch,
+            ooms=self.ooms, sample=device_sample(self.device, self.knobs.memory_cap_bytes),
+            allocator=allocator_stats(self.device), timing=timing,
+        )
+        self.dispatcher.fire(event, snap)
+
+    def _warm_up_oom_path(self) -> None:
+        # Under a hard memory cap anything may fail to allocate, including a lazy import
+        # or a first-time library lookup. Run the OOM path's helpers once now, while
+        # there is memory, so the path itself needs next to nothing later.
+        self._last_oom_message = ""
+        is_oom(RuntimeError("warm-up"))
+        free_memory(self.device)
+        describe_memory(self.device)
+        self._memory_text()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _memory_text(self) -> str:
+        sample = device_sample(self.device, self.knobs.memory_cap_bytes)
+        if sample.cap_bytes:
+            return f"{format_bytes(sample.used_bytes)}/{format_bytes(sample.cap_bytes)}"
+        return format_bytes(sample.used_bytes)
+
+    def _step_size(self) -> int:
+        if self.keep_effective_batch:
+            return self.knobs.batch_size
+        return min(self.knobs.micro_batch_size, self.knobs.batch_size)
+
+    def _planned_batches(self, epochs: int, max_steps: int | None) -> int | None:
+        try:
+            total = len(self.loader) * epochs
+        except TypeError:
+            return max_steps
+        return min(total, max_steps) if max_steps is not None and self.keep_effective_batch else total
