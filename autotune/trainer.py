@@ -442,8 +442,8 @@ class AutoTrainer:
 
     def _memory_text(self) -> str:
         sample = device_sample(self.device, self.knobs.memory_cap_bytes)
-        if sample.cap_bytes:
-            return f"{format_bytes(sample.used_bytes)}/{format_bytes(sample.cap_bytes)}"
+        if sample.cap_bytes and sample.used_bytes is not None:
+            return f"{format_bytes(sample.used_bytes)} ({format_bytes(sample.cap_bytes - sample.used_bytes)} free)"
         return format_bytes(sample.used_bytes)
 
     def _step_size(self) -> int:

@@ -1,0 +1,36 @@
+# Quickstart: `make demo` (a real training run under a memory cap) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# torch and torchvision pinned to the builds this project is developed and tested with;
+# the package itself accepts any torch >= 2.3.
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+
+.PHONY: install demo test bench gpu-check clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet $(TORCH_PINS)
+	$(PIP) install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/autotune demo
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/recovery.py
+
+# On a CUDA machine: the gpu-marked tests plus a short GPU timing. Runs with the
+# machine's own python (GPU machines bring torch with CUDA), not the venv.
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

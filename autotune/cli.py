@@ -1,0 +1,77 @@
+"""The `autotune` command line: `autotune demo`, `autotune policies`.
+
+Errors a user can fix (a bad preset, an unknown device) are printed as one clear line
+with exit code 2, not as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from loguru import logger
+from tqdm import tqdm
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from autotune.demo import run_demo
+
+    return run_demo(args)
+
+
+def _cmd_policies(args: argparse.Namespace) -> int:
+    from autotune.presets import installed_policies, policy_parameters, preset_names, resolve_policies
+    import inspect
+
+    if args.check:
+        policies = resolve_policies(args.check)
+        print(f"{args.check}: OK ({', '.join(p.name for p in policies) or 'no policies'})")
+        return 0
+    for name, cls in sorted(installed_policies().items()):
+        cls = cls if isinstance(cls, type) else cls.load()
+        summary = (inspect.getdoc(cls) or "").splitlines()[0] if inspect.getdoc(cls) else ""
+        print(f"{name}: {summary}")
+        for param, default in policy_parameters(cls).items():
+            print(f"    {param} = {default!r}")
+    print(f"\npresets: {', '.join(preset_names())}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from autotune.demo import add_arguments as add_demo_arguments
+
+    parser = argparse.ArgumentParser(prog="autotune", description="Keep PyTorch training alive under memory limits.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a torchvision model under a memory cap that forces OOMs")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_cmd_demo)
+    policies = sub.add_parser("policies", help="list the available policies and presets")
+    policies.add_argument("--check", metavar="FILE.toml", help="validate a preset file")
+    policies.set_defaults(func=_cmd_policies)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logger.remove()
+    # Through tqdm.write so log lines do not tear the progress bar.
+    logger.add(lambda message: tqdm.write(message, end="", file=sys.stderr), colorize=sys.stderr.isatty(),
+               level="WARNING" if args.quiet else "INFO",
+               format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    logger.enable("autotune")
+    from autotune.oom import OutOfMemory
+
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, OutOfMemory) as exc:
+        print(f"autotune {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"autotune {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Caps a process can put on itself: RLIMIT_AS on CPU, the allocator fraction on CUDA.
+
+Used by the demo, the tests and the benchmarks to make real out-of-memory errors happen
+on purpose. RLIMIT_AS counts virtual address space, which grows the first time threads
+and libraries warm up (each glibc malloc arena reserves 64 MiB of it), so the cap is set
+relative to the virtual size *after* a warm-up step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import resource
+
+import torch
+
+from autotune.monitor.host import virtual_bytes
+
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def _fix_mmap_threshold(threshold: int = 128 * 1024) -> None:
+    # glibc raises its mmap threshold after big blocks are freed, after which big tensors
+    # come from the heap and freed ones may stay mapped: virtual size then drifts up with
+    # fragmentation and the same batch fails later in the run. A fixed threshold sends
+    # every big block to mmap and back to the OS on free, so virtual size follows live memory.
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
+def cap_address_space(headroom_bytes: int) -> int:
+    """Set the soft RLIMIT_AS to the current virtual size plus `headroom_bytes`; return the cap.
+
+    Only the soft limit changes, so `lift_address_space_cap()` can undo it. Also fixes
+    glibc's mmap threshold so the cap measures live memory rather than heap drift.
+    """
+    _fix_mmap_threshold()
+    current = virtual_bytes()
+    if current is None:
+        raise RuntimeError("cannot read this process's virtual size to set RLIMIT_AS")
+    cap = current + int(headroom_bytes)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY and cap > hard:
+        cap = hard
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    return cap
+
+
+def lift_address_space_cap() -> None:
+    """Raise the soft RLIMIT_AS back to the hard limit."""
+    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+
+
+def cap_cuda_memory(device: torch.device, cap_bytes: int) -> float:
+    """Limit the CUDA caching allocator on `device` to `cap_bytes`; return the fraction set."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, cap_bytes / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction

@@ -1,0 +1,177 @@
+"""AutoTrainer without memory pressure: input checks, and equality with a plain PyTorch loop."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from autotune import AutoTrainer
+from tests.conftest import journal
+
+
+def make_data(n=64, features=8, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def trainer(tmp_path, model=None, data=None, **kwargs):
+    kwargs.setdefault("loss_fn", nn.functional.cross_entropy)
+    kwargs.setdefault("optimizer", sgd)
+    kwargs.setdefault("device", "cpu")
+    kwargs.setdefault("progress", False)
+    return AutoTrainer(make_model() if model is None else model, make_data() if data is None else data,
+                       run_dir=tmp_path / "run", **kwargs)
+
+
+def plain_loop(model, data, batch_size, epochs):
+    optimizer = sgd(model.parameters())
+    for _ in range(epochs):
+        for x, y in DataLoader(data, batch_size=batch_size, shuffle=False):
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return model
+
+
+def test_matches_a_hand_written_loop(tmp_path):
+    data = make_data()
+    expected = plain_loop(make_model(), data, batch_size=16, epochs=2)
+    t = trainer(tmp_path, data=data, batch_size=16, shuffle=False)
+    result = t.fit(epochs=2)
+    for a, b in zip(t.model.parameters(), expected.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert result.samples_seen == 128 and result.steps == 8 and result.epochs == 2
+
+
+def test_accumulating_micro_batches_matches_the_whole_batch(tmp_path):
+    data = make_data(n=60)
+    whole = trainer(tmp_path / "a", data=data, batch_size=20, shuffle=False)
+    whole.fit(epochs=2)
+    micro = trainer(tmp_path / "b", data=data, batch_size=20, micro_batch_size=7, shuffle=False)
+    result = micro.fit(epochs=2)
+    for a, b in zip(whole.model.parameters(), micro.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert result.batch_size == 20 and result.micro_batch_size == 7 and result.steps == 6
+
+
+def test_without_keep_effective_batch_each_micro_batch_is_a_step(tmp_path):
+    t = trainer(tmp_path, data=make_data(n=50), batch_size=20, micro_batch_size=8, keep_effective_batch=False)
+    result = t.fit(epochs=1)
+    # batches of 20, 20, 10 -> chunks of 8, 8, 4, 8, 8, 4, 8, 2
+    assert result.steps == 8 and result.samples_seen == 50 and result.batch_size == 8
+
+
+def test_shuffled_order_depends_only_on_seed_and_epoch(tmp_path):
+    a = trainer(tmp_path / "a", seed=3)
+    b = trainer(tmp_path / "b", seed=3)
+    a.fit(epochs=2)
+    b.fit(epochs=2)
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(p, q)
+    c = trainer(tmp_path / "c", seed=4)
+    c.fit(epochs=1)
+    assert not torch.equal(next(iter(c.model.parameters())), next(iter(a.model.parameters())))
+
+
+def test_step_fn_with_dict_batches(tmp_path):
+    class Dicts(Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return {"x": torch.full((8,), float(i)), "y": torch.tensor(i % 3), "name": f"s{i}"}
+
+    seen = []
+
+    def step(model, micro):
+        seen.extend(micro["name"])
+        return nn.functional.cross_entropy(model(micro["x"]), micro["y"])
+
+    result = trainer(tmp_path, data=Dicts(), loss_fn=None, step_fn=step, batch_size=4, micro_batch_size=3).fit()
+    assert sorted(seen) == sorted(f"s{i}" for i in range(10)) and result.samples_seen == 10
+
+
+def test_dataloader_batch_size_is_the_batch(tmp_path):
+    loader = DataLoader(make_data(n=30), batch_size=10)
+    result = trainer(tmp_path, data=loader, batch_size=999).fit()
+    assert result.batch_size == 10 and result.steps == 3
+
+
+def test_max_steps_stops_early(tmp_path):
+    result = trainer(tmp_path, batch_size=8).fit(epochs=3, max_steps=5)
+    assert result.steps == 5 and result.samples_seen == 40 and result.epochs == 0
+
+
+def test_journal_records_the_run(tmp_path):
+    trainer(tmp_path, batch_size=16).fit(epochs=2)
+    kinds = [r["kind"] for r in journal(tmp_path / "run")]
+    assert kinds[0] == "fit_start" and kinds[-1] == "fit_end" and kinds.count("epoch_end") == 2
+    for record in journal(tmp_path / "run"):
+        assert {"time", "kind", "step", "epoch"} <= set(record)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"batch_size": 0}, ValueError, "batch_size"),
+    ({"batch_size": 4, "micro_batch_size": 8}, ValueError, "cannot exceed"),
+    ({"micro_batch_size": 0}, ValueError, "micro_batch_size"),
+    ({"loss_fn": None}, ValueError, "loss_fn"),
+    ({"step_fn": lambda m, b: m(b).sum()}, ValueError, "exactly one"),
+    ({"device": "tpu:7"}, ValueError, "device"),
+    ({"device": "banana"}, ValueError, "unknown device"),
+    ({"policies": "no-such-preset"}, ValueError, "unknown preset 'no-such-preset'; choices: conservative, default"),
+    ({"optimizer": 3}, TypeError, "optimizer"),
+])
+def test_bad_input_is_a_clear_error(tmp_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        trainer(tmp_path, **kwargs)
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        trainer(tmp_path, device="cuda")
+
+
+def test_empty_dataset_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        trainer(tmp_path, data=TensorDataset(torch.zeros(0, 8), torch.zeros(0)))
+
+
+def test_optimizer_over_other_parameters_is_an_error(tmp_path):
+    other = make_model(seed=1)
+    with pytest.raises(ValueError, match="not the model's"):
+        trainer(tmp_path, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_wrong_sample_layout_for_loss_fn_is_an_error(tmp_path):
+    class Triples(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.zeros(8), 0, "extra"
+
+    with pytest.raises(TypeError, match=r"\(inputs, targets\)"):
+        trainer(tmp_path, data=Triples())
+
+
+def test_non_oom_errors_propagate_untouched(tmp_path):
+    def broken(model, batch):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    t = trainer(tmp_path, loss_fn=None, step_fn=broken)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        t.fit()
+    assert not [r for r in journal(tmp_path / "run") if r["kind"] == "oom"]
