@@ -52,6 +52,13 @@ from autotune.snapshot import Snapshot, StepTiming
 from autotune.data.sampler import EpochSampler
 from autotune.units import format_bytes
 
+class _ProgressBar(tqdm):
+    # tqdm's monitor thread is started on the first bar; under a hard memory cap a thread
+    # whose stack cannot be mapped makes Thread.start() wait forever. The bar refreshes on
+    # every update anyway, so the monitor is not needed.
+    monitor_interval = 0
+
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -252,7 +259,7 @@ class AutoTrainer:
         logger.info(f"training on {self.device}: batch {self.knobs.batch_size}, micro-batch "
                     f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
         self._fire(Event.FIT_START)
-        bar = tqdm(total=self._planned_batches(epochs, max_steps), disable=not self.progress,
+        bar = _ProgressBar(total=self._planned_batches(epochs, max_steps), disable=not self.progress,
                    unit="batch", dynamic_ncols=True)
         epoch_loss = None
         try:
@@ -274,7 +281,7 @@ class AutoTrainer:
         self._fire(Event.FIT_END)
         return result
 
-    def _train_epoch(self, bar: tqdm, first_step: int, max_steps: int | None) -> float | None:
+    def _train_epoch(self, bar: _ProgressBar, first_step: int, max_steps: int | None) -> float | None:
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
         elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):

@@ -21,12 +21,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_python(script: str, tmp_path: Path, timeout: float = 240) -> tuple[subprocess.CompletedProcess, dict | None]:
+def run_python(script: str, tmp_path: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess, dict | None]:
     """Run `script` in a fresh interpreter. The script gets `OUT` (a path) and may write a JSON
     result there with `save(obj)`; returns the process and the parsed result (None if absent)."""
     out = tmp_path / "result.json"
     preamble = textwrap.dedent(f"""
-        import json, sys
+        import faulthandler, json, sys
+        faulthandler.dump_traceback_later({timeout - 10}, exit=True)  # a hang shows where it is
         OUT = {str(out)!r}
         def save(obj):
             with open(OUT, "w") as f:
