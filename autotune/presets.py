@@ -98,7 +98,10 @@ def build_policy(spec: dict[str, Any], where: str = "policy") -> Policy:
     use = spec.pop("use", None)
     if not isinstance(use, str):
         raise PresetError(f"{where}: missing 'use = \"policy_name\"'")
-    cls = resolve_policy(use)
+    try:
+        cls = resolve_policy(use)
+    except PresetError as exc:
+        raise PresetError(f"{where}: {exc}") from exc
     where = f"{where} ({use})"
     params = policy_parameters(cls)
     for key, value in spec.items():

@@ -1,0 +1,40 @@
+import pytest
+
+from autotune.actions import SetMicroBatch
+from autotune.events import Event
+from autotune.policies import HalveOnOOM
+from autotune.snapshot import Snapshot
+
+
+def oom_at(size, batch=64):
+    return Snapshot(step=3, epoch=0, batch_size=batch, micro_batch_size=size, device="cpu", failed_micro_batch=size)
+
+
+def test_halves_the_failing_size():
+    (action,) = HalveOnOOM().decide(Event.OOM, oom_at(64))
+    assert isinstance(action, SetMicroBatch) and action.size == 32 and "64" in action.reason
+
+
+def test_odd_sizes_round_down_and_stop_at_the_minimum():
+    policy = HalveOnOOM(min_micro_batch=4)
+    assert policy.decide(Event.OOM, oom_at(9))[0].size == 4
+    assert policy.decide(Event.OOM, oom_at(5))[0].size == 4
+    assert policy.decide(Event.OOM, oom_at(4)) == []
+
+
+def test_gives_up_at_one():
+    assert HalveOnOOM().decide(Event.OOM, oom_at(1)) == []
+
+
+def test_remembers_the_smallest_failing_size_across_checkpoints():
+    policy = HalveOnOOM()
+    policy.decide(Event.OOM, oom_at(64))
+    policy.decide(Event.OOM, oom_at(32))
+    restored = HalveOnOOM()
+    restored.load_state_dict(policy.state_dict())
+    assert restored.ceiling == 32
+
+
+def test_rejects_a_bad_minimum():
+    with pytest.raises(ValueError, match="min_micro_batch"):
+        HalveOnOOM(min_micro_batch=0)

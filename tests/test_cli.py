@@ -1,0 +1,43 @@
+import subprocess
+import sys
+
+from autotune.cli import main
+from tests.conftest import journal
+
+
+def test_policies_lists_builtins_with_parameters(capsys):
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    assert "halve_on_oom: " in out and "min_micro_batch = 1" in out and "presets: conservative, default" in out
+
+
+def test_policies_check_accepts_a_good_preset(tmp_path, capsys):
+    path = tmp_path / "mine.toml"
+    path.write_text('[[policy]]\nuse = "halve_on_oom"\n')
+    assert main(["policies", "--check", str(path)]) == 0
+    assert "OK (halve_on_oom)" in capsys.readouterr().out
+
+
+def test_a_bad_preset_is_one_clear_line_not_a_traceback(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[[policy]]\nuse = "halve_on_oom"\nmin_micro = 2\n')
+    proc = subprocess.run([sys.executable, "-m", "autotune.cli", "policies", "--check", str(path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert f"{path}: policy #1 (halve_on_oom): unknown key 'min_micro'" in proc.stderr
+
+
+def test_demo_survives_its_ooms_and_says_so(tmp_path):
+    # A small version of `make demo`: ResNet-18 under its own RLIMIT_AS, starting too big.
+    run_dir = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", "demo", "--samples", "256", "--batch-size", "256", "--epochs", "1",
+         "--budget-mib", "240", "--run-dir", str(run_dir), "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "OOMs survived" in proc.stdout and "samples trained     256" in proc.stdout
+    records = journal(run_dir)
+    assert any(r["kind"] == "oom" for r in records)
+    assert any(r["kind"] == "action" and r["action"] == "set_micro_batch" and r["applied"] for r in records)

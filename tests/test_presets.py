@@ -1,0 +1,82 @@
+import inspect
+
+import pytest
+
+from autotune.policies import BUILTIN_POLICIES, HalveOnOOM
+from autotune.presets import PRESET_DIR, PresetError, load_preset, policy_parameters, resolve_policies
+
+
+def write(tmp_path, text):
+    path = tmp_path / "preset.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_presets_load():
+    for name in ("default", "conservative"):
+        policies = resolve_policies(name)
+        assert [p.name for p in policies] == ["halve_on_oom"]
+
+
+def test_the_repository_policies_folder_is_the_shipped_presets():
+    from pathlib import Path
+
+    repo_presets = Path(__file__).parents[1] / "policies"
+    assert sorted(p.name for p in repo_presets.glob("*.toml")) == sorted(p.name for p in PRESET_DIR.glob("*.toml"))
+
+
+def test_defaults_in_code_and_default_toml_agree():
+    for policy in resolve_policies("default"):
+        code_defaults = {k: v for k, v in policy_parameters(type(policy)).items() if v is not inspect.Parameter.empty}
+        for key, value in code_defaults.items():
+            assert getattr(policy, key) == value, f"{policy.name}.{key}: default.toml says {getattr(policy, key)!r}, code says {value!r}"
+
+
+def test_a_preset_by_path(tmp_path):
+    path = write(tmp_path, '[[policy]]\nuse = "halve_on_oom"\nmin_micro_batch = 4\n')
+    (policy,) = resolve_policies(str(path))
+    assert isinstance(policy, HalveOnOOM) and policy.min_micro_batch == 4
+
+
+def test_a_policy_by_module_path(tmp_path):
+    path = write(tmp_path, '[[policy]]\nuse = "autotune.policies.halve_on_oom:HalveOnOOM"\n')
+    assert isinstance(resolve_policies(path)[0], HalveOnOOM)
+
+
+def test_policy_objects_pass_through():
+    policy = HalveOnOOM(min_micro_batch=2)
+    assert resolve_policies([policy]) == [policy]
+    with pytest.raises(TypeError, match="Policy interface"):
+        resolve_policies([object()])
+
+
+@pytest.mark.parametrize("text, match", [
+    ('[[policy]]\nuse = "halve_on_oomm"\n', r"unknown policy 'halve_on_oomm'; choices: .*halve_on_oom"),
+    ('[[policy]]\nuse = "halve_on_oom"\nmin_microbatch = 2\n', r"policy #1 \(halve_on_oom\): unknown key 'min_microbatch'; choices: min_micro_batch"),
+    ('[[policy]]\nuse = "halve_on_oom"\nmin_micro_batch = "two"\n', r"min_micro_batch = 'two' must be int"),
+    ('[[policy]]\nuse = "halve_on_oom"\nmin_micro_batch = 0\n', r"min_micro_batch must be an integer >= 1"),
+    ('[[policy]]\nmin_micro_batch = 2\n', r"missing 'use"),
+    ('[[polcy]]\nuse = "halve_on_oom"\n', r"unknown top-level key\(s\) polcy"),
+    ('[[policy]\nuse = ', r"not valid TOML"),
+    ('[[policy]]\nuse = "no.such.module:Thing"\n', r"cannot load policy 'no.such.module:Thing'"),
+])
+def test_bad_presets_name_the_problem(tmp_path, text, match):
+    path = write(tmp_path, text)
+    with pytest.raises(PresetError, match=match) as info:
+        load_preset(path)
+    assert str(path) in str(info.value)
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(PresetError, match="unknown preset 'fast'; choices: conservative, default"):
+        resolve_policies("fast")
+
+
+def test_missing_preset_file_is_an_error(tmp_path):
+    with pytest.raises(PresetError, match="does not exist"):
+        resolve_policies(str(tmp_path / "nope.toml"))
+
+
+def test_every_builtin_is_listed_by_its_name():
+    for name, cls in BUILTIN_POLICIES.items():
+        assert cls.name == name

@@ -1,0 +1,42 @@
+"""CUDA only (run by `make gpu-check`): a real CUDA OOM under a per-process memory fraction, recovered."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from autotune import AutoTrainer
+from tests.conftest import journal
+
+pytestmark = pytest.mark.gpu
+
+
+def test_real_cuda_oom_is_recovered_with_the_same_weights(tmp_path):
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(2048, 256, generator=g), torch.randint(0, 8, (2048,), generator=g))
+
+    def run(name, cap_bytes):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 32768), nn.ReLU(), nn.Linear(32768, 8))
+        trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=2048,
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device=device,
+                              run_dir=tmp_path / name, progress=False)
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap_bytes / total if cap_bytes else 1.0, device)
+        try:
+            result = trainer.fit(epochs=2)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        return result, {k: v.cpu() for k, v in model.state_dict().items()}
+
+    free, free_weights = run("free", None)
+    # activations at 2048 x 32768 floats are 256 MiB each; leave room for ~1/4 of the batch
+    base = torch.cuda.memory_allocated(device)
+    capped, capped_weights = run("capped", base + 400 * 2**20)
+    assert free.ooms == 0 and capped.ooms >= 1 and capped.micro_batch_size < 2048
+    assert capped.samples_seen == free.samples_seen == 4096
+    assert any(r["kind"] == "oom" and r["device"].startswith("cuda") for r in journal(tmp_path / "capped"))
+    for key in free_weights:
+        torch.testing.assert_close(free_weights[key], capped_weights[key], rtol=1e-4, atol=1e-5)
