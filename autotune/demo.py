@@ -21,7 +21,7 @@ import torch
 from loguru import logger
 from torch import nn
 
-from autotune.limits import cap_address_space, cap_cuda_memory
+from autotune.limits import cap_address_space, cap_cuda_memory, single_malloc_arena
 from autotune.trainer import AutoTrainer, resolve_device
 from autotune.units import format_bytes
 
@@ -46,6 +46,8 @@ def _dataset(data_dir: str | None, samples: int):
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo with parsed CLI arguments; returns the exit code."""
     device = resolve_device(args.device)
+    if device.type == "cpu":
+        single_malloc_arena()  # before any thread allocates: makes what fits repeatable
     import torchvision
 
     torch.manual_seed(args.seed)

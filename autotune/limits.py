@@ -8,16 +8,30 @@ relative to the virtual size *after* a warm-up step.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import resource
 
 import torch
 
+from autotune.memory import load_libc
 from autotune.monitor.host import virtual_bytes
 
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
+_M_ARENA_MAX = -8
+
+
+def single_malloc_arena() -> None:
+    """Make every thread allocate from glibc's main arena. Call it before threads start
+    allocating (before the first parallel torch op), or set MALLOC_ARENA_MAX=1.
+
+    When an allocation is refused under RLIMIT_AS, glibc may fall back to reserving a new
+    64 MiB heap for a thread's arena; such reservations count against the cap, and
+    malloc_trim cannot release them. With one arena the failed attempt leaves nothing
+    behind, so the micro-batch that fits is the same on every run.
+    """
+    libc = load_libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(_M_ARENA_MAX, 1)
 
 
 def _fix_mmap_threshold(threshold: int = 128 * 1024) -> None:
@@ -25,8 +39,7 @@ def _fix_mmap_threshold(threshold: int = 128 * 1024) -> None:
     # come from the heap and freed ones may stay mapped: virtual size then drifts up with
     # fragmentation and the same batch fails later in the run. A fixed threshold sends
     # every big block to mmap and back to the OS on free, so virtual size follows live memory.
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
+    libc = load_libc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)
 

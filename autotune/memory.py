@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import sys
 import time
 
 import torch
@@ -17,18 +18,27 @@ from autotune.monitor.host import describe_host_memory, host_sample
 from autotune.snapshot import AllocatorStats, DeviceSample
 from autotune.units import format_bytes
 
-_libc = None
+_libc: ctypes.CDLL | None | bool = None  # None: not looked up yet; False: not available
+
+
+def load_libc() -> ctypes.CDLL | None:
+    """glibc, loaded once (looking it up can run a subprocess, so do it before any OOM)."""
+    global _libc
+    if _libc is None:
+        name = "libc.so.6" if sys.platform.startswith("linux") else ctypes.util.find_library("c")
+        try:
+            _libc = ctypes.CDLL(name) if name else False
+        except OSError:
+            _libc = False
+    return _libc or None
 
 
 def _malloc_trim() -> None:
     # glibc keeps freed heap pages; malloc_trim(0) hands them back to the OS, the CPU
-    # analogue of empty_cache. Not available outside glibc: then there is nothing to do.
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        _libc = ctypes.CDLL(name) if name else False
-    if _libc and hasattr(_libc, "malloc_trim"):
-        _libc.malloc_trim(0)
+    # analogue of empty_cache. Outside glibc there is nothing to do.
+    libc = load_libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def free_memory(device: torch.device) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -33,8 +34,11 @@ def run_python(script: str, tmp_path: Path, timeout: float = 120) -> tuple[subpr
             with open(OUT, "w") as f:
                 json.dump(obj, f)
     """)
+    # One malloc arena: a refused allocation then leaves no reserved heap behind, so what
+    # fits under the cap is the same on every run (see autotune.limits.single_malloc_arena).
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1"}
     proc = subprocess.run([sys.executable, "-c", preamble + textwrap.dedent(script)], capture_output=True,
-                          text=True, timeout=timeout, cwd=tmp_path)
+                          text=True, timeout=timeout, cwd=tmp_path, env=env)
     result = json.loads(out.read_text()) if out.exists() else None
     return proc, result
 
