@@ -1,0 +1,27 @@
+"""The examples in examples/ run as documented."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def run(script, tmp_path):
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_custom_policy_example_journals_its_actions(tmp_path):
+    out = run("custom_policy.py", tmp_path)
+    assert "done: 2048 samples" in out
+    (journal,) = (tmp_path / "runs").glob("*/events.jsonl")
+    actions = [json.loads(line) for line in journal.read_text().splitlines() if '"action"' in line]
+    assert [a["policy"] for a in actions] == ["empty_cache_every_epoch"] * 2 and all(a["applied"] for a in actions)
+
+
+def test_torchvision_example_trains(tmp_path):
+    assert "512 samples" in run("torchvision_resnet.py", tmp_path)
