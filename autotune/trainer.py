@@ -274,6 +274,11 @@ class AutoTrainer:
                 epoch_loss = self._train_epoch(bar, first_step, max_steps)
                 if max_steps is not None and self.step - first_step >= max_steps:
                     break
+        except BaseException as exc:
+            # On the record before it propagates, so a crashed run's journal says why it ended.
+            self.journal.write("fit_failed", self.step, self.epoch, error=f"{type(exc).__name__}: {exc}"[:500],
+                               samples_seen=self.samples_seen)
+            raise
         finally:
             bar.close()
             if freeze:
@@ -385,6 +390,9 @@ class AutoTrainer:
     def _loss(self, micro: Any) -> torch.Tensor:
         if self.step_fn is not None:
             return self.step_fn(self.model, micro)
+        if not (isinstance(micro, (tuple, list)) and len(micro) == 2):
+            raise TypeError(f"with loss_fn, each batch must be (inputs, targets); got {type(micro).__name__}: "
+                            "pass step_fn(model, micro_batch) for other layouts")
         inputs, targets = micro
         return self.loss_fn(self.model(inputs), targets)
 

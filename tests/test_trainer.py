@@ -175,3 +175,19 @@ def test_non_oom_errors_propagate_untouched(tmp_path):
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         t.fit()
     assert not [r for r in journal(tmp_path / "run") if r["kind"] == "oom"]
+
+
+def test_a_failed_fit_is_journaled(tmp_path):
+    def broken(model, batch):
+        raise ValueError("user bug")
+
+    with pytest.raises(ValueError):
+        trainer(tmp_path, loss_fn=None, step_fn=broken).fit()
+    last = journal(tmp_path / "run")[-1]
+    assert last["kind"] == "fit_failed" and "ValueError: user bug" in last["error"]
+
+
+def test_dataloader_with_another_layout_and_loss_fn_is_a_clear_error(tmp_path):
+    loader = DataLoader([{"x": torch.zeros(8)} for _ in range(4)], batch_size=2)
+    with pytest.raises(TypeError, match=r"must be \(inputs, targets\); got dict"):
+        trainer(tmp_path, data=loader).fit()
