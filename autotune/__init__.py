@@ -5,22 +5,45 @@
 
 The library logs through loguru but stays quiet unless asked: `logger.enable("autotune")`
 (the `autotune` command line does this).
+
+Names are imported on first use, so that `autotune.monitor` (run in the monitor process
+and by `autotune monitor`) never imports torch.
 """
 
-from loguru import logger
+from __future__ import annotations
 
-from autotune.actions import Action, EmptyCache, SetMicroBatch
-from autotune.events import Event
-from autotune.oom import OutOfMemory, is_oom
-from autotune.policy import Policy
-from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot, StepTiming
-from autotune.trainer import AutoTrainer, FitResult
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from loguru import logger
 
 logger.disable("autotune")
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Action", "AllocatorStats", "AutoTrainer", "DeviceSample", "EmptyCache", "Event", "FitResult",
-    "OutOfMemory", "Policy", "SetMicroBatch", "Snapshot", "StepTiming", "is_oom",
-]
+_EXPORTS = {
+    "Action": "autotune.actions", "EmptyCache": "autotune.actions", "SetMicroBatch": "autotune.actions",
+    "Event": "autotune.events",
+    "OutOfMemory": "autotune.oom", "is_oom": "autotune.oom",
+    "Policy": "autotune.policy",
+    "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
+    "StepTiming": "autotune.snapshot",
+    "AutoTrainer": "autotune.trainer", "FitResult": "autotune.trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'autotune' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from autotune.actions import Action, EmptyCache, SetMicroBatch
+    from autotune.events import Event
+    from autotune.oom import OutOfMemory, is_oom
+    from autotune.policy import Policy
+    from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot, StepTiming
+    from autotune.trainer import AutoTrainer, FitResult

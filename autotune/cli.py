@@ -1,4 +1,4 @@
-"""The `autotune` command line: `autotune demo`, `autotune policies`.
+"""The `autotune` command line: `autotune demo`, `autotune monitor`, `autotune policies`.
 
 Errors a user can fix (a bad preset, an unknown device) are printed as one clear line
 with exit code 2, not as a traceback.
@@ -17,6 +17,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from autotune.demo import run_demo
 
     return run_demo(args)
+
+
+def _cmd_monitor(args: argparse.Namespace) -> int:
+    from autotune.monitor.daemon import run_daemon
+
+    return run_daemon(args)
 
 
 def _cmd_policies(args: argparse.Namespace) -> int:
@@ -39,6 +45,7 @@ def _cmd_policies(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from autotune.demo import add_arguments as add_demo_arguments
+    from autotune.monitor.daemon import add_arguments as add_monitor_arguments
 
     parser = argparse.ArgumentParser(prog="autotune", description="Keep PyTorch training alive under memory limits.")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
@@ -46,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a torchvision model under a memory cap that forces OOMs")
     add_demo_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
+    monitor = sub.add_parser("monitor", help="watch GPU (or host) memory: live view, JSONL, Prometheus")
+    add_monitor_arguments(monitor)
+    monitor.set_defaults(func=_cmd_monitor)
     policies = sub.add_parser("policies", help="list the available policies and presets")
     policies.add_argument("--check", metavar="FILE.toml", help="validate a preset file")
     policies.set_defaults(func=_cmd_policies)

@@ -17,16 +17,13 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
 from loguru import logger
-from torch import nn
 
-from autotune.limits import cap_address_space, cap_cuda_memory, single_malloc_arena
-from autotune.trainer import AutoTrainer, resolve_device
-from autotune.units import format_bytes
+# torch is imported inside the functions: `autotune --help` and `autotune monitor` stay light.
 
 
 def _dataset(data_dir: str | None, samples: int):
+    import torch
     import torchvision
     from torchvision import transforms
 
@@ -45,6 +42,12 @@ def _dataset(data_dir: str | None, samples: int):
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo with parsed CLI arguments; returns the exit code."""
+    from autotune.limits import cap_address_space, cap_cuda_memory, single_malloc_arena
+    from autotune.trainer import AutoTrainer, resolve_device
+    from autotune.units import format_bytes
+    import torch
+    from torch import nn
+
     device = resolve_device(args.device)
     if device.type == "cpu":
         single_malloc_arena()  # before any thread allocates: makes what fits repeatable

@@ -59,6 +59,14 @@ def device_sample(device: torch.device, soft_cap_bytes: int | None = None) -> De
     return host_sample(soft_cap_bytes)
 
 
+def cuda_uuid(device: torch.device) -> str | None:
+    """The UUID of a CUDA device, for finding it in NVML (indexes differ under
+    CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER); None for other devices."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def allocator_stats(device: torch.device, reset_peak: bool = True) -> AllocatorStats | None:
     """The CUDA caching allocator's figures since the last reset; None on other devices."""
     if device.type != "cuda":

@@ -27,6 +27,7 @@ sample not yet stepped on. Either way no sample is skipped or repeated.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import gc
@@ -45,11 +46,13 @@ from autotune.dispatch import Dispatcher
 from autotune.events import Event
 from autotune.journal import Journal
 from autotune.knobs import Knobs
-from autotune.memory import allocator_stats, describe_memory, device_sample, free_memory, load_libc
+from autotune.detectors import MemoryDetector
+from autotune.memory import allocator_stats, cuda_uuid, describe_memory, device_sample, free_memory, load_libc
+from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL, MonitorProcess
 from autotune.oom import OutOfMemory, is_oom
 from autotune.policy import Policy
 from autotune.presets import resolve_policies
-from autotune.snapshot import Snapshot, StepTiming
+from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot, StepTiming
 from autotune.data.sampler import EpochSampler
 from autotune.units import format_bytes
 
@@ -139,6 +142,9 @@ class AutoTrainer:
         split_fn: `split_fn(batch, size) -> list of micro-batches` for batch types the
             built-in splitter does not know.
         progress: show a tqdm bar with loss, micro-batch and memory.
+        monitor: sample memory in a background process (run_dir/samples.jsonl) and turn
+            it into MEMORY_HIGH / MEMORY_PRESSURE events; False turns it off.
+        monitor_interval: seconds between memory samples (0.05 to 10).
     """
 
     def __init__(
@@ -161,6 +167,8 @@ class AutoTrainer:
         collate_fn: Callable[[list], Any] | None = None,
         split_fn: SplitFn | None = None,
         progress: bool = True,
+        monitor: bool = True,
+        monitor_interval: float = 0.5,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -173,6 +181,14 @@ class AutoTrainer:
         self.split_fn = split_fn
         self.keep_effective_batch = keep_effective_batch
         self.progress = progress
+        if monitor and not MIN_INTERVAL <= monitor_interval <= MAX_INTERVAL:
+            raise ValueError(f"monitor_interval must be between {MIN_INTERVAL} and {MAX_INTERVAL} s, got {monitor_interval!r}")
+        self.monitor_enabled = monitor
+        self.monitor_interval = monitor_interval
+        self.monitor: MonitorProcess | None = None
+        self.detector = MemoryDetector()
+        self._window: collections.deque[DeviceSample] = collections.deque(maxlen=20)
+        self._allocator: AllocatorStats | None = None
 
         self.sampler: EpochSampler | None = None
         self.loader = self._make_loader(dataset, batch_size, shuffle, seed, num_workers, collate_fn)
@@ -259,6 +275,7 @@ class AutoTrainer:
                            policies=[p.name for p in self.dispatcher.policies])
         logger.info(f"training on {self.device}: batch {self.knobs.batch_size}, micro-batch "
                     f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
+        self._start_monitor()
         self._fire(Event.FIT_START)
         bar = _ProgressBar(total=self._planned_batches(epochs, max_steps), disable=not self.progress,
                    unit="batch", dynamic_ncols=True)
@@ -283,6 +300,7 @@ class AutoTrainer:
             bar.close()
             if freeze:
                 gc.unfreeze()
+            self._stop_monitor()
         wall = time.perf_counter() - started
         result = FitResult(
             samples_seen=self.samples_seen, steps=self.step, epochs=self.epoch,
@@ -319,9 +337,11 @@ class AutoTrainer:
             step_end = time.perf_counter()
             loss_sum += batch_loss
             loss_samples += n
+            self._allocator = allocator_stats(self.device)  # one memory_stats() call a step (CUDA)
             self._fire(Event.BATCH_END, timing=StepTiming(step_seconds=step_end - wait_start,
                                                           data_wait_seconds=step_start - wait_start,
                                                           retries=retries))
+            self._watch_memory()
             bar.update(1)
             if self.progress and step_end - last_shown > 0.5:
                 last_shown = step_end
@@ -448,10 +468,59 @@ class AutoTrainer:
             step=self.step, epoch=self.epoch, batch_size=self.knobs.batch_size,
             micro_batch_size=self.knobs.micro_batch_size, device=str(self.device),
             keep_effective_batch=self.keep_effective_batch, failed_micro_batch=failed_micro_batch,
-            ooms=self.ooms, sample=device_sample(self.device, self.knobs.memory_cap_bytes),
-            allocator=allocator_stats(self.device), timing=timing,
+            ooms=self.ooms, sample=self._latest_sample(fresh=event is Event.OOM), window=tuple(self._window),
+            allocator=self._allocator, timing=timing,
         )
         self.dispatcher.fire(event, snap)
+
+    # ----------------------------------------------------------------------------- the monitor
+    def _start_monitor(self) -> None:
+        if not self.monitor_enabled or self.monitor is not None:
+            return
+        self.monitor = MonitorProcess(self.run_dir, interval=self.monitor_interval,
+                                      gpu_uuid=cuda_uuid(self.device), cap_bytes=self.knobs.memory_cap_bytes)
+        self.monitor.start()
+        self.journal.write("monitor_start", self.step, self.epoch, pid=self.monitor.pid, interval=self.monitor_interval)
+
+    def _stop_monitor(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+
+    def _watch_memory(self) -> None:
+        """Between steps: take the monitor's newest sample (microseconds, never blocks), keep
+        the monitor alive, and fire what the detectors see."""
+        events = []
+        if self.monitor is not None:
+            got = self.monitor.latest()
+            if got is not None:
+                self._window.append(got[0])
+                events += self.detector.on_sample(got[0])
+            elif not self.monitor.alive():
+                self._monitor_died()
+        events += self.detector.on_step(self._allocator, self._window[-1] if self._window else None)
+        for event in events:
+            self._fire(event, force=True)
+
+    def _monitor_died(self) -> None:
+        # Training goes on without it; the journal and the log say so.
+        code = self.monitor.returncode
+        restarted = self.monitor.restart()
+        self.journal.write("monitor_restart" if restarted else "monitor_gave_up", self.step, self.epoch,
+                           returncode=code, restarts=self.monitor.restarts, pid=self.monitor.pid)
+        if restarted:
+            logger.warning(f"the monitor process exited (code {code}); restarted it ({self.monitor.restarts}/"
+                           f"{self.monitor.max_restarts})")
+        else:
+            logger.error(f"the monitor process exited (code {code}) and its restarts are spent; training "
+                         "goes on without memory samples")
+            self._stop_monitor()
+
+    def _latest_sample(self, fresh: bool = False) -> DeviceSample | None:
+        # A fresh in-process reading where the moment matters (an OOM) or when no monitor runs.
+        if fresh or not self._window:
+            return device_sample(self.device, self.knobs.memory_cap_bytes)
+        return self._window[-1]
 
     def _warm_up_oom_path(self) -> None:
         # Under a hard memory cap anything may fail to allocate, including a lazy import

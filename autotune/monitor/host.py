@@ -1,9 +1,10 @@
-"""Host memory figures: the training process (and its children), cgroup, rlimit, MemAvailable.
+"""Host memory figures: a process (and its children), cgroup, rlimit, MemAvailable.
 
 Every reader returns None when its figure is not available on this machine, never raises.
+The figures can be read for another process (the monitor process reads the trainer's).
 The effective CPU cap is the one with the least headroom left, because that is the one
 that will fail first: RLIMIT_AS counts virtual size, a cgroup counts the group's charged
-memory, and the host as a whole has MemAvailable left.
+memory, a user cap counts resident memory, and the host as a whole has MemAvailable left.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import psutil
 from autotune.snapshot import DeviceSample
 from autotune.units import format_bytes
 
-_CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def _read_int(path: Path) -> int | None:
@@ -35,13 +36,25 @@ def _read_int(path: Path) -> int | None:
     return value if value < 2**60 else None
 
 
-def rss_bytes(pid: int | None = None, children: bool = True) -> int | None:
-    """Resident memory of the process, plus its children (DataLoader workers) by default."""
+def _process(pid: int | None) -> psutil.Process | None:
     try:
-        proc = psutil.Process(pid)
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def rss_bytes(pid: int | None = None, children: bool = True, exclude: int | None = None) -> int | None:
+    """Resident memory of the process, plus its children (DataLoader workers) by default,
+    leaving out the child `exclude` (the monitor process does not count itself)."""
+    proc = _process(pid)
+    if proc is None:
+        return None
+    try:
         total = proc.memory_info().rss
         if children:
             for child in proc.children(recursive=True):
+                if child.pid == exclude:
+                    continue
                 try:
                     total += child.memory_info().rss
                 except psutil.Error:
@@ -51,39 +64,53 @@ def rss_bytes(pid: int | None = None, children: bool = True) -> int | None:
         return None
 
 
-def virtual_bytes() -> int | None:
-    """Virtual size of this process: what RLIMIT_AS is measured against."""
+def virtual_bytes(pid: int | None = None) -> int | None:
+    """Virtual size of the process: what RLIMIT_AS is measured against."""
+    proc = _process(pid)
     try:
-        return psutil.Process().memory_info().vms
+        return proc.memory_info().vms if proc is not None else None
     except psutil.Error:
         return None
 
 
-def rlimit_as_bytes() -> int | None:
-    """The soft RLIMIT_AS of this process, None when unlimited."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
-    return None if soft == resource.RLIM_INFINITY else soft
-
-
-def cgroup_memory() -> tuple[int | None, int | None]:
-    """(current, max) of this process's memory cgroup: v2 first, then v1; None where unknown."""
+def rlimit_as_bytes(pid: int | None = None) -> int | None:
+    """The soft RLIMIT_AS of the process, None when unlimited or unreadable."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        if pid is None:
+            soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+        else:
+            soft, _hard = psutil.Process(pid).rlimit(psutil.RLIMIT_AS)
+    except (psutil.Error, OSError, AttributeError):
+        return None
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
+
+
+def parse_proc_cgroup(text: str, root: Path = CGROUP_ROOT) -> tuple[Path, Path] | None:
+    """From /proc/PID/cgroup, the files holding (current, max) memory: v2 first, then v1."""
+    lines = [line.split(":", 2) for line in text.splitlines() if line.count(":") >= 2]
+    for hierarchy, controllers, path in lines:
+        if hierarchy == "0" and controllers == "":  # cgroup v2: one unified hierarchy
+            base = root / path.lstrip("/")
+            return base / "memory.current", base / "memory.max"
+    for _, controllers, path in lines:
+        if "memory" in controllers.split(","):  # cgroup v1
+            base = root / "memory" / path.lstrip("/")
+            if not base.exists():  # inside a container the group is mounted at the root
+                base = root / "memory"
+            return base / "memory.usage_in_bytes", base / "memory.limit_in_bytes"
+    return None
+
+
+def cgroup_memory(pid: int | None = None, root: Path = CGROUP_ROOT) -> tuple[int | None, int | None]:
+    """(current, max) of the process's memory cgroup; None where unknown or unlimited."""
+    try:
+        text = Path(f"/proc/{pid or 'self'}/cgroup").read_text()
     except OSError:
         return None, None
-    for line in lines:
-        hierarchy, controllers, path = line.split(":", 2)
-        if hierarchy == "0" and controllers == "":  # cgroup v2
-            base = _CGROUP_ROOT / path.lstrip("/")
-            return _read_int(base / "memory.current"), _read_int(base / "memory.max")
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):  # cgroup v1
-            base = _CGROUP_ROOT / "memory" / path.lstrip("/")
-            if not base.exists():
-                base = _CGROUP_ROOT / "memory"
-            return _read_int(base / "memory.usage_in_bytes"), _read_int(base / "memory.limit_in_bytes")
-    return None, None
+    files = parse_proc_cgroup(text, root)
+    if files is None:
+        return None, None
+    return _read_int(files[0]), _read_int(files[1])
 
 
 def mem_available_bytes() -> int | None:
@@ -94,18 +121,18 @@ def mem_available_bytes() -> int | None:
         return None
 
 
-def host_sample(soft_cap_bytes: int | None = None) -> DeviceSample:
-    """One reading of the tightest CPU memory limit: `used` against `cap`, and which one it is.
+def host_sample(soft_cap_bytes: int | None = None, pid: int | None = None, rss: int | None = None) -> DeviceSample:
+    """One reading of the tightest CPU memory limit for process `pid` (default: this one).
 
     `soft_cap_bytes` is a user cap on the resident size of the process and its children.
+    `rss` may pass a recent `rss_bytes(pid)` to save walking the process tree again.
     """
-    rss = rss_bytes()
+    rss = rss_bytes(pid) if rss is None else rss
     candidates: list[tuple[int, int, str]] = []  # (used, cap, source)
-    limit = rlimit_as_bytes()
-    vms = virtual_bytes()
+    limit, vms = rlimit_as_bytes(pid), virtual_bytes(pid)
     if limit is not None and vms is not None:
         candidates.append((vms, limit, "rlimit_as"))
-    cg_current, cg_max = cgroup_memory()
+    cg_current, cg_max = cgroup_memory(pid)
     if cg_current is not None and cg_max is not None:
         candidates.append((cg_current, cg_max, "cgroup"))
     if soft_cap_bytes is not None and rss is not None:
@@ -113,27 +140,29 @@ def host_sample(soft_cap_bytes: int | None = None) -> DeviceSample:
     available = mem_available_bytes()
     if available is not None and rss is not None:
         candidates.append((rss, rss + available, "host"))
-    total = psutil.virtual_memory().total
+    try:
+        total = psutil.virtual_memory().total
+    except (psutil.Error, OSError):
+        total = None
     if not candidates:
         return DeviceSample(time=time.time(), used_bytes=rss, total_bytes=total, source="host")
     used, cap, source = min(candidates, key=lambda c: c[1] - c[0])
     return DeviceSample(time=time.time(), used_bytes=used, cap_bytes=cap, total_bytes=total, source=source)
 
 
-def describe_host_memory() -> str:
+def describe_host_memory(pid: int | None = None) -> str:
     """A one-line account of the host figures, for error messages."""
     parts = []
-    rss = rss_bytes()
+    rss = rss_bytes(pid)
     if rss is not None:
         parts.append(f"rss {format_bytes(rss)} (with children)")
-    vms, limit = virtual_bytes(), rlimit_as_bytes()
+    limit = rlimit_as_bytes(pid)
     if limit is not None:
-        parts.append(f"virtual {format_bytes(vms)} of RLIMIT_AS {format_bytes(limit)}")
-    cg_current, cg_max = cgroup_memory()
+        parts.append(f"virtual {format_bytes(virtual_bytes(pid))} of RLIMIT_AS {format_bytes(limit)}")
+    cg_current, cg_max = cgroup_memory(pid)
     if cg_max is not None:
         parts.append(f"cgroup {format_bytes(cg_current)} of {format_bytes(cg_max)}")
     available = mem_available_bytes()
     if available is not None:
         parts.append(f"host MemAvailable {format_bytes(available)}")
     return ", ".join(parts) or "host memory figures not available"
-

@@ -1,0 +1,77 @@
+"""Turn memory samples and allocator figures into events, with hysteresis.
+
+MEMORY_HIGH      used/cap has stayed at or above `high` for `confirm` samples in a row. It
+                 fires on entering that state and again every `repeat` samples while it
+                 lasts (so "it persists" is visible to policies); it re-arms only after
+                 used/cap falls below `low`, so a value hovering at the line does not chatter.
+MEMORY_PRESSURE  the allocator struggled in the last step: new `num_alloc_retries` (the
+                 CUDA caching allocator freed its cache and retried: an OOM narrowly
+                 avoided), or memory is high while much of what is reserved is not
+                 allocated (fragmentation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autotune.events import Event
+from autotune.snapshot import AllocatorStats, DeviceSample
+
+
+@dataclasses.dataclass
+class MemoryDetector:
+    """MEMORY_HIGH with hysteresis from device samples; MEMORY_PRESSURE from allocator stats."""
+
+    high: float = 0.90
+    low: float = 0.80
+    confirm: int = 2
+    repeat: int = 20
+    fragmentation: float = 0.25  # unallocated share of reserved memory that counts as fragmented
+
+    _streak: int = dataclasses.field(default=0, init=False)
+    _since_fired: int = dataclasses.field(default=0, init=False)
+    _is_high: bool = dataclasses.field(default=False, init=False)
+    _last_retries: int | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low < self.high <= 1:
+            raise ValueError(f"detector thresholds need 0 < low < high <= 1, got low={self.low}, high={self.high}")
+
+    @property
+    def is_high(self) -> bool:
+        return self._is_high
+
+    def on_sample(self, sample: DeviceSample) -> list[Event]:
+        """Feed one new sample; returns [Event.MEMORY_HIGH] when it should fire."""
+        fraction = sample.used_fraction
+        if fraction is None:
+            return []
+        if fraction < self.low:
+            self._streak, self._is_high = 0, False
+            return []
+        if fraction < self.high:
+            self._streak = 0
+            return []
+        self._streak += 1
+        if not self._is_high:
+            if self._streak >= self.confirm:
+                self._is_high, self._since_fired = True, 0
+                return [Event.MEMORY_HIGH]
+            return []
+        self._since_fired += 1
+        if self._since_fired >= self.repeat:
+            self._since_fired = 0
+            return [Event.MEMORY_HIGH]
+        return []
+
+    def on_step(self, stats: AllocatorStats | None, sample: DeviceSample | None) -> list[Event]:
+        """Feed one step's allocator figures; returns [Event.MEMORY_PRESSURE] when it should fire."""
+        if stats is None:
+            return []
+        new_retries = self._last_retries is not None and stats.num_alloc_retries > self._last_retries
+        self._last_retries = stats.num_alloc_retries
+        fraction = sample.used_fraction if sample is not None else None
+        idle = stats.reserved_bytes - stats.allocated_bytes
+        fragmented = (fraction is not None and fraction >= self.high and stats.reserved_bytes > 0
+                      and idle / stats.reserved_bytes >= self.fragmentation)
+        return [Event.MEMORY_PRESSURE] if new_retries or fragmented else []

@@ -1,0 +1,101 @@
+"""The latest sample, shared between the monitor process and the trainer: a seqlock over
+a small memory-mapped file (in /dev/shm when there is one).
+
+The writer makes the sequence number odd, writes the fields, and makes it even again.
+A reader copies the fields between two reads of the sequence number and keeps the copy
+only if both reads are equal and even. A read costs microseconds and never waits: after
+a few torn reads it answers None ("no new figure this time").
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+from autotune.snapshot import DeviceSample
+
+_MAGIC = 0x41544D31  # "ATM1"
+_HEADER = struct.Struct("<IIQ")  # magic, layout version, sequence number
+_PAYLOAD = struct.Struct("<dqqqqQi4x")  # time, used, cap, total, process bytes, samples taken, source
+SIZE = _HEADER.size + _PAYLOAD.size
+SOURCES = ("", "cuda", "nvml", "rlimit_as", "cgroup", "memory_cap", "host")
+_SEQ_OFFSET = 8
+
+
+def _encode(value: int | None) -> int:
+    return -1 if value is None else int(value)
+
+
+def _decode(value: int) -> int | None:
+    return None if value < 0 else value
+
+
+def default_path() -> Path:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"autotune-{os.getpid()}-{os.urandom(4).hex()}.board"
+
+
+class Board:
+    """A seqlocked slot for one `DeviceSample` (plus the process's own bytes)."""
+
+    def __init__(self, path: Path, create: bool = False):
+        self.path = Path(path)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, SIZE)
+            self._map = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        if create:
+            _HEADER.pack_into(self._map, 0, _MAGIC, 1, 0)
+        elif struct.unpack_from("<I", self._map, 0)[0] != _MAGIC:
+            raise ValueError(f"{self.path} is not an autotune sample board")
+        self._seq = struct.unpack_from("<Q", self._map, _SEQ_OFFSET)[0]
+        self._last_read = 0
+
+    # -- the monitor's side
+    def write(self, sample: DeviceSample, process_bytes: int | None, samples_taken: int) -> None:
+        self._seq += 1  # odd: a write is in progress
+        struct.pack_into("<Q", self._map, _SEQ_OFFSET, self._seq)
+        source = SOURCES.index(sample.source) if sample.source in SOURCES else 0
+        _PAYLOAD.pack_into(self._map, _HEADER.size, sample.time, _encode(sample.used_bytes),
+                           _encode(sample.cap_bytes), _encode(sample.total_bytes), _encode(process_bytes),
+                           samples_taken, source)
+        self._seq += 1  # even: consistent again
+        struct.pack_into("<Q", self._map, _SEQ_OFFSET, self._seq)
+
+    # -- the trainer's side
+    def read(self, tries: int = 4) -> tuple[int, DeviceSample, int | None] | None:
+        """(sequence, sample, process bytes), or None if nothing was written yet or every try was torn."""
+        for _ in range(tries):
+            before = struct.unpack_from("<Q", self._map, _SEQ_OFFSET)[0]
+            if before == 0:
+                return None
+            if before % 2:
+                continue
+            fields = _PAYLOAD.unpack_from(self._map, _HEADER.size)
+            if struct.unpack_from("<Q", self._map, _SEQ_OFFSET)[0] != before:
+                continue
+            when, used, cap, total, process, _taken, source = fields
+            sample = DeviceSample(time=when, used_bytes=_decode(used), cap_bytes=_decode(cap),
+                                  total_bytes=_decode(total), source=SOURCES[source] if source < len(SOURCES) else "")
+            return before, sample, _decode(process)
+        return None
+
+    def read_new(self) -> tuple[DeviceSample, int | None] | None:
+        """The sample if it is newer than the last one this reader returned, else None."""
+        got = self.read()
+        if got is None or got[0] == self._last_read:
+            return None
+        self._last_read = got[0]
+        return got[1], got[2]
+
+    def close(self, unlink: bool = False) -> None:
+        self._map.close()
+        if unlink:
+            self.path.unlink(missing_ok=True)

@@ -1,0 +1,242 @@
+"""The background monitor process: samples memory on a schedule and publishes the latest
+figure through a seqlocked board (board.py) and the timeline to `run_dir/samples.jsonl`.
+
+The trainer starts it as a fresh interpreter (`python -m autotune.monitor.process`), the
+spawn way: nothing of the trainer is inherited, not even its `__main__` (multiprocessing's
+spawn would re-import the user's script, and with it torch). It imports neither torch nor
+CUDA; GPU figures come from NVML, which needs no CUDA context.
+
+Jobs (APScheduler 3.x, one worker thread, overruns coalesce):
+  memory     every `interval` s   device (NVML) or host figures -> board + buffer
+  processes  at most once a s     the trainer's own bytes: GPU per-process, or RSS with children
+  flush      every 2 s            buffer -> samples.jsonl (rotated to samples.1.jsonl past a bound)
+  parent     every 1 s            exit when the trainer is gone (backs up PR_SET_PDEATHSIG)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from autotune.monitor import host
+from autotune.monitor.board import Board, default_path
+from autotune.monitor.nvml import session as nvml_session
+from autotune.snapshot import DeviceSample
+
+MIN_INTERVAL, MAX_INTERVAL = 0.05, 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass
+class MonitorConfig:
+    """What the monitor process watches and where it writes."""
+
+    pid: int  # the process to watch (the trainer); its children count on CPU
+    board: str  # path of the shared sample board
+    samples_path: str | None  # samples.jsonl, or None for no timeline
+    interval: float = 0.5
+    gpu_uuid: str | None = None  # watch this GPU through NVML; None: the host
+    cap_bytes: int | None = None  # a memory cap to measure against (GPU: set by the trainer; CPU: soft cap)
+    max_log_bytes: int = 64 * 2**20  # samples.jsonl and its one rotated predecessor stay under this
+
+    def __post_init__(self) -> None:
+        if not MIN_INTERVAL <= self.interval <= MAX_INTERVAL:
+            raise ValueError(f"monitor interval must be between {MIN_INTERVAL} and {MAX_INTERVAL} s, got {self.interval}")
+
+
+class SampleLog:
+    """Buffered JSONL writer with a size bound: past half the bound the file is rotated once."""
+
+    def __init__(self, path: Path | None, max_bytes: int):
+        self.path = path
+        self.max_bytes = max_bytes
+        self.buffer: deque[dict] = deque()
+
+    def add(self, record: dict) -> None:
+        self.buffer.append(record)
+
+    def flush(self) -> None:
+        if self.path is None:
+            self.buffer.clear()
+            return
+        lines = []
+        while self.buffer:
+            lines.append(json.dumps(self.buffer.popleft()) + "\n")
+        if not lines:
+            return
+        if self.path.exists() and self.path.stat().st_size > self.max_bytes // 2:
+            self.path.replace(self.path.with_suffix(".1.jsonl"))
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.writelines(lines)
+
+
+class Sampler:
+    """Takes one memory reading of the watched device or host."""
+
+    def __init__(self, config: MonitorConfig):
+        self.config = config
+        self.nvml = nvml_session() if config.gpu_uuid else None
+        self.process_bytes: int | None = None
+        self.samples_taken = 0
+
+    def read(self) -> DeviceSample:
+        config = self.config
+        if self.nvml is not None:
+            memory = self.nvml.memory(config.gpu_uuid)
+            if memory is None:
+                return DeviceSample(time=time.time(), source="nvml")
+            return DeviceSample(time=time.time(), used_bytes=memory.used_bytes,
+                                cap_bytes=config.cap_bytes or memory.total_bytes,
+                                total_bytes=memory.total_bytes, source="nvml")
+        return host.host_sample(config.cap_bytes, pid=config.pid, rss=self.process_bytes)
+
+    def read_process(self) -> int | None:
+        if self.nvml is not None:
+            per_process = self.nvml.processes(self.config.gpu_uuid)
+            self.process_bytes = None if per_process is None else per_process.get(self.config.pid, 0)
+        else:
+            self.process_bytes = host.rss_bytes(self.config.pid, exclude=os.getpid())
+        return self.process_bytes
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    # The kernel sends SIGTERM when the parent dies; if it died before this line ran, the
+    # parent pid has already changed and we leave at once.
+    libc = None
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:
+            libc = None  # no glibc: the parent job still notices within a second
+    if libc is not None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        sys.exit(0)
+
+
+def run(config: MonitorConfig, parent_pid: int | None = None, duration: float | None = None) -> None:
+    """Sample until stopped (SIGTERM/SIGINT, parent gone, or `duration` elapsed)."""
+    from apscheduler.executors.pool import ThreadPoolExecutor
+    from apscheduler.schedulers.blocking import BlockingScheduler
+
+    logging.getLogger("apscheduler").setLevel(logging.ERROR)  # no per-run "Running job" lines
+    board = Board(Path(config.board))
+    log = SampleLog(Path(config.samples_path) if config.samples_path else None, config.max_log_bytes)
+    sampler = Sampler(config)
+    scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
+                                  job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
+
+    def sample_memory() -> None:
+        sample = sampler.read()
+        sampler.samples_taken += 1
+        board.write(sample, sampler.process_bytes, sampler.samples_taken)
+        log.add({"time": sample.time, "used_bytes": sample.used_bytes, "cap_bytes": sample.cap_bytes,
+                 "total_bytes": sample.total_bytes, "source": sample.source, "process_bytes": sampler.process_bytes,
+                 "device": config.gpu_uuid or "host", "pid": config.pid})
+
+    def check_parent() -> None:
+        if parent_pid is not None and (os.getppid() != parent_pid or not psutil.pid_exists(parent_pid)):
+            stop()
+
+    def stop(*_: Any) -> None:
+        if scheduler.running:
+            scheduler.shutdown(wait=False)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    sampler.read_process()
+    sample_memory()  # a first figure at once, before the first interval passes
+    scheduler.add_job(sample_memory, "interval", seconds=config.interval, id="memory")
+    scheduler.add_job(sampler.read_process, "interval", seconds=max(1.0, config.interval), id="processes")
+    scheduler.add_job(log.flush, "interval", seconds=2.0, id="flush")
+    if parent_pid is not None:
+        scheduler.add_job(check_parent, "interval", seconds=1.0, id="parent")
+    if duration is not None:
+        threading.Timer(duration, stop).start()
+    scheduler.start()  # blocks until stop()
+    log.flush()
+    board.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the monitor process: `python -m autotune.monitor.process CONFIG_JSON`."""
+    args = sys.argv[1:] if argv is None else argv
+    config = MonitorConfig(**json.loads(args[0]))
+    _die_with_parent(config.pid)
+    run(config, parent_pid=config.pid)
+    return 0
+
+
+class MonitorProcess:
+    """The trainer's handle on its monitor process: start, read the latest sample, restart, stop."""
+
+    def __init__(self, run_dir: Path, pid: int | None = None, interval: float = 0.5, gpu_uuid: str | None = None,
+                 cap_bytes: int | None = None, max_restarts: int = 3):
+        self.run_dir = Path(run_dir)
+        self.config = MonitorConfig(pid=pid or os.getpid(), board=str(default_path()),
+                                    samples_path=str(self.run_dir / "samples.jsonl"), interval=interval,
+                                    gpu_uuid=gpu_uuid, cap_bytes=cap_bytes)
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.board = Board(Path(self.config.board), create=True)
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.run_dir / "monitor.log", "ab")
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "autotune.monitor.process", json.dumps(dataclasses.asdict(self.config))],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
+            )
+        finally:
+            log.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def restart(self) -> bool:
+        """Start a new monitor if restarts remain; False when the budget is spent."""
+        if self.restarts >= self.max_restarts:
+            return False
+        self.restarts += 1
+        self.start()
+        return True
+
+    def latest(self) -> tuple[DeviceSample, int | None] | None:
+        """The newest sample and the trainer's own bytes, or None when nothing new arrived."""
+        return self.board.read_new()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self.board.close(unlink=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
