@@ -48,6 +48,8 @@ class Board:
         try:
             if create:
                 os.ftruncate(fd, SIZE)
+            elif os.fstat(fd).st_size < SIZE:
+                raise ValueError(f"{self.path} is not an autotune sample board (too small)")
             self._map = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)

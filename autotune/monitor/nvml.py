@@ -125,7 +125,10 @@ class NVML:
         return found
 
     def _mig_instances(self, index: int, uuid: str, name: str, handle: Any) -> list[GpuInfo]:
-        mode = self._call("MIG mode", "nvmlDeviceGetMigMode", handle)
+        try:
+            mode = self._lib.nvmlDeviceGetMigMode(handle)
+        except Exception:  # GPUs without MIG answer NOT_SUPPORTED: expected, not worth a log line
+            return []
         if not mode or not mode[0]:  # (current, pending); 0 = disabled
             return []
         instances = []

@@ -1,10 +1,31 @@
-from autotune.monitor.host import host_sample, rss_bytes
+import os
+import subprocess
+import sys
+import time
+
+from autotune.monitor.host import cgroup_memory, host_sample, parse_proc_cgroup, rss_bytes
 from autotune.units import format_bytes
 from tests.conftest import run_python
 
 
 def test_rss_counts_this_process():
     assert rss_bytes() > 10 * 2**20
+
+
+def test_rss_rises_when_a_child_allocates():
+    before = rss_bytes(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys; b = bytearray(300 * 2**20); print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with_child = rss_bytes(os.getpid())
+        alone = rss_bytes(os.getpid(), children=False)
+        assert with_child - before > 250 * 2**20
+        assert with_child - alone > 250 * 2**20
+        assert rss_bytes(os.getpid(), exclude=child.pid) - before < 100 * 2**20
+    finally:
+        child.communicate("")
 
 
 def test_the_tightest_cap_is_reported():
@@ -23,6 +44,55 @@ def test_rlimit_as_is_seen_when_set(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert result["source"] == "rlimit_as" and result["sample_cap"] == result["cap"]
     assert result["cap"] - result["used"] <= 200 * 2**20
+
+
+def test_rlimit_of_another_process_is_read(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import resource, sys; "
+                              "resource.setrlimit(resource.RLIMIT_AS, (2**36, resource.RLIM_INFINITY)); "
+                              "print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        sample = host_sample(pid=child.pid)
+        assert sample.used_bytes is not None
+        from autotune.monitor.host import rlimit_as_bytes
+        assert rlimit_as_bytes(child.pid) == 2**36
+    finally:
+        child.communicate("")
+
+
+def test_cgroup_v2_files(tmp_path):
+    group = tmp_path / "user.slice" / "job"
+    group.mkdir(parents=True)
+    (group / "memory.current").write_text("123456\n")
+    (group / "memory.max").write_text("1000000\n")
+    files = parse_proc_cgroup("0::/user.slice/job\n", root=tmp_path)
+    assert files == (group / "memory.current", group / "memory.max")
+
+
+def test_cgroup_limit_files_read_max_as_no_limit(tmp_path):
+    from autotune.monitor.host import _read_int
+
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (tmp_path / "memory.current").write_text("5\n")
+    assert _read_int(tmp_path / "memory.max") is None
+    assert _read_int(tmp_path / "memory.limit_in_bytes") is None
+    assert _read_int(tmp_path / "memory.current") == 5
+    assert _read_int(tmp_path / "missing") is None
+
+
+def test_cgroup_v1_files(tmp_path):
+    (tmp_path / "memory").mkdir()
+    files = parse_proc_cgroup("12:cpu,cpuacct:/x\n11:memory:/docker/abc\n", root=tmp_path)
+    # the group's own folder is absent (a container sees its group at the root)
+    assert files == (tmp_path / "memory" / "memory.usage_in_bytes", tmp_path / "memory" / "memory.limit_in_bytes")
+
+
+def test_this_machine_cgroup_is_read_or_not_available():
+    current, limit = cgroup_memory()
+    assert current is None or current > 0
+    assert limit is None or limit > 0
 
 
 def test_format_bytes():

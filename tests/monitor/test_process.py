@@ -1,0 +1,164 @@
+"""The monitor process for real: its lifecycle, what it loads, what it writes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from autotune.monitor.process import MonitorConfig, MonitorProcess, SampleLog
+
+
+def gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_for(predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def first_sample(monitor, timeout=10):
+    got = []
+    assert wait_for(lambda: got.append(monitor.latest()) or got[-1] is not None, timeout), "no sample arrived"
+    return got[-1]
+
+
+def test_samples_arrive_and_the_timeline_is_written(tmp_path):
+    monitor = MonitorProcess(tmp_path, interval=0.05)
+    monitor.start()
+    try:
+        sample, process_bytes = first_sample(monitor)
+        assert sample.source in ("host", "rlimit_as", "cgroup") and sample.used_bytes > 0
+        assert process_bytes > 10 * 2**20  # this test process's RSS
+        time.sleep(2.3)  # past one flush
+    finally:
+        monitor.stop()
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert len(lines) >= 10
+    record = json.loads(lines[-1])
+    assert record["pid"] == os.getpid() and record["device"] == "host" and record["used_bytes"] > 0
+    assert not monitor.alive() and not monitor.board.path.exists()
+
+
+def test_the_monitor_loads_neither_torch_nor_cuda(tmp_path):
+    monitor = MonitorProcess(tmp_path, interval=0.1)
+    monitor.start()
+    try:
+        first_sample(monitor)
+        maps = open(f"/proc/{monitor.pid}/maps").read()
+        assert "libtorch" not in maps and "libcuda" not in maps and "libcudart" not in maps
+        assert psutil.Process(monitor.pid).memory_info().rss < 150 * 2**20
+    finally:
+        monitor.stop()
+
+
+def test_the_monitor_dies_with_its_parent(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from autotune.monitor.process import MonitorProcess
+m = MonitorProcess({str(tmp_path)!r}, interval=0.1)
+m.start()
+print(m.pid, flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    monitor_pid = int(parent.stdout.readline())
+    assert wait_for(lambda: (tmp_path / "monitor.log").exists(), 5)
+    time.sleep(0.5)  # let it get going
+    assert not gone(monitor_pid)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    assert wait_for(lambda: gone(monitor_pid), 2.0), "monitor outlived its parent by more than 2 s"
+
+
+def test_training_survives_a_killed_monitor_and_restarts_it(tmp_path):
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from autotune import AutoTrainer
+    from tests.conftest import journal
+
+    state = {}
+
+    def step(model, batch):
+        x, y = batch
+        if state["trainer"].step == 2 and not state.get("killed"):
+            state["killed"] = state["trainer"].monitor.pid
+            os.kill(state["killed"], signal.SIGKILL)
+        time.sleep(0.05)
+        return nn.functional.cross_entropy(model(x), y)
+
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    trainer = AutoTrainer(nn.Linear(4, 2), data, step_fn=step, batch_size=4, device="cpu", progress=False,
+                          run_dir=tmp_path / "run", monitor_interval=0.05)
+    state["trainer"] = trainer
+    result = trainer.fit()
+    assert result.samples_seen == 64
+    restarts = [r for r in journal(tmp_path / "run") if r["kind"] == "monitor_restart"]
+    assert restarts and restarts[0]["restarts"] == 1 and restarts[0]["returncode"] == -signal.SIGKILL
+    assert trainer.monitor is None and gone(state["killed"])
+
+
+def test_memory_high_reaches_a_policy(tmp_path):
+    # Under RLIMIT_AS with 64 MiB of headroom the process sits at ~98% of its cap.
+    from tests.conftest import journal, run_python
+
+    proc, _ = run_python(f"""
+        import dataclasses, time, torch
+        from typing import ClassVar
+        from torch import nn
+        from torch.utils.data import TensorDataset
+        from autotune import AutoTrainer, EmptyCache, Event
+        from autotune.limits import cap_address_space
+
+        @dataclasses.dataclass
+        class Notices:
+            name: ClassVar[str] = "notices"
+            events: ClassVar[frozenset] = frozenset({{Event.MEMORY_HIGH}})
+            def decide(self, event, snap):
+                return [EmptyCache(reason=f"memory at {{snap.sample.used_fraction:.3f}} of {{snap.sample.source}}")]
+            def state_dict(self): return {{}}
+            def load_state_dict(self, state): return None
+
+        def step(model, batch):
+            time.sleep(0.03)
+            return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+        data = TensorDataset(torch.randn(256, 4), torch.randint(0, 2, (256,)))
+        trainer = AutoTrainer(nn.Linear(4, 2), data, step_fn=step, batch_size=4, device="cpu", progress=False,
+                              run_dir={str(tmp_path / "run")!r}, monitor_interval=0.05, policies=[Notices()])
+        cap_address_space(64 * 2**20)
+        trainer.fit()
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    actions = [r for r in journal(tmp_path / "run") if r["kind"] == "action" and r["event"] == "memory_high"]
+    assert actions and "of rlimit_as" in actions[0]["reason"]
+
+
+def test_the_timeline_has_a_size_bound(tmp_path):
+    log = SampleLog(tmp_path / "samples.jsonl", max_bytes=4000)
+    for i in range(300):
+        log.add({"i": i, "pad": "x" * 20})
+        if i % 10 == 9:
+            log.flush()
+    total = sum(p.stat().st_size for p in tmp_path.glob("samples*.jsonl"))
+    assert total <= 4000 + 400  # the bound, plus at most one flush's worth
+    last = json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[-1])
+    assert last["i"] == 299
+
+
+def test_interval_limits():
+    with pytest.raises(ValueError, match="between 0.05 and 10"):
+        MonitorConfig(pid=1, board="x", samples_path=None, interval=0.01)

@@ -1,0 +1,49 @@
+import pytest
+
+from autotune.detectors import MemoryDetector
+from autotune.events import Event
+from autotune.snapshot import AllocatorStats, DeviceSample
+
+
+def at(fraction):
+    return DeviceSample(time=0.0, used_bytes=int(fraction * 1000), cap_bytes=1000)
+
+
+def feed(detector, fractions):
+    return [bool(detector.on_sample(at(f))) for f in fractions]
+
+
+def test_high_needs_confirmation_then_fires_once_and_repeats_while_it_lasts():
+    detector = MemoryDetector(high=0.9, low=0.8, confirm=2, repeat=3)
+    assert feed(detector, [0.5, 0.95, 0.95, 0.95, 0.95, 0.95, 0.95]) == [False, False, True, False, False, True, False]
+
+
+def test_hovering_at_the_line_does_not_chatter():
+    detector = MemoryDetector(high=0.9, low=0.8, confirm=1, repeat=100)
+    # dips to 0.85 (between low and high) do not re-arm; only falling below 0.8 does
+    assert feed(detector, [0.91, 0.85, 0.91, 0.85, 0.91, 0.79, 0.91]) == [True, False, False, False, False, False, True]
+
+
+def test_unknown_figures_fire_nothing():
+    assert MemoryDetector().on_sample(DeviceSample(time=0.0)) == []
+
+
+def test_new_allocator_retries_are_pressure():
+    detector = MemoryDetector()
+    assert detector.on_step(AllocatorStats(num_alloc_retries=0), None) == []
+    assert detector.on_step(AllocatorStats(num_alloc_retries=0), None) == []
+    assert detector.on_step(AllocatorStats(num_alloc_retries=2), None) == [Event.MEMORY_PRESSURE]
+    assert detector.on_step(AllocatorStats(num_alloc_retries=2), None) == []
+
+
+def test_fragmentation_when_high_is_pressure():
+    detector = MemoryDetector()
+    fragmented = AllocatorStats(allocated_bytes=600, reserved_bytes=1000)
+    assert detector.on_step(fragmented, at(0.95)) == [Event.MEMORY_PRESSURE]
+    assert detector.on_step(fragmented, at(0.5)) == []  # plenty of room: not pressure
+    assert detector.on_step(None, at(0.95)) == []  # CPU: no allocator figures
+
+
+def test_bad_thresholds():
+    with pytest.raises(ValueError):
+        MemoryDetector(high=0.7, low=0.8)
