@@ -26,6 +26,7 @@ test: install
 bench: install
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/recovery.py
+	$(PY) benchmarks/monitor.py
 
 # On a CUDA machine: the gpu-marked tests plus a short GPU timing. Runs with the
 # machine's own python (GPU machines bring torch with CUDA), not the venv.

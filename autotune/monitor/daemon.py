@@ -107,21 +107,38 @@ class Daemon:
         self.out, self.view, self.prometheus = out, view, prometheus
         self.samples = 0
         self._last_view = 0.0
+        self._processes: dict[str, dict[int, int | None]] = {}  # per device, refreshed at most once a second
+        self._processes_time = float("-inf")
+
+    def _per_process(self, now: float) -> dict[str, dict[int, int | None]]:
+        # Per-process figures walk the process table (host) or ask the driver (GPU):
+        # worth doing once a second, not at every sample.
+        if not self.pids or now - self._processes_time < 1.0:
+            return self._processes
+        self._processes_time = now
+        figures: dict[str, dict[int, int | None]] = {}
+        for device in self.devices:
+            per_process = self.nvml.processes(device.uuid)
+            figures[device.uuid] = {pid: (per_process or {}).get(pid) for pid in self.pids} if per_process is not None else {}
+        if not self.devices:
+            figures["host"] = {pid: host.rss_bytes(pid) for pid in self.pids}
+        self._processes = figures
+        return figures
 
     def sample(self) -> list[Reading]:
         now = time.time()
+        processes = self._per_process(time.monotonic())
         readings = []
         for device in self.devices:
             memory = self.nvml.memory(device.uuid)
-            per_process = self.nvml.processes(device.uuid) if self.pids or self.prometheus else None
-            processes = {pid: (per_process or {}).get(pid) for pid in self.pids} if per_process is not None else {}
             readings.append(Reading(now, "gpu", device.uuid, device.index, device.name,
                                     memory.used_bytes if memory else None,
-                                    memory.total_bytes if memory else device.total_bytes, processes))
+                                    memory.total_bytes if memory else device.total_bytes,
+                                    processes.get(device.uuid, {})))
         if not self.devices:
             vm = psutil.virtual_memory()
             readings.append(Reading(now, "host", None, None, "host", vm.total - vm.available, vm.total,
-                                    {pid: host.rss_bytes(pid) for pid in self.pids}))
+                                    processes.get("host", {})))
         return readings
 
     def tick(self) -> None:
