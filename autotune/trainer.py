@@ -494,8 +494,12 @@ class AutoTrainer:
         if self.monitor is not None:
             got = self.monitor.latest()
             if got is not None:
-                self._window.append(got[0])
-                events += self.detector.on_sample(got[0])
+                sample = got[0]
+                if sample.used_bytes is None and self.device.type == "cuda":
+                    # NVML not available here: CUDA's own figure, read in-process, stands in.
+                    sample = device_sample(self.device, self.knobs.memory_cap_bytes)
+                self._window.append(sample)
+                events += self.detector.on_sample(sample)
             elif not self.monitor.alive():
                 self._monitor_died()
         events += self.detector.on_step(self._allocator, self._window[-1] if self._window else None)
