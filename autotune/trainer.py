@@ -31,6 +31,9 @@ import collections
 import dataclasses
 import datetime
 import gc
+import os
+import random
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -46,11 +49,13 @@ from autotune.dispatch import Dispatcher
 from autotune.events import Event
 from autotune.journal import Journal
 from autotune.knobs import Knobs
+from autotune.checkpoint import Checkpoints, rng_state, set_rng_state
 from autotune.detectors import MemoryDetector
 from autotune.memory import allocator_stats, cuda_uuid, describe_memory, device_sample, free_memory, load_libc
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL, MonitorProcess
 from autotune.oom import OutOfMemory, is_oom
 from autotune.policy import Policy
+from autotune.preemption import Preempted, StopRequests
 from autotune.presets import resolve_policies
 from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot, StepTiming
 from autotune.data.sampler import EpochSampler
@@ -145,6 +150,15 @@ class AutoTrainer:
         monitor: sample memory in a background process (run_dir/samples.jsonl) and turn
             it into MEMORY_HIGH / MEMORY_PRESSURE events; False turns it off.
         monitor_interval: seconds between memory samples (0.05 to 10).
+        scheduler: an LR scheduler over `optimizer` (or a factory optimizer -> scheduler),
+            stepped once per optimizer step and saved in checkpoints.
+        checkpoint_every: write a checkpoint every this many optimizer steps.
+        checkpoint_interval: and/or every this many seconds (default 900; None: off). A
+            checkpoint is also written at the end of `fit`, on SIGTERM/SIGINT, and before
+            giving up on an OOM. `run_dir/checkpoints/`, the last `keep_checkpoints` kept.
+        inject_oom: probability per micro-batch of a fake `torch.OutOfMemoryError`, raised
+            through the same path as a real one, to test a setup (default: the
+            AUTOTUNE_INJECT_OOM environment variable, else off).
     """
 
     def __init__(
@@ -169,6 +183,11 @@ class AutoTrainer:
         progress: bool = True,
         monitor: bool = True,
         monitor_interval: float = 0.5,
+        scheduler: Any = None,
+        checkpoint_every: int | None = None,
+        checkpoint_interval: float | None = 900.0,
+        keep_checkpoints: int = 3,
+        inject_oom: float | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -191,6 +210,7 @@ class AutoTrainer:
         self._allocator: AllocatorStats | None = None
 
         self.sampler: EpochSampler | None = None
+        self._seed = seed
         self.loader = self._make_loader(dataset, batch_size, shuffle, seed, num_workers, collate_fn)
         batch_size = self.loader.batch_size or batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -210,8 +230,20 @@ class AutoTrainer:
         self.knobs = Knobs(batch_size=batch_size, micro_batch_size=micro, device=self.device)
         self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
 
+        self.scheduler = self._make_scheduler(scheduler)
+        for name, value in (("checkpoint_every", checkpoint_every), ("checkpoint_interval", checkpoint_interval)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_interval = checkpoint_interval
+        self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=keep_checkpoints)
+        self.inject_oom = self._injection_rate(inject_oom)
+        self._injector = random.Random(seed + 0x5EED)  # its own stream: injection never moves the model's RNG
+
         self.step = 0  # optimizer steps, across fit() calls
         self.epoch = 0  # epochs completed
+        self.position = 0  # samples of the current epoch already trained (where a resume restarts)
+        self.batches_done = 0  # batches of the current epoch already trained
         self.ooms = 0
         self.samples_seen = 0
 
@@ -244,6 +276,33 @@ class AutoTrainer:
                 "pass step_fn(model, micro_batch) for other layouts"
             )
 
+    def _make_scheduler(self, scheduler: Any) -> Any:
+        if scheduler is None:
+            return None
+        if not hasattr(scheduler, "state_dict"):
+            if not callable(scheduler):
+                raise TypeError(f"scheduler must be an LR scheduler or a factory optimizer -> scheduler, got {type(scheduler).__name__}")
+            scheduler = scheduler(self.optimizer)
+        if getattr(scheduler, "optimizer", self.optimizer) is not self.optimizer:
+            raise ValueError("the scheduler is bound to another optimizer; build it over the trainer's optimizer")
+        return scheduler
+
+    @staticmethod
+    def _injection_rate(rate: float | None) -> float:
+        source = "inject_oom"
+        if rate is None:
+            text = os.environ.get("AUTOTUNE_INJECT_OOM", "").strip()
+            if not text:
+                return 0.0
+            source = "AUTOTUNE_INJECT_OOM"
+            try:
+                rate = float(text)
+            except ValueError:
+                raise ValueError(f"{source}={text!r} is not a probability (a number in [0, 1))") from None
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+            raise ValueError(f"{source}={rate!r} is not a probability in [0, 1)")
+        return float(rate)
+
     def _make_optimizer(self, optimizer) -> torch.optim.Optimizer:
         if optimizer is None:
             return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
@@ -260,15 +319,22 @@ class AutoTrainer:
         return optimizer
 
     # ----------------------------------------------------------------------------- the loop
-    def fit(self, epochs: int = 1, max_steps: int | None = None) -> FitResult:
-        """Train for `epochs` epochs (or until `max_steps` optimizer steps in this call)."""
+    def fit(self, epochs: int = 1, max_steps: int | None = None, resume: bool = False) -> FitResult:
+        """Train until `epochs` epochs (or `max_steps` optimizer steps) are done in all.
+
+        With `resume=True`, first continue from the newest valid checkpoint in `run_dir`
+        (none: start fresh, and say so). A deterministic run that is killed and resumed
+        ends with the same weights and `samples_seen` as one that was not.
+        """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"max_steps must be an integer >= 1 or None, got {max_steps!r}")
+        if resume:
+            self._resume()
         self._warm_up_oom_path()
         started = time.perf_counter()
-        first_step = self.step
+        self._last_checkpoint = (self.step, time.monotonic())
         self.journal.write("fit_start", self.step, self.epoch, device=str(self.device),
                            batch_size=self.knobs.batch_size, micro_batch_size=self.knobs.micro_batch_size,
                            keep_effective_batch=self.keep_effective_batch, epochs=epochs, max_steps=max_steps,
@@ -287,10 +353,10 @@ class AutoTrainer:
             gc.freeze()
         epoch_loss = None
         try:
-            for _ in range(epochs):
-                epoch_loss = self._train_epoch(bar, first_step, max_steps)
-                if max_steps is not None and self.step - first_step >= max_steps:
-                    break
+            with StopRequests() as stop:
+                while self.epoch < epochs and (max_steps is None or self.step < max_steps):
+                    epoch_loss = self._train_epoch(bar, max_steps, stop)
+            self._checkpoint("end")
         except BaseException as exc:
             # On the record before it propagates, so a crashed run's journal says why it ended.
             self.journal.write("fit_failed", self.step, self.epoch, error=f"{type(exc).__name__}: {exc}"[:500],
@@ -313,9 +379,11 @@ class AutoTrainer:
         self._fire(Event.FIT_END)
         return result
 
-    def _train_epoch(self, bar: _ProgressBar, first_step: int, max_steps: int | None) -> float | None:
+    def _train_epoch(self, bar: _ProgressBar, max_steps: int | None, stop: StopRequests) -> float | None:
         if self.sampler is not None:
-            self.sampler.set_epoch(self.epoch)
+            # The order is a function of (seed, epoch); a resumed epoch starts where it stopped.
+            self.sampler.set_epoch(self.epoch, start=self.position)
+            self.loader.generator.manual_seed(self._seed + self.epoch)  # worker seeds: a function of the epoch
         elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
             self.loader.sampler.set_epoch(self.epoch)  # e.g. a user's DistributedSampler
         self._fire(Event.EPOCH_START)
@@ -324,6 +392,12 @@ class AutoTrainer:
         loss_samples = 0
         last_shown = 0.0
         batches = iter(self.loader)
+        if self.sampler is None and self.batches_done:
+            # A user's DataLoader cannot start mid-epoch: replay and drop the batches already
+            # trained (exact only if its order is deterministic).
+            logger.warning(f"resuming a user DataLoader mid-epoch: skipping {self.batches_done} batches")
+            for _ in range(self.batches_done):
+                next(batches)
         finished_epoch = True
         while True:
             wait_start = time.perf_counter()
@@ -337,6 +411,8 @@ class AutoTrainer:
             step_end = time.perf_counter()
             loss_sum += batch_loss
             loss_samples += n
+            self.position += n
+            self.batches_done += 1
             self._allocator = allocator_stats(self.device)  # one memory_stats() call a step (CUDA)
             self._fire(Event.BATCH_END, timing=StepTiming(step_seconds=step_end - wait_start,
                                                           data_wait_seconds=step_start - wait_start,
@@ -347,12 +423,16 @@ class AutoTrainer:
                 last_shown = step_end
                 bar.set_postfix(loss=f"{loss_sum.item() / max(loss_samples, 1):.4f}",
                                 micro=self.knobs.micro_batch_size, mem=self._memory_text(), refresh=False)
-            if max_steps is not None and self.step - first_step >= max_steps:
+            if stop.signum is not None:
+                self._preempt(stop.signum)
+            self._maybe_checkpoint()
+            if max_steps is not None and self.step >= max_steps:
                 finished_epoch = False
                 break
         epoch_loss = loss_sum.item() / loss_samples if loss_samples else None
         if finished_epoch:
             self.epoch += 1
+            self.position = self.batches_done = 0
             self.journal.write("epoch_end", self.step, self.epoch - 1, samples_seen=self.samples_seen,
                                loss=epoch_loss, micro_batch_size=self.knobs.micro_batch_size)
             self._fire(Event.EPOCH_END)
@@ -384,7 +464,12 @@ class AutoTrainer:
         accumulated = torch.zeros((), device=self.device)
         try:
             for micro, m in micro_batches(batch, size, start=done, split_fn=self.split_fn):
+                inject = self._draw_injection(size)
+                if inject == "forward":
+                    raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
                 loss = self._loss(to_device(micro, self.device))
+                if inject == "backward":
+                    raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune before backward, p={self.inject_oom})")
                 if self.keep_effective_batch:
                     # Weight by the micro-batch's share so the accumulated gradient is the
                     # gradient of the mean loss over the whole batch.
@@ -400,12 +485,20 @@ class AutoTrainer:
             if not is_oom(exc):
                 raise
             self._last_oom_message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            self._last_oom_injected = "injected by autotune" in self._last_oom_message
             return size, done, loss_sum
         if self.keep_effective_batch:
             self._optimizer_step(n)
             loss_sum = loss_sum + accumulated
             done = n
         return None, done, loss_sum
+
+    def _draw_injection(self, size: int) -> str | None:
+        # Never at micro-batch 1: an OOM there ends the run, and injected faults are meant
+        # to exercise recovery. The phase decides whether a forward graph is left to free.
+        if not self.inject_oom or size <= 1 or self._injector.random() >= self.inject_oom:
+            return None
+        return "forward" if self._injector.random() < 0.5 else "backward"
 
     def _loss(self, micro: Any) -> torch.Tensor:
         if self.step_fn is not None:
@@ -431,9 +524,12 @@ class AutoTrainer:
             memory = describe_memory(self.device)
             self.journal.write("out_of_memory", self.step, self.epoch, phase="optimizer_step",
                                device=str(self.device), memory=memory)
+            self._checkpoint("out_of_memory")
             raise OutOfMemory(f"out of memory on {self.device} in optimizer.step(): the optimizer state does "
                               f"not fit, whatever the micro-batch. Memory: {memory}. Last error: {failure}")
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.step += 1
         self.samples_seen += n_samples
 
@@ -444,7 +540,7 @@ class AutoTrainer:
         free_memory(self.device)
         self.ooms += 1
         self.journal.write("oom", self.step, self.epoch, micro_batch_size=failed_size, device=str(self.device),
-                           message=self._last_oom_message)
+                           message=self._last_oom_message, injected=self._last_oom_injected)
         logger.warning(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch")
         self._fire(Event.OOM, failed_micro_batch=failed_size, force=True)
         if self.knobs.micro_batch_size < failed_size:
@@ -452,6 +548,7 @@ class AutoTrainer:
         memory = describe_memory(self.device)
         self.journal.write("out_of_memory", self.step, self.epoch, micro_batch_size=failed_size,
                            device=str(self.device), tried=tried, memory=memory)
+        self._checkpoint("out_of_memory")  # the progress so far survives the error
         raise OutOfMemory(
             f"out of memory on {self.device} even at micro-batch {failed_size} "
             f"(sizes tried on this batch: {', '.join(map(str, tried))}); no policy could make more room. "
@@ -472,6 +569,83 @@ class AutoTrainer:
             allocator=self._allocator, timing=timing,
         )
         self.dispatcher.fire(event, snap)
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: weights, optimizer, scheduler, counters,
+        position in the epoch, sizes, policy states and random states."""
+        version, keys, gauss = self._injector.getstate()
+        return {
+            "format": 1,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "step": self.step, "epoch": self.epoch, "position": self.position, "batches_done": self.batches_done,
+            "samples_seen": self.samples_seen, "ooms": self.ooms,
+            "batch_size": self.knobs.batch_size, "micro_batch_size": self.knobs.micro_batch_size,
+            "policies": self.dispatcher.state_dict(),
+            "rng": rng_state(),
+            "injector": [version, list(keys), gauss],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        for name in ("step", "epoch", "position", "batches_done", "samples_seen", "ooms"):
+            setattr(self, name, state[name])
+        if state["batch_size"] != self.knobs.batch_size:
+            raise ValueError(f"the checkpoint was made with batch_size {state['batch_size']}, this trainer has "
+                             f"{self.knobs.batch_size}: the position in the epoch would not line up")
+        self.knobs.micro_batch_size = state["micro_batch_size"]
+        self.dispatcher.load_state_dict(state["policies"])
+        set_rng_state(state["rng"])
+        version, keys, gauss = state["injector"]
+        self._injector.setstate((version, tuple(keys), gauss))
+
+    def _checkpoint(self, reason: str) -> Path | None:
+        """Write a checkpoint now. Failing to write one is journaled, not raised: it must not
+        turn an orderly stop (or the error being reported) into a different error."""
+        try:
+            path, seconds = self.checkpoints.save(self.state_dict(), self.step)
+        except Exception as exc:
+            self.journal.write("checkpoint_failed", self.step, self.epoch, reason=reason, error=repr(exc)[:300])
+            logger.error(f"could not write a checkpoint ({reason}): {exc}")
+            return None
+        self._last_checkpoint = (self.step, time.monotonic())
+        self.journal.write("checkpoint", self.step, self.epoch, reason=reason, path=str(path),
+                           seconds=round(seconds, 4), position=self.position, samples_seen=self.samples_seen)
+        return path
+
+    def _maybe_checkpoint(self) -> None:
+        last_step, last_time = self._last_checkpoint
+        due_steps = self.checkpoint_every is not None and self.step - last_step >= self.checkpoint_every
+        due_time = self.checkpoint_interval is not None and time.monotonic() - last_time >= self.checkpoint_interval
+        if due_steps or due_time:
+            self._checkpoint("every" if due_steps else "interval")
+
+    def _resume(self) -> None:
+        found = self.checkpoints.load_latest(map_location=self.device)
+        if found is None:
+            logger.info(f"no checkpoint in {self.checkpoints.folder}: starting fresh")
+            self.journal.write("resume", self.step, self.epoch, found=False)
+            return
+        state, path = found
+        self.load_state_dict(state)
+        logger.info(f"resumed from {path}: step {self.step}, epoch {self.epoch}, {self.position} samples into it")
+        self.journal.write("resume", self.step, self.epoch, found=True, path=str(path), position=self.position,
+                           samples_seen=self.samples_seen)
+
+    def _preempt(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        path = self._checkpoint(f"signal {name}")
+        message = (f"stopped by {name} at step {self.step} (epoch {self.epoch}, {self.position} samples into it); "
+                   f"checkpoint {path}; continue with fit(..., resume=True)")
+        self.journal.write("preempted", self.step, self.epoch, signal=name, checkpoint=str(path))
+        logger.warning(message)
+        raise Preempted(signum, message)
 
     # ----------------------------------------------------------------------------- the monitor
     def _start_monitor(self) -> None:
@@ -531,6 +705,7 @@ class AutoTrainer:
         # or a first-time library lookup. Run the OOM path's helpers once now, while
         # there is memory, so the path itself needs next to nothing later.
         self._last_oom_message = ""
+        self._last_oom_injected = False
         is_oom(RuntimeError("warm-up"))
         load_libc()
         describe_memory(self.device)
@@ -550,7 +725,9 @@ class AutoTrainer:
 
     def _planned_batches(self, epochs: int, max_steps: int | None) -> int | None:
         try:
-            total = len(self.loader) * epochs
+            total = (epochs - self.epoch) * len(self.loader) - self.batches_done
         except TypeError:
-            return max_steps
-        return min(total, max_steps) if max_steps is not None and self.keep_effective_batch else total
+            return None if max_steps is None else max_steps - self.step
+        if max_steps is not None and self.keep_effective_batch:
+            total = min(total, max_steps - self.step)
+        return max(total, 0)

@@ -238,6 +238,9 @@ def run_daemon(args: argparse.Namespace) -> int:
     from apscheduler.executors.pool import ThreadPoolExecutor
     from apscheduler.schedulers.blocking import BlockingScheduler
 
+    stop_requested = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())  # until the scheduler runs
+    signal.signal(signal.SIGINT, lambda *_: stop_requested.set())
     for pid in args.pid:
         if not psutil.pid_exists(pid):
             raise UsageError(f"--pid {pid}: no such process")
@@ -269,6 +272,10 @@ def run_daemon(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    if stop_requested.is_set():  # a signal came during start-up: stop after one sample
+        daemon.tick()
+        print(f"stopped after {daemon.samples} samples")
+        return 0
     daemon.tick()
     scheduler.add_job(daemon.tick, "interval", seconds=args.interval, id="sample")
     if out is not None:

@@ -35,9 +35,13 @@ def free_port():
 def test_watches_the_host_writes_jsonl_and_exits_0_on_sigterm(tmp_path):
     out = tmp_path / "samples.jsonl"
     proc = autotune("--interval", "0.1", "--out", str(out), "--pid", str(os.getpid()))
-    time.sleep(2.5)
+    first = proc.stdout.readline()  # it has started once it says what it watches
+    deadline = time.monotonic() + 20  # the file is flushed every 2 s; a loaded machine samples slower
+    while time.monotonic() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 10):
+        time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=10)
+    stdout = first + stdout
     assert proc.returncode == 0, stderr
     assert "watching the host" in stdout and "Traceback" not in stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]

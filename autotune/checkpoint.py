@@ -1,0 +1,97 @@
+"""Checkpoints: atomic writes, the last K kept, resume from the newest one that loads.
+
+A checkpoint is one `torch.save` file in `run_dir/checkpoints/`, named by step. It is written
+to a temporary file, fsynced, renamed into place and the folder fsynced, so a kill at any
+moment leaves either the old set or the new one, never a half file under a real name.
+Loading uses `weights_only=True`: a checkpoint holds tensors and plain data, never code.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from loguru import logger
+
+_NAME = re.compile(r"^step-(\d{9,})\.pt$")
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy, torch and CUDA random states as plain data and tensors."""
+    version, keys, gauss = random.getstate()
+    kind, np_keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(keys), gauss],
+        "numpy": [kind, torch.from_numpy(np_keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned."""
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    kind, np_keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np_keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpoints:
+    """The checkpoint folder of a run."""
+
+    def __init__(self, folder: Path, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.folder = Path(folder)
+        self.keep = keep
+
+    def paths(self) -> list[Path]:
+        """Checkpoint files, newest (highest step) first."""
+        if not self.folder.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := _NAME.match(p.name))]
+        return [p for _, p in sorted(found, reverse=True)]
+
+    def save(self, state: dict[str, Any], step: int) -> tuple[Path, float]:
+        """Write `state` atomically as the checkpoint of `step`; returns (path, seconds taken)."""
+        started = time.perf_counter()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        final = self.folder / f"step-{step:09d}.pt"
+        temporary = self.folder / f".{final.name}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, final)
+        _fsync_dir(self.folder)
+        for old in self.paths()[self.keep:]:
+            old.unlink(missing_ok=True)
+        return final, time.perf_counter() - started
+
+    def load_latest(self, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], Path] | None:
+        """The newest checkpoint that loads; a truncated or corrupt one is skipped with a warning."""
+        for path in self.paths():
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True), path
+            except Exception as exc:  # truncated zip, bad pickle, disallowed type: try the one before
+                logger.warning(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}); trying an older one")
+        return None
