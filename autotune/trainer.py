@@ -289,18 +289,19 @@ class AutoTrainer:
 
     @staticmethod
     def _injection_rate(rate: float | None) -> float:
+        given: Any = rate
         source = "inject_oom"
         if rate is None:
-            text = os.environ.get("AUTOTUNE_INJECT_OOM", "").strip()
-            if not text:
+            given = os.environ.get("AUTOTUNE_INJECT_OOM", "").strip()
+            if not given:
                 return 0.0
             source = "AUTOTUNE_INJECT_OOM"
             try:
-                rate = float(text)
+                rate = float(given)
             except ValueError:
-                raise ValueError(f"{source}={text!r} is not a probability (a number in [0, 1))") from None
+                rate = None
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
-            raise ValueError(f"{source}={rate!r} is not a probability in [0, 1)")
+            raise ValueError(f"{source}={given!r} is not a probability in [0, 1)")
         return float(rate)
 
     def _make_optimizer(self, optimizer) -> torch.optim.Optimizer:

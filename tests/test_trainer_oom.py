@@ -116,8 +116,12 @@ def test_out_of_memory_at_micro_batch_one_is_a_clear_error(tmp_path):
     assert "out of memory on cpu even at micro-batch 1" in message
     assert "sizes tried on this batch: 8, 4, 2, 1" in message
     assert "RLIMIT_AS" in message and "can't allocate memory" in message
-    gave_up = [r for r in journal(run_dir) if r["kind"] == "out_of_memory"]
+    records = journal(run_dir)
+    gave_up = [r for r in records if r["kind"] == "out_of_memory"]
     assert gave_up and gave_up[0]["tried"] == [8, 4, 2, 1]
+    # progress is saved before the error propagates
+    saved = [r for r in records if r["kind"] == "checkpoint" and r["reason"] == "out_of_memory"]
+    assert saved and (run_dir / "checkpoints" / "step-000000000.pt").exists(), records[-3:]
 
 
 def test_without_keep_effective_batch_no_sample_is_skipped_or_repeated(tmp_path):
