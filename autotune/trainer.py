@@ -28,6 +28,7 @@ sample not yet stepped on. Either way no sample is skipped or repeated.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -41,6 +42,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from loguru import logger
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from tqdm.auto import tqdm
 
@@ -51,6 +53,7 @@ from autotune.journal import Journal
 from autotune.knobs import Knobs
 from autotune.checkpoint import Checkpoints, rng_state, set_rng_state
 from autotune.detectors import MemoryDetector
+from autotune.distributed import agree, agree_flags, average_gradients, from_environment, gather, init_process_group
 from autotune.memory import allocator_stats, cuda_uuid, describe_memory, device_sample, free_memory, load_libc
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL, MonitorProcess
 from autotune.oom import OutOfMemory, is_oom
@@ -193,8 +196,26 @@ class AutoTrainer:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("pass exactly one of loss_fn(outputs, targets) or step_fn(model, micro_batch)")
+        self.ranks = from_environment()
+        if self.ranks is not None:
+            if not keep_effective_batch:
+                raise ValueError("keep_effective_batch=False is not supported under torchrun yet")
+            # One GPU per rank: "cuda" (or no device on a CUDA machine) means cuda:LOCAL_RANK.
+            if (device is None and torch.cuda.is_available()) or str(device) == "cuda":
+                device = f"cuda:{self.ranks.local_rank}"
         self.device = resolve_device(device)
+        if self.ranks is not None:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            init_process_group(self.device)
         self.model = model.to(self.device)
+        self._ddp = None
+        if self.ranks is not None:
+            # DDP broadcasts rank 0's weights and buffers now; its own gradient sync is never
+            # used (always no_sync): gradients are averaged after the ranks agree.
+            self._ddp = DistributedDataParallel(self.model, broadcast_buffers=False,
+                                                device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self._forward_model = self._ddp if self._ddp is not None else self.model
         self.loss_fn = loss_fn
         self.step_fn = step_fn
         self.split_fn = split_fn
@@ -224,9 +245,15 @@ class AutoTrainer:
             self._check_sample_layout(dataset[0])
 
         self.optimizer = self._make_optimizer(optimizer)
-        self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.journal = Journal(self.run_dir / "events.jsonl")
+        if run_dir is None:
+            run_dir = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+            if self.ranks is not None:
+                run_dir = gather(str(run_dir), self.ranks)[0]  # every rank uses rank 0's
+        self.run_dir = Path(run_dir)
+        self.is_main = self.ranks is None or self.ranks.is_main
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(self.run_dir / "events.jsonl" if self.is_main else None)  # rank 0 writes
         self.knobs = Knobs(batch_size=batch_size, micro_batch_size=micro, device=self.device)
         self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
 
@@ -238,7 +265,7 @@ class AutoTrainer:
         self.checkpoint_interval = checkpoint_interval
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=keep_checkpoints)
         self.inject_oom = self._injection_rate(inject_oom)
-        self._injector = random.Random(seed + 0x5EED)  # its own stream: injection never moves the model's RNG
+        self._injector = random.Random(seed + 0x5EED + (self.ranks.rank if self.ranks else 0))  # own stream per rank
 
         self.step = 0  # optimizer steps, across fit() calls
         self.epoch = 0  # epochs completed
@@ -261,7 +288,9 @@ class AutoTrainer:
             raise ValueError("the dataset is empty: there is nothing to train on")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed)
+        ranks = self.ranks
+        self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed,
+                                    rank=ranks.rank if ranks else 0, world=ranks.world if ranks else 1)
         return DataLoader(
             dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
             collate_fn=collate_fn, pin_memory=self.device.type == "cuda",
@@ -344,7 +373,7 @@ class AutoTrainer:
                     f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
         self._start_monitor()
         self._fire(Event.FIT_START)
-        bar = _ProgressBar(total=self._planned_batches(epochs, max_steps), disable=not self.progress,
+        bar = _ProgressBar(total=self._planned_batches(epochs, max_steps), disable=not (self.progress and self.is_main),
                    unit="batch", dynamic_ncols=True)
         # A full gc.collect() after an OOM walks every object torch and the user's code
         # created (~0.2 s). Freezing what exists now leaves it only the objects made
@@ -424,9 +453,13 @@ class AutoTrainer:
                 last_shown = step_end
                 bar.set_postfix(loss=f"{loss_sum.item() / max(loss_samples, 1):.4f}",
                                 micro=self.knobs.micro_batch_size, mem=self._memory_text(), refresh=False)
-            if stop.signum is not None:
-                self._preempt(stop.signum)
-            self._maybe_checkpoint()
+            signum, checkpoint_due = stop.signum or 0, self._checkpoint_due()
+            if self.ranks is not None:  # the same stop and the same checkpoints on every rank
+                signum, checkpoint_due = agree_flags([signum, checkpoint_due], self.device)
+            if signum:
+                self._preempt(signum)
+            if checkpoint_due:
+                self._checkpoint("every" if checkpoint_due == 2 else "interval")
             if max_steps is not None and self.step >= max_steps:
                 finished_epoch = False
                 break
@@ -449,50 +482,66 @@ class AutoTrainer:
         tried: list[int] = []
         loss_sum = torch.zeros((), device=self.device)
         while done < n:
-            failed_size, done, loss_sum = self._attempt(batch, n, done, loss_sum)
+            failed_size, done, attempt_loss = self._attempt(batch, n, done)
+            if self.ranks is not None:
+                # Every rank joins here, failed or not: nobody waits in a gradient all-reduce
+                # for a rank that ran out of memory (see distributed.py).
+                failed_size, self.knobs.micro_batch_size = agree(failed_size, self.knobs.micro_batch_size,
+                                                                 self.ranks, self.device)
             if failed_size is None:
+                if self.keep_effective_batch:
+                    if self.ranks is not None:
+                        average_gradients(self.model.parameters(), self.ranks.world)
+                    self._optimizer_step(n)
+                    done = n
+                loss_sum += attempt_loss
                 break
             # Out of the `except` block now, so the exception and its frames are gone and
             # the tensors they pinned (activations, partial gradients) can be freed.
+            loss_sum += attempt_loss  # chunks already stepped (keep_effective_batch=False)
             retries += 1
             tried.append(failed_size)
             self._recover_from_oom(failed_size, tried)
         return retries, loss_sum
 
-    def _attempt(self, batch: Any, n: int, done: int, loss_sum: torch.Tensor) -> tuple[int | None, int, torch.Tensor]:
-        """Run the batch from sample `done` on. Returns (size that hit OOM or None, done, loss_sum)."""
+    def _attempt(self, batch: Any, n: int, done: int) -> tuple[int | None, int, torch.Tensor]:
+        """Forward and backward over the batch from sample `done` on.
+
+        Returns (the micro-batch size that hit OOM or None, samples done, summed loss). With
+        `keep_effective_batch` the gradients are only accumulated; the caller steps.
+        """
         size = self.knobs.micro_batch_size if self.keep_effective_batch else min(self.knobs.micro_batch_size, n)
-        accumulated = torch.zeros((), device=self.device)
+        loss_sum = torch.zeros((), device=self.device)
         try:
-            for micro, m in micro_batches(batch, size, start=done, split_fn=self.split_fn):
-                inject = self._draw_injection(size)
-                if inject == "forward":
-                    raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
-                loss = self._loss(to_device(micro, self.device))
-                if inject == "backward":
-                    raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune before backward, p={self.inject_oom})")
-                if self.keep_effective_batch:
-                    # Weight by the micro-batch's share so the accumulated gradient is the
-                    # gradient of the mean loss over the whole batch.
-                    (loss * (m / n)).backward()
-                    accumulated += loss.detach() * m
-                else:
-                    loss.backward()
-                    self._optimizer_step(m)
-                    loss_sum = loss_sum + loss.detach() * m
-                    done += m
-                del loss
+            with self._no_sync():
+                for micro, m in micro_batches(batch, size, start=done, split_fn=self.split_fn):
+                    inject = self._draw_injection(size)
+                    if inject == "forward":
+                        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
+                    loss = self._loss(to_device(micro, self.device))
+                    if inject == "backward":
+                        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune before backward, p={self.inject_oom})")
+                    if self.keep_effective_batch:
+                        # Weight by the micro-batch's share so the accumulated gradient is the
+                        # gradient of the mean loss over the whole batch.
+                        (loss * (m / n)).backward()
+                    else:
+                        loss.backward()
+                        self._optimizer_step(m)
+                        done += m
+                    loss_sum += loss.detach() * m
+                    del loss
         except Exception as exc:
             if not is_oom(exc):
                 raise
             self._last_oom_message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
             self._last_oom_injected = "injected by autotune" in self._last_oom_message
-            return size, done, loss_sum
-        if self.keep_effective_batch:
-            self._optimizer_step(n)
-            loss_sum = loss_sum + accumulated
-            done = n
+            return size, done, loss_sum if not self.keep_effective_batch else loss_sum.zero_()
         return None, done, loss_sum
+
+    def _no_sync(self) -> Any:
+        # Under torchrun DDP must not all-reduce inside backward: a rank may still fail.
+        return self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext()
 
     def _draw_injection(self, size: int) -> str | None:
         # Never at micro-batch 1: an OOM there ends the run, and injected faults are meant
@@ -503,12 +552,12 @@ class AutoTrainer:
 
     def _loss(self, micro: Any) -> torch.Tensor:
         if self.step_fn is not None:
-            return self.step_fn(self.model, micro)
+            return self.step_fn(self._forward_model, micro)
         if not (isinstance(micro, (tuple, list)) and len(micro) == 2):
             raise TypeError(f"with loss_fn, each batch must be (inputs, targets); got {type(micro).__name__}: "
                             "pass step_fn(model, micro_batch) for other layouts")
         inputs, targets = micro
-        return self.loss_fn(self.model(inputs), targets)
+        return self.loss_fn(self._forward_model(inputs), targets)
 
     def _optimizer_step(self, n_samples: int) -> None:
         # An OOM inside optimizer.step() may leave some parameters updated and others not,
@@ -532,7 +581,7 @@ class AutoTrainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.step += 1
-        self.samples_seen += n_samples
+        self.samples_seen += n_samples * (self.ranks.world if self.ranks is not None else 1)
 
     def _recover_from_oom(self, failed_size: int, tried: list[int]) -> None:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""
@@ -602,7 +651,12 @@ class AutoTrainer:
                              f"{self.knobs.batch_size}: the position in the epoch would not line up")
         self.knobs.micro_batch_size = state["micro_batch_size"]
         self.dispatcher.load_state_dict(state["policies"])
-        set_rng_state(state["rng"])
+        if self.ranks is not None and "rng_ranks" in state:
+            if len(state["rng_ranks"]) != self.ranks.world:
+                raise ValueError(f"the checkpoint was made by {len(state['rng_ranks'])} ranks, this job has {self.ranks.world}")
+            set_rng_state(state["rng_ranks"][self.ranks.rank])
+        else:
+            set_rng_state(state["rng"])
         version, keys, gauss = state["injector"]
         self._injector.setstate((version, tuple(keys), gauss))
 
@@ -610,7 +664,13 @@ class AutoTrainer:
         """Write a checkpoint now. Failing to write one is journaled, not raised: it must not
         turn an orderly stop (or the error being reported) into a different error."""
         try:
-            path, seconds = self.checkpoints.save(self.state_dict(), self.step)
+            state = self.state_dict()
+            if self.ranks is not None:  # every rank's random state; the rest is the same everywhere
+                state["rng_ranks"] = gather(state["rng"], self.ranks)
+                if not self.is_main:
+                    self._last_checkpoint = (self.step, time.monotonic())
+                    return None
+            path, seconds = self.checkpoints.save(state, self.step)
         except Exception as exc:
             self.journal.write("checkpoint_failed", self.step, self.epoch, reason=reason, error=repr(exc)[:300])
             logger.error(f"could not write a checkpoint ({reason}): {exc}")
@@ -620,12 +680,14 @@ class AutoTrainer:
                            seconds=round(seconds, 4), position=self.position, samples_seen=self.samples_seen)
         return path
 
-    def _maybe_checkpoint(self) -> None:
+    def _checkpoint_due(self) -> int:
+        """2: due by steps, 1: due by time, 0: not due."""
         last_step, last_time = self._last_checkpoint
-        due_steps = self.checkpoint_every is not None and self.step - last_step >= self.checkpoint_every
-        due_time = self.checkpoint_interval is not None and time.monotonic() - last_time >= self.checkpoint_interval
-        if due_steps or due_time:
-            self._checkpoint("every" if due_steps else "interval")
+        if self.checkpoint_every is not None and self.step - last_step >= self.checkpoint_every:
+            return 2
+        if self.checkpoint_interval is not None and time.monotonic() - last_time >= self.checkpoint_interval:
+            return 1
+        return 0
 
     def _resume(self) -> None:
         found = self.checkpoints.load_latest(map_location=self.device)
@@ -650,7 +712,7 @@ class AutoTrainer:
 
     # ----------------------------------------------------------------------------- the monitor
     def _start_monitor(self) -> None:
-        if not self.monitor_enabled or self.monitor is not None:
+        if not self.monitor_enabled or self.monitor is not None or not self.is_main:
             return
         self.monitor = MonitorProcess(self.run_dir, interval=self.monitor_interval,
                                       gpu_uuid=cuda_uuid(self.device), cap_bytes=self.knobs.memory_cap_bytes)

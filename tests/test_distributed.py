@@ -1,0 +1,105 @@
+"""torchrun: two gloo ranks on CPU. An OOM on one rank only (real, under RLIMIT_AS on rank 1),
+in forward or in backward, must not strand the other rank: both agree, both shrink, both
+retry the same batch, and the result equals a two-rank run without any OOM."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = r'''
+import json, os, sys, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from autotune import AutoTrainer
+from autotune.limits import cap_address_space
+
+run_dir, phase, capped = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+rank = int(os.environ["RANK"])
+HOG = 2**20  # bytes per sample a "heavy" layer allocates: activations that grow with the micro-batch
+
+class Hog(torch.autograd.Function):
+    """Allocates HOG bytes per sample in forward or in backward: a real allocation the cap can refuse."""
+    @staticmethod
+    def forward(ctx, x):
+        if phase == "forward":
+            torch.empty(HOG * x.shape[0], dtype=torch.uint8).fill_(1)
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, grad):
+        if phase == "backward":
+            torch.empty(HOG * grad.shape[0], dtype=torch.uint8).fill_(1)
+        return grad
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 4)
+    def forward(self, x):
+        return self.b(torch.tanh(Hog.apply(self.a(x))))
+
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(512, 16, generator=g), torch.randint(0, 4, (512,), generator=g))
+model = Net()
+trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=64, device="cpu",
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), run_dir=run_dir,
+                      progress=False, monitor=False, checkpoint_interval=None)
+nn.functional.cross_entropy(model(data[:2][0]), data[:2][1]).backward()  # warm up before the cap
+model.zero_grad(set_to_none=True)
+if capped and rank == 1:
+    cap_address_space(40 * 2**20)  # 64 samples x 1 MiB cannot be had; 32 can
+result = trainer.fit(epochs=2)
+from autotune.limits import lift_address_space_cap
+lift_address_space_cap()
+if rank == 0:
+    torch.save(model.state_dict(), os.path.join(run_dir, "final.pt"))
+with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
+    json.dump({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen}, f)
+'''
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(tmp_path, name, phase, capped):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    run_dir = tmp_path / name
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           str(script), str(run_dir), phase, "1" if capped else "0"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return ranks, torch.load(run_dir / "final.pt", weights_only=True), run_dir
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clean")
+    return torchrun(tmp, "clean", "forward", capped=False)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_an_oom_on_one_rank_is_survived_by_both(tmp_path, clean, phase):
+    clean_ranks, clean_weights, _ = clean
+    ranks, weights, run_dir = torchrun(tmp_path, phase, phase, capped=True)
+    assert clean_ranks[0]["ooms"] == 0
+    assert ranks[0]["micro"] == ranks[1]["micro"] < 64  # the same new size on both ranks
+    assert ranks[0]["ooms"] == ranks[1]["ooms"] >= 1  # both saw the agreed failure
+    assert ranks[0]["samples"] == clean_ranks[0]["samples"] == 1024
+    for key in clean_weights:
+        torch.testing.assert_close(weights[key], clean_weights[key], rtol=1e-5, atol=1e-6)
+    records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert any(r["kind"] == "oom" for r in records)  # journaled once, by rank 0
