@@ -49,36 +49,49 @@ def init_process_group(device: torch.device) -> None:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
 
 
-def agree(failed_size: int | None, micro_batch_size: int, ranks: Ranks, device: torch.device) -> tuple[int | None, int]:
-    """Every rank learns (the largest micro-batch size that failed on any rank or None, rank 0's micro-batch size)."""
-    mine = torch.tensor([failed_size or 0, micro_batch_size if ranks.is_main else 0], dtype=torch.int64, device=device)
+def agree(failed_size: int | None, micro_batch_size: int, flags: list[int], ranks: Ranks,
+          device: torch.device) -> tuple[int | None, int, list[int]]:
+    """One small all-reduce per attempt. Every rank learns: the largest micro-batch size that
+    failed on any rank (or None), rank 0's micro-batch size, and the element-wise maximum of
+    `flags` (a stop signal, a checkpoint due), so all ranks stop and save at the same step."""
+    mine = torch.tensor([failed_size or 0, micro_batch_size if ranks.is_main else 0, *flags],
+                        dtype=torch.int64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    failed, rank0_micro = (int(v) for v in mine.tolist())
-    return (failed or None), rank0_micro
+    values = [int(v) for v in mine.tolist()]
+    return (values[0] or None), values[1], values[2:]
 
 
-def agree_flags(flags: list[int], device: torch.device) -> list[int]:
-    """Element-wise maximum of small integer flags over all ranks (a stop signal, a checkpoint due)."""
-    mine = torch.tensor(flags, dtype=torch.int64, device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return [int(v) for v in mine.tolist()]
+class GradientBucket:
+    """All gradients as views of one flat buffer, so averaging them is one in-place all-reduce
+    with no copies. Gradients are zeroed in place (never set to None) to keep the views."""
 
+    def __init__(self, parameters: Iterable[torch.nn.Parameter]):
+        self.params = [p for p in parameters if p.requires_grad]
+        total = sum(p.numel() for p in self.params)
+        first = self.params[0] if self.params else None
+        self.flat = torch.zeros(total, dtype=first.dtype if first is not None else torch.float32,
+                                device=first.device if first is not None else "cpu")
+        self.bind()
 
-def average_gradients(parameters: Iterable[torch.nn.Parameter], world: int) -> None:
-    """Average gradients over ranks in one flat all-reduce. A parameter with no gradient on
-    this rank counts as zeros, so every rank sends the same layout."""
-    params = [p for p in parameters if p.requires_grad]
-    if not params:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat /= world
-    offset = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[offset:offset + g.numel()].view_as(p).clone() if p.grad is None else p.grad.copy_(
-            flat[offset:offset + g.numel()].view_as(p))
-        offset += g.numel()
+    def bind(self) -> None:
+        """Point every parameter's .grad at its slice of the buffer (again, if something reset it)."""
+        offset = 0
+        for p in self.params:
+            view = self.flat[offset:offset + p.numel()].view_as(p)
+            if p.grad is not view:
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+            offset += p.numel()
+
+    def average(self, world: int) -> None:
+        self.bind()
+        dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
+        self.flat /= world
+
+    def zero(self) -> None:
+        self.flat.zero_()
+        self.bind()
 
 
 def gather(obj: Any, ranks: Ranks) -> list[Any]:

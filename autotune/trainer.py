@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import inspect
 import os
 import random
 import signal
@@ -53,7 +54,7 @@ from autotune.journal import Journal
 from autotune.knobs import Knobs
 from autotune.checkpoint import Checkpoints, rng_state, set_rng_state
 from autotune.detectors import MemoryDetector
-from autotune.distributed import agree, agree_flags, average_gradients, from_environment, gather, init_process_group
+from autotune.distributed import GradientBucket, agree, from_environment, gather, init_process_group
 from autotune.memory import allocator_stats, cuda_uuid, describe_memory, device_sample, free_memory, load_libc
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL, MonitorProcess
 from autotune.oom import OutOfMemory, is_oom
@@ -213,7 +214,12 @@ class AutoTrainer:
         if self.ranks is not None:
             # DDP broadcasts rank 0's weights and buffers now; its own gradient sync is never
             # used (always no_sync): gradients are averaged after the ranks agree.
-            self._ddp = DistributedDataParallel(self.model, broadcast_buffers=False,
+            # Buffers are synced once at init, never in forward (a forward-time broadcast is a
+            # collective a failing rank could miss). torch >= 2.14 spells it forward_sync_buffers.
+            no_forward_sync = ({"forward_sync_buffers": False}
+                               if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                               else {"broadcast_buffers": False})
+            self._ddp = DistributedDataParallel(self.model, **no_forward_sync,
                                                 device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._forward_model = self._ddp if self._ddp is not None else self.model
         self.loss_fn = loss_fn
@@ -245,6 +251,7 @@ class AutoTrainer:
             self._check_sample_layout(dataset[0])
 
         self.optimizer = self._make_optimizer(optimizer)
+        self._bucket = GradientBucket(self.model.parameters()) if self.ranks is not None else None
         if run_dir is None:
             run_dir = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
             if self.ranks is not None:
@@ -383,9 +390,9 @@ class AutoTrainer:
             gc.freeze()
         epoch_loss = None
         try:
-            with StopRequests() as stop:
+            with StopRequests() as self._stop:
                 while self.epoch < epochs and (max_steps is None or self.step < max_steps):
-                    epoch_loss = self._train_epoch(bar, max_steps, stop)
+                    epoch_loss = self._train_epoch(bar, max_steps)
             self._checkpoint("end")
         except BaseException as exc:
             # On the record before it propagates, so a crashed run's journal says why it ended.
@@ -409,7 +416,7 @@ class AutoTrainer:
         self._fire(Event.FIT_END)
         return result
 
-    def _train_epoch(self, bar: _ProgressBar, max_steps: int | None, stop: StopRequests) -> float | None:
+    def _train_epoch(self, bar: _ProgressBar, max_steps: int | None) -> float | None:
         if self.sampler is not None:
             # The order is a function of (seed, epoch); a resumed epoch starts where it stopped.
             self.sampler.set_epoch(self.epoch, start=self.position)
@@ -453,9 +460,7 @@ class AutoTrainer:
                 last_shown = step_end
                 bar.set_postfix(loss=f"{loss_sum.item() / max(loss_samples, 1):.4f}",
                                 micro=self.knobs.micro_batch_size, mem=self._memory_text(), refresh=False)
-            signum, checkpoint_due = stop.signum or 0, self._checkpoint_due()
-            if self.ranks is not None:  # the same stop and the same checkpoints on every rank
-                signum, checkpoint_due = agree_flags([signum, checkpoint_due], self.device)
+            signum, checkpoint_due = self._flags  # agreed by all ranks under torchrun
             if signum:
                 self._preempt(signum)
             if checkpoint_due:
@@ -483,15 +488,16 @@ class AutoTrainer:
         loss_sum = torch.zeros((), device=self.device)
         while done < n:
             failed_size, done, attempt_loss = self._attempt(batch, n, done)
+            self._flags = [self._stop.signum or 0, self._checkpoint_due()]
             if self.ranks is not None:
                 # Every rank joins here, failed or not: nobody waits in a gradient all-reduce
                 # for a rank that ran out of memory (see distributed.py).
-                failed_size, self.knobs.micro_batch_size = agree(failed_size, self.knobs.micro_batch_size,
-                                                                 self.ranks, self.device)
+                failed_size, self.knobs.micro_batch_size, self._flags = agree(
+                    failed_size, self.knobs.micro_batch_size, self._flags, self.ranks, self.device)
             if failed_size is None:
                 if self.keep_effective_batch:
-                    if self.ranks is not None:
-                        average_gradients(self.model.parameters(), self.ranks.world)
+                    if self._bucket is not None:
+                        self._bucket.average(self.ranks.world)
                     self._optimizer_step(n)
                     done = n
                 loss_sum += attempt_loss
@@ -539,6 +545,12 @@ class AutoTrainer:
             return size, done, loss_sum if not self.keep_effective_batch else loss_sum.zero_()
         return None, done, loss_sum
 
+    def _zero_grad(self) -> None:
+        if self._bucket is not None:
+            self._bucket.zero()  # in place: the gradients stay views of the all-reduce buffer
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
     def _no_sync(self) -> Any:
         # Under torchrun DDP must not all-reduce inside backward: a rank may still fail.
         return self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext()
@@ -577,7 +589,7 @@ class AutoTrainer:
             self._checkpoint("out_of_memory")
             raise OutOfMemory(f"out of memory on {self.device} in optimizer.step(): the optimizer state does "
                               f"not fit, whatever the micro-batch. Memory: {memory}. Last error: {failure}")
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         if self.scheduler is not None:
             self.scheduler.step()
         self.step += 1
@@ -586,7 +598,7 @@ class AutoTrainer:
     def _recover_from_oom(self, failed_size: int, tried: list[int]) -> None:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""
         # Partial gradients of the failed batch must not leak into the retry.
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         free_memory(self.device)
         self.ooms += 1
         self.journal.write("oom", self.step, self.epoch, micro_batch_size=failed_size, device=str(self.device),
@@ -769,11 +781,12 @@ class AutoTrainer:
         # there is memory, so the path itself needs next to nothing later.
         self._last_oom_message = ""
         self._last_oom_injected = False
+        self._flags = [0, 0]
         is_oom(RuntimeError("warm-up"))
         load_libc()
         describe_memory(self.device)
         self._memory_text()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
 
     def _memory_text(self) -> str:
         sample = device_sample(self.device, self.knobs.memory_cap_bytes)
