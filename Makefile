@@ -27,6 +27,8 @@ bench: install
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/recovery.py
 	$(PY) benchmarks/monitor.py
+	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/ddp.py
 
 # On a CUDA machine: the gpu-marked tests plus a short GPU timing. Runs with the
 # machine's own python (GPU machines bring torch with CUDA), not the venv.
