@@ -130,3 +130,52 @@ def test_resume_without_a_checkpoint_starts_fresh(tmp_path, reference):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert_same(reference, run_dir, result)
     assert [r for r in journal(run_dir) if r["kind"] == "resume"][0]["found"] is False
+
+
+def _start(run_dir, slow):
+    import subprocess
+    import sys
+    import textwrap
+
+    settings = f"KILL_AT=None\nRESUME=False\nEVERY=2\nMICRO=None\nSLOW={slow}\nRUN_DIR={str(run_dir)!r}\n"
+    preamble = "import json\ndef save(obj):\n    json.dump(obj, open(RUN_DIR + '/result.json', 'w'))\n"
+    return subprocess.Popen([sys.executable, "-c", settings + preamble + textwrap.dedent(TRAIN)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_started(run_dir):
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (run_dir / "events.jsonl").exists():
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("delay", [0.37, 0.81, 1.53])
+def test_sigkill_from_outside_at_an_arbitrary_moment(tmp_path, reference, delay):
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, slow=0.02)
+    _wait_started(run_dir)
+    time.sleep(delay)  # anywhere: in a step, in a checkpoint write, between them
+    proc.kill()
+    proc.communicate(timeout=30)
+    proc, result = run(tmp_path, run_dir, resume=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_same(reference, run_dir, result)
+
+
+def test_a_second_sigint_aborts_at_once(tmp_path):
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, slow=0.5)  # long steps: the first SIGINT waits for the step to end
+    _wait_started(run_dir)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert "KeyboardInterrupt" in stderr
+    assert not [r for r in journal(run_dir) if r["kind"] == "preempted"]
