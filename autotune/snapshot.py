@@ -68,6 +68,7 @@ class Snapshot:
     device: str
     keep_effective_batch: bool = True
     failed_micro_batch: int | None = None  # set on OOM: the size that just failed
+    last_good_micro_batch: int | None = None  # the micro-batch of the last batch that completed
     ooms: int = 0  # OOMs survived so far in this fit
     sample: DeviceSample | None = None  # latest memory reading
     window: tuple[DeviceSample, ...] = ()  # recent readings, oldest first

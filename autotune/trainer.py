@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+import psutil
 import torch
 from loguru import logger
 from torch import nn
@@ -63,7 +64,7 @@ from autotune.preemption import Preempted, StopRequests
 from autotune.presets import resolve_policies
 from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot, StepTiming
 from autotune.data.sampler import EpochSampler
-from autotune.units import format_bytes
+from autotune.units import format_bytes, parse_bytes
 
 class _ProgressBar(tqdm):
     # tqdm's monitor thread is started on the first bar; under a hard memory cap a thread
@@ -114,6 +115,38 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+def resolve_memory_cap(cap: float | int | str | None, device: torch.device) -> int | None:
+    """`memory_cap` in bytes (None: no cap of our own). On CUDA the cap is also set as the
+    allocator's per-process fraction, so going past it is an OOM rather than a slow-down."""
+    if cap is None:
+        return None
+    total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+             else psutil.virtual_memory().total)
+    if isinstance(cap, bool):
+        raise TypeError(f"memory_cap={cap!r}: pass a fraction, a number of bytes, or a size like '12GiB'")
+    if isinstance(cap, float):
+        if not 0 < cap <= 1:
+            raise ValueError(f"memory_cap={cap!r}: a fraction must be in (0, 1]; for bytes pass an int or '12GiB'")
+        cap_bytes = int(cap * total)
+    elif isinstance(cap, int):
+        if cap <= 0:
+            raise ValueError(f"memory_cap={cap!r} must be positive")
+        cap_bytes = cap
+    elif isinstance(cap, str):
+        try:
+            cap_bytes = parse_bytes(cap)
+        except ValueError as exc:
+            raise ValueError(f"memory_cap: {exc}") from None
+    else:
+        raise TypeError(f"memory_cap={cap!r}: pass a fraction, a number of bytes, or a size like '12GiB'")
+    if cap_bytes > total:
+        raise ValueError(f"memory_cap={cap!r} ({format_bytes(cap_bytes)}) is more than the {device} has "
+                         f"({format_bytes(total)})")
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(cap_bytes / total, device)
+    return cap_bytes
+
+
 def to_device(obj: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to `device`."""
     if isinstance(obj, torch.Tensor):
@@ -160,6 +193,12 @@ class AutoTrainer:
         checkpoint_interval: and/or every this many seconds (default 900; None: off). A
             checkpoint is also written at the end of `fit`, on SIGTERM/SIGINT, and before
             giving up on an OOM. `run_dir/checkpoints/`, the last `keep_checkpoints` kept.
+        memory_cap: keep memory under this: a fraction of the device (0 < f <= 1), bytes (an
+            int), or a size such as "12GiB". On CUDA it is enforced with
+            `torch.cuda.set_per_process_memory_fraction`; on CPU it is a soft cap on the
+            resident memory of the process and its workers that the policies keep under (the
+            effective cap is the tightest of it, the cgroup limit and RLIMIT_AS). It is the
+            denominator of memory pressure.
         inject_oom: probability per micro-batch of a fake `torch.OutOfMemoryError`, raised
             through the same path as a real one, to test a setup (default: the
             AUTOTUNE_INJECT_OOM environment variable, else off).
@@ -192,6 +231,7 @@ class AutoTrainer:
         checkpoint_interval: float | None = 900.0,
         keep_checkpoints: int = 3,
         inject_oom: float | None = None,
+        memory_cap: float | int | str | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -261,7 +301,8 @@ class AutoTrainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.run_dir / "events.jsonl" if self.is_main else None)  # rank 0 writes
-        self.knobs = Knobs(batch_size=batch_size, micro_batch_size=micro, device=self.device)
+        self.knobs = Knobs(batch_size=batch_size, micro_batch_size=micro, device=self.device,
+                           memory_cap_bytes=resolve_memory_cap(memory_cap, self.device))
         self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
 
         self.scheduler = self._make_scheduler(scheduler)
@@ -375,6 +416,7 @@ class AutoTrainer:
         self.journal.write("fit_start", self.step, self.epoch, device=str(self.device),
                            batch_size=self.knobs.batch_size, micro_batch_size=self.knobs.micro_batch_size,
                            keep_effective_batch=self.keep_effective_batch, epochs=epochs, max_steps=max_steps,
+                           memory_cap=self.knobs.memory_cap_bytes,
                            policies=[p.name for p in self.dispatcher.policies])
         logger.info(f"training on {self.device}: batch {self.knobs.batch_size}, micro-batch "
                     f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
@@ -445,6 +487,7 @@ class AutoTrainer:
             step_start = time.perf_counter()
             n = batch_len(batch)
             retries, batch_loss = self._train_batch(batch, n)
+            self._last_good_micro = self.knobs.micro_batch_size
             step_end = time.perf_counter()
             loss_sum += batch_loss
             loss_samples += n
@@ -627,6 +670,7 @@ class AutoTrainer:
             step=self.step, epoch=self.epoch, batch_size=self.knobs.batch_size,
             micro_batch_size=self.knobs.micro_batch_size, device=str(self.device),
             keep_effective_batch=self.keep_effective_batch, failed_micro_batch=failed_micro_batch,
+            last_good_micro_batch=self._last_good_micro,
             ooms=self.ooms, sample=self._latest_sample(fresh=event is Event.OOM), window=tuple(self._window),
             allocator=self._allocator, timing=timing,
         )
@@ -782,6 +826,7 @@ class AutoTrainer:
         self._last_oom_message = ""
         self._last_oom_injected = False
         self._flags = [0, 0]
+        self._last_good_micro: int | None = None
         is_oom(RuntimeError("warm-up"))
         load_libc()
         describe_memory(self.device)

@@ -8,7 +8,7 @@ from tests.conftest import journal
 def test_policies_lists_builtins_with_parameters(capsys):
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
-    assert "halve_on_oom: " in out and "min_micro_batch = 1" in out and "presets: conservative, default" in out
+    assert "halve_on_oom: " in out and "min_micro_batch = 1" in out and "presets: conservative, default, throughput" in out
 
 
 def test_policies_check_accepts_a_good_preset(tmp_path, capsys):

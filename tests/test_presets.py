@@ -13,9 +13,20 @@ def write(tmp_path, text):
 
 
 def test_shipped_presets_load():
-    for name in ("default", "conservative"):
-        policies = resolve_policies(name)
-        assert [p.name for p in policies] == ["halve_on_oom"]
+    names = {name: [p.name for p in resolve_policies(name)] for name in ("default", "conservative", "throughput")}
+    assert names["default"] == ["halve_on_oom", "empty_cache_on_pressure", "shrink_on_thrash", "grow_back"]
+    assert "shrink_on_thrash" not in names["conservative"] and names["conservative"][0] == "halve_on_oom"
+    assert names["throughput"][-1] == "grow_back"
+
+
+def test_default_toml_names_every_parameter_of_its_policies():
+    # so that "the defaults in code and in default.toml agree" covers every parameter
+    from autotune.presets import PRESET_DIR, tomllib
+
+    for spec in tomllib.loads((PRESET_DIR / "default.toml").read_text())["policy"]:
+        from autotune.presets import resolve_policy
+
+        assert set(spec) - {"use"} == set(policy_parameters(resolve_policy(spec["use"]))), spec["use"]
 
 
 def test_the_repository_policies_folder_is_the_shipped_presets():
@@ -68,7 +79,7 @@ def test_bad_presets_name_the_problem(tmp_path, text, match):
 
 
 def test_unknown_preset_names_the_choices():
-    with pytest.raises(PresetError, match="unknown preset 'fast'; choices: conservative, default"):
+    with pytest.raises(PresetError, match="unknown preset 'fast'; choices: conservative, default, throughput"):
         resolve_policies("fast")
 
 

@@ -129,7 +129,7 @@ def test_journal_records_the_run(tmp_path):
     ({"step_fn": lambda m, b: m(b).sum()}, ValueError, "exactly one"),
     ({"device": "tpu:7"}, ValueError, "device"),
     ({"device": "banana"}, ValueError, "unknown device"),
-    ({"policies": "no-such-preset"}, ValueError, "unknown preset 'no-such-preset'; choices: conservative, default"),
+    ({"policies": "no-such-preset"}, ValueError, "unknown preset 'no-such-preset'; choices: conservative, default, throughput"),
     ({"optimizer": 3}, TypeError, "optimizer"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, kwargs, error, match):

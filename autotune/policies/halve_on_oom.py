@@ -1,7 +1,9 @@
 """halve_on_oom: on an out-of-memory error, halve the micro-batch and retry the same batch.
 
 When: `Event.OOM`, with the micro-batch size that just failed.
-What: `SetMicroBatch(max(min_micro_batch, failed // 2))`. With `keep_effective_batch`
+What: `SetMicroBatch(max(min_micro_batch, failed // 2))`, or back to the last size that
+completed a batch when that lies between the half and the failing size (a probe of
+grow_back that failed returns to the size known to work, not below it). With `keep_effective_batch`
 (the default) the trainer accumulates gradients over the smaller micro-batches, so the
 optimizer still sees the whole batch and nothing is skipped.
 Gives up: when the failing size is already `min_micro_batch`, it returns nothing and the
@@ -44,6 +46,10 @@ class HalveOnOOM:
         if failed <= self.min_micro_batch:
             return []
         new_size = max(self.min_micro_batch, failed // 2)
+        good = snap.last_good_micro_batch
+        if good is not None and new_size < good < failed:
+            return [SetMicroBatch(good, reason=f"out of memory at micro-batch {failed}; back to {good}, "
+                                               "the last size that completed a batch")]
         return [SetMicroBatch(new_size, reason=f"out of memory at micro-batch {failed}; halving to {new_size}")]
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,102 @@
+"""grow_back: after calm steps, grow the micro-batch back toward the batch, by binary search.
+
+When: `Event.BATCH_END` (and `OOM` / `MEMORY_HIGH`, to learn and to reset).
+What: a step is calm when memory is below `headroom` of the cap (or not measured). After
+`calm_steps` calm steps below the batch size it asks for a larger micro-batch:
+  - no recent failure known: double it (up to the batch size);
+  - a size failed recently: halfway between the current size (known to work) and the
+    failing one, so the search converges in log2 steps; once the gap is within `margin`
+    of the current size it stops, and the run stays at the largest size that fits.
+While a failure bound is known, probes need only `search_calm_steps` calm steps: the
+lower bound is already known to work. A failing size is not retried for
+`forget_failure_steps` steps (memory needs change over a run, so it is retried then).
+Started with `micro_batch_size="auto"` the run begins at the batch size and this search
+finds the largest size that fits in a few probes on real batches; nothing is skipped.
+
+Parameters:
+    calm_steps: calm steps before doubling (default 50).
+    search_calm_steps: calm steps before a binary-search probe (default 2).
+    headroom: a step is calm below this fraction of the cap (default 0.8).
+    margin: stop searching when the gap is within this fraction of the size (default 0.1).
+    forget_failure_steps: steps after which a failed size may be tried again (default 2000).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Sequence
+
+from autotune.actions import Action, SetMicroBatch
+from autotune.events import Event
+from autotune.snapshot import Snapshot
+
+
+@dataclasses.dataclass
+class GrowBack:
+    """Grow the micro-batch back after calm steps: double, then binary-search below the last failure."""
+
+    name: ClassVar[str] = "grow_back"
+    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM, Event.MEMORY_HIGH})
+
+    calm_steps: int = 50
+    search_calm_steps: int = 2
+    headroom: float = 0.8
+    margin: float = 0.1
+    forget_failure_steps: int = 2000
+
+    failed: int | None = dataclasses.field(default=None, init=False, repr=False)
+    failed_step: int | None = dataclasses.field(default=None, init=False, repr=False)
+    calm: int = dataclasses.field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("calm_steps", "search_calm_steps", "forget_failure_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"grow_back: {name} must be an integer >= 1, got {value!r}")
+        if not 0 < self.headroom <= 1:
+            raise ValueError(f"grow_back: headroom must be in (0, 1], got {self.headroom!r}")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"grow_back: margin must be in [0, 1), got {self.margin!r}")
+
+    def _recent_failure(self, step: int) -> int | None:
+        if self.failed is None or self.failed_step is None or step - self.failed_step >= self.forget_failure_steps:
+            return None
+        return self.failed
+
+    def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
+        if event is Event.OOM:
+            size = snap.failed_micro_batch or snap.micro_batch_size
+            known = self._recent_failure(snap.step)
+            self.failed = size if known is None else min(known, size)
+            self.failed_step = snap.step
+            self.calm = 0
+            return []
+        if event is Event.MEMORY_HIGH:
+            self.calm = 0
+            return []
+        fraction = snap.sample.used_fraction if snap.sample is not None else None
+        if fraction is not None and fraction >= self.headroom:
+            self.calm = 0
+            return []
+        micro, batch = snap.micro_batch_size, snap.batch_size
+        if micro >= batch:
+            return []
+        self.calm += 1
+        failed = self._recent_failure(snap.step)
+        if failed is not None and failed - micro <= max(1, int(self.margin * micro)):
+            return []  # converged: the largest size that fits, within the margin
+        if self.calm < (self.search_calm_steps if failed is not None else self.calm_steps):
+            return []
+        self.calm = 0
+        if failed is None:
+            target = min(batch, micro * 2)
+            return [SetMicroBatch(target, reason=f"{self.calm_steps} calm steps at {micro}; doubling to {target}")]
+        target = min(batch, (micro + failed) // 2)
+        return [SetMicroBatch(target, reason=f"{micro} works, {failed} failed at step {self.failed_step}; "
+                                             f"trying {target}")]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"failed": self.failed, "failed_step": self.failed_step, "calm": self.calm}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.failed, self.failed_step, self.calm = state.get("failed"), state.get("failed_step"), state.get("calm", 0)
