@@ -13,7 +13,7 @@ import functools
 import torch
 
 from autotune.actions import EmptyCache, SetMicroBatch
-from autotune.memory import device_sample, free_memory
+from autotune.memory import device_sample, free_cpu_caches, free_memory
 from autotune.units import format_bytes
 
 
@@ -47,6 +47,8 @@ def _set_micro_batch(action: SetMicroBatch, knobs: Knobs) -> Outcome:
     if size == knobs.micro_batch_size:
         return Outcome(False, f"micro-batch is already {size}")
     old, knobs.micro_batch_size = knobs.micro_batch_size, size
+    if knobs.device.type == "cpu":
+        free_cpu_caches()  # MKL's buffers sized for the old micro-batch would stay mapped beside the new ones
     return Outcome(True, f"micro-batch {old} -> {size}")
 
 

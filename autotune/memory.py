@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import os
 import sys
 import time
 
@@ -41,13 +42,39 @@ def _malloc_trim() -> None:
         libc.malloc_trim(0)
 
 
+_mkl: ctypes.CDLL | None | bool = None
+
+
+def load_mkl() -> ctypes.CDLL | None:
+    """The MKL inside torch's CPU library, for freeing its buffer cache; None if not there."""
+    global _mkl
+    if _mkl is None:
+        path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+        try:
+            lib = ctypes.CDLL(path)
+            _mkl = lib if hasattr(lib, "mkl_serv_free_buffers") else False
+        except OSError:
+            _mkl = False
+    return _mkl or None
+
+
+def free_cpu_caches() -> None:
+    """Hand back what CPU libraries cache: MKL's buffers (kept at the size of the largest
+    matrix product seen, so a larger micro-batch leaves the old ones mapped) and glibc's
+    freed heap pages."""
+    mkl = load_mkl()
+    if mkl is not None:
+        mkl.mkl_serv_free_buffers()
+    _malloc_trim()
+
+
 def free_memory(device: torch.device) -> None:
     """Collect garbage and return cached memory to the device (CUDA) or the OS (CPU)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     elif device.type == "cpu":
-        _malloc_trim()
+        free_cpu_caches()
 
 
 def device_sample(device: torch.device, soft_cap_bytes: int | None = None) -> DeviceSample:
@@ -92,3 +119,55 @@ def describe_memory(device: torch.device) -> str:
                 f"reserved {format_bytes(torch.cuda.memory_reserved(device))}, "
                 f"device free {format_bytes(free)} of {format_bytes(total)}")
     return describe_host_memory()
+
+
+class StepPeak:
+    """The peak memory of one training step, for how much a step *demands*.
+
+    CUDA: the caching allocator's peak of allocated bytes (reset every step). CPU: the
+    process's peak resident size (VmHWM), reset through /proc/self/clear_refs; where that
+    is not possible (not Linux, no permission) the CPU peak is not available (None).
+    """
+
+    _CLEAR_REFS = "/proc/self/clear_refs"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.available = device.type == "cuda" or self._reset_host()
+
+    def _reset_host(self) -> bool:
+        try:
+            with open(self._CLEAR_REFS, "w") as f:
+                f.write("5")  # 5: reset the peak resident size to the current one
+            return True
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.available:
+            self._reset_host()
+
+    def current(self) -> int | None:
+        """Memory in use now, in the same measure as `peak`."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return _status_bytes("VmRSS:") if self.available else None
+
+    def peak(self) -> int | None:
+        """The peak since `start`."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return _status_bytes("VmHWM:") if self.available else None
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -69,6 +69,10 @@ class Snapshot:
     keep_effective_batch: bool = True
     failed_micro_batch: int | None = None  # set on OOM: the size that just failed
     last_good_micro_batch: int | None = None  # the micro-batch of the last batch that completed
+    # What the last step demanded, as a share of the room it had: (step peak - memory in use
+    # when the fit started) / (cap - memory in use when the fit started). Near 1: the step
+    # barely fits. None where the step peak cannot be measured.
+    step_demand: float | None = None
     ooms: int = 0  # OOMs survived so far in this fit
     sample: DeviceSample | None = None  # latest memory reading
     window: tuple[DeviceSample, ...] = ()  # recent readings, oldest first

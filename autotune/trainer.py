@@ -56,7 +56,8 @@ from autotune.knobs import Knobs
 from autotune.checkpoint import Checkpoints, rng_state, set_rng_state
 from autotune.detectors import MemoryDetector
 from autotune.distributed import GradientBucket, agree, from_environment, gather, init_process_group
-from autotune.memory import allocator_stats, cuda_uuid, describe_memory, device_sample, free_memory, load_libc
+from autotune.memory import (StepPeak, allocator_stats, cuda_uuid, describe_memory, device_sample, free_memory,
+                             load_libc, load_mkl)
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL, MonitorProcess
 from autotune.oom import OutOfMemory, is_oom
 from autotune.policy import Policy
@@ -173,6 +174,7 @@ class AutoTrainer:
             default AdamW(lr=1e-3).
         batch_size: samples per optimizer step.
         micro_batch_size: samples per forward/backward at the start; default `batch_size`.
+            "auto" starts at `batch_size` and lets the policies find the largest that fits.
         keep_effective_batch: on OOM, accumulate smaller micro-batches into the same step
             (True) or make each smaller chunk its own optimizer step (False).
         device: "cpu", "cuda", "cuda:1" or a `torch.device`; default CUDA when available.
@@ -213,7 +215,7 @@ class AutoTrainer:
         step_fn: StepFn | None = None,
         optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
         batch_size: int = 32,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | str | None = None,
         keep_effective_batch: bool = True,
         device: str | torch.device | None = None,
         policies: str | Path | Sequence[Policy] = "default",
@@ -282,7 +284,9 @@ class AutoTrainer:
         batch_size = self.loader.batch_size or batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        micro = batch_size if micro_batch_size is None else micro_batch_size
+        # "auto": start at the whole batch; OOMs halve it and grow_back's binary search finds
+        # the largest size that fits, on real batches, nothing skipped.
+        micro = batch_size if micro_batch_size in (None, "auto") else micro_batch_size
         if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
             raise ValueError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
         if micro > batch_size:
@@ -486,8 +490,10 @@ class AutoTrainer:
                 break
             step_start = time.perf_counter()
             n = batch_len(batch)
+            self._peak.start()
             retries, batch_loss = self._train_batch(batch, n)
             self._last_good_micro = self.knobs.micro_batch_size
+            self._step_demand = self._demand()
             step_end = time.perf_counter()
             loss_sum += batch_loss
             loss_samples += n
@@ -670,7 +676,7 @@ class AutoTrainer:
             step=self.step, epoch=self.epoch, batch_size=self.knobs.batch_size,
             micro_batch_size=self.knobs.micro_batch_size, device=str(self.device),
             keep_effective_batch=self.keep_effective_batch, failed_micro_batch=failed_micro_batch,
-            last_good_micro_batch=self._last_good_micro,
+            last_good_micro_batch=self._last_good_micro, step_demand=self._step_demand,
             ooms=self.ooms, sample=self._latest_sample(fresh=event is Event.OOM), window=tuple(self._window),
             allocator=self._allocator, timing=timing,
         )
@@ -827,11 +833,26 @@ class AutoTrainer:
         self._last_oom_injected = False
         self._flags = [0, 0]
         self._last_good_micro: int | None = None
+        self._step_demand: float | None = None
+        # The room a step has: the cap less what is in use before training (weights, libraries).
+        self._peak = StepPeak(self.device)
+        sample = device_sample(self.device, self.knobs.memory_cap_bytes)
+        in_use = self._peak.current()
+        self._room: tuple[int, int] | None = None
+        if sample.cap_bytes is not None and sample.used_bytes is not None and in_use is not None:
+            self._room = (in_use, sample.cap_bytes - sample.used_bytes)
         is_oom(RuntimeError("warm-up"))
         load_libc()
+        load_mkl()
         describe_memory(self.device)
         self._memory_text()
         self._zero_grad()
+
+    def _demand(self) -> float | None:
+        peak = self._peak.peak()
+        if peak is None or self._room is None or self._room[1] <= 0:
+            return None
+        return max(0, peak - self._room[0]) / self._room[1]
 
     def _memory_text(self) -> str:
         sample = device_sample(self.device, self.knobs.memory_cap_bytes)

@@ -5,6 +5,9 @@ refuse a large micro-batch and admit a small one. Parameters have no batch-depen
 layers, so a run that hit OOMs must end with the same weights as one that did not.
 """
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -114,14 +117,15 @@ def test_out_of_memory_at_micro_batch_one_is_a_clear_error(tmp_path):
     assert "error" in result, result
     message = result["error"]
     assert "out of memory on cpu even at micro-batch 1" in message
-    assert "sizes tried on this batch: 8, 4, 2, 1" in message
+    assert re.search(r"sizes tried on this batch: (\d+, )*1\)", message), message
     assert "RLIMIT_AS" in message and "can't allocate memory" in message
     records = journal(run_dir)
     gave_up = [r for r in records if r["kind"] == "out_of_memory"]
-    assert gave_up and gave_up[0]["tried"] == [8, 4, 2, 1]
+    assert gave_up and gave_up[0]["tried"][-1] == 1
+    assert {r["micro_batch_size"] for r in records if r["kind"] == "oom"} == {8, 4, 2, 1}  # halved all the way
     # progress is saved before the error propagates
     saved = [r for r in records if r["kind"] == "checkpoint" and r["reason"] == "out_of_memory"]
-    assert saved and (run_dir / "checkpoints" / "step-000000000.pt").exists(), records[-3:]
+    assert saved and Path(saved[0]["path"]).exists(), records[-3:]
 
 
 def test_without_keep_effective_batch_no_sample_is_skipped_or_repeated(tmp_path):

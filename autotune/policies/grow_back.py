@@ -1,9 +1,11 @@
 """grow_back: after calm steps, grow the micro-batch back toward the batch, by binary search.
 
 When: `Event.BATCH_END` (and `OOM` / `MEMORY_HIGH`, to learn and to reset).
-What: a step is calm when memory is below `headroom` of the cap (or not measured). After
-`calm_steps` calm steps below the batch size it asks for a larger micro-batch:
-  - no recent failure known: double it (up to the batch size);
+What: a step is calm when it demanded less than `headroom` of the room it had (its peak
+over the cap, less what was in use before training: `Snapshot.step_demand`), or when that
+is not measured. After `calm_steps` calm steps below the batch size it asks for more:
+  - no recent failure known: double it (up to the batch size), but no further than the
+    size the last step's demand predicts would just fit (demand grows with the batch);
   - a size failed recently: halfway between the current size (known to work) and the
     failing one, so the search converges in log2 steps; once the gap is within `margin`
     of the current size it stops, and the run stays at the largest size that fits.
@@ -16,7 +18,7 @@ finds the largest size that fits in a few probes on real batches; nothing is ski
 Parameters:
     calm_steps: calm steps before doubling (default 50).
     search_calm_steps: calm steps before a binary-search probe (default 2).
-    headroom: a step is calm below this fraction of the cap (default 0.8).
+    headroom: a step is calm below this share of its room (default 0.9).
     margin: stop searching when the gap is within this fraction of the size (default 0.1).
     forget_failure_steps: steps after which a failed size may be tried again (default 2000).
 """
@@ -36,11 +38,11 @@ class GrowBack:
     """Grow the micro-batch back after calm steps: double, then binary-search below the last failure."""
 
     name: ClassVar[str] = "grow_back"
-    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM, Event.MEMORY_HIGH})
+    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM})
 
     calm_steps: int = 50
     search_calm_steps: int = 2
-    headroom: float = 0.8
+    headroom: float = 0.9
     margin: float = 0.1
     forget_failure_steps: int = 2000
 
@@ -71,11 +73,8 @@ class GrowBack:
             self.failed_step = snap.step
             self.calm = 0
             return []
-        if event is Event.MEMORY_HIGH:
-            self.calm = 0
-            return []
-        fraction = snap.sample.used_fraction if snap.sample is not None else None
-        if fraction is not None and fraction >= self.headroom:
+        demand = snap.step_demand
+        if demand is not None and demand >= self.headroom:
             self.calm = 0
             return []
         micro, batch = snap.micro_batch_size, snap.batch_size
@@ -90,7 +89,12 @@ class GrowBack:
         self.calm = 0
         if failed is None:
             target = min(batch, micro * 2)
-            return [SetMicroBatch(target, reason=f"{self.calm_steps} calm steps at {micro}; doubling to {target}")]
+            if demand:  # demand grows about linearly with the micro-batch: do not jump past the edge
+                target = min(target, int(micro / demand))
+            if target <= micro:
+                return []
+            return [SetMicroBatch(target, reason=f"{self.calm_steps} calm steps at {micro} (demand "
+                                                 f"{demand if demand is None else round(demand, 2)}); growing to {target}")]
         target = min(batch, (micro + failed) // 2)
         return [SetMicroBatch(target, reason=f"{micro} works, {failed} failed at step {self.failed_step}; "
                                              f"trying {target}")]

@@ -4,10 +4,10 @@ from autotune.policies import GrowBack, HalveOnOOM
 from autotune.snapshot import DeviceSample, Snapshot
 
 
-def snap(step, micro, batch=1024, fraction=0.5, failed=None, good=None):
+def snap(step, micro, batch=1024, demand=None, failed=None, good=None):
     return Snapshot(step=step, epoch=0, batch_size=batch, micro_batch_size=micro, device="cpu",
-                    failed_micro_batch=failed, last_good_micro_batch=good,
-                    sample=DeviceSample(time=0.0, used_bytes=int(fraction * 100), cap_bytes=100))
+                    failed_micro_batch=failed, last_good_micro_batch=good, step_demand=demand,
+                    sample=DeviceSample(time=0.0, used_bytes=98, cap_bytes=100))  # raw fraction: ignored
 
 
 def run_until_action(policy, micro, start_step=0, **kwargs):
@@ -26,14 +26,19 @@ def test_doubles_after_calm_steps_up_to_the_batch():
     assert action.size == 1000
 
 
-def test_high_memory_is_not_calm():
-    policy = GrowBack(calm_steps=3, headroom=0.8)
+def test_a_step_that_demanded_most_of_its_room_is_not_calm():
+    policy = GrowBack(calm_steps=3, headroom=0.9)
     for step in range(20):
-        assert policy.decide(Event.BATCH_END, snap(step, 64, fraction=0.85)) == []
-    policy.decide(Event.BATCH_END, snap(20, 64))
-    policy.decide(Event.BATCH_END, snap(21, 64))
-    policy.decide(Event.MEMORY_HIGH, snap(22, 64))  # resets the count
-    assert policy.decide(Event.BATCH_END, snap(23, 64)) == []
+        assert policy.decide(Event.BATCH_END, snap(step, 64, demand=0.95)) == []
+
+
+def test_growth_stops_where_the_demand_predicts_the_edge():
+    policy = GrowBack(calm_steps=1)
+    (action,) = policy.decide(Event.BATCH_END, snap(0, 300, demand=0.6))
+    assert action.size == 500  # 300 / 0.6: doubling to 600 would be predicted not to fit
+    (action,) = policy.decide(Event.BATCH_END, snap(1, 500, demand=0.89))  # still calm (< 0.9)
+    assert action.size == 561  # 500 / 0.89
+    assert policy.decide(Event.BATCH_END, snap(2, 561, demand=0.995)) == []  # at the edge: stays
 
 
 def test_binary_search_below_a_failure_converges_then_stays():
