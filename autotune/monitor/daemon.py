@@ -267,16 +267,21 @@ def run_daemon(args: argparse.Namespace) -> int:
                                   job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
 
     def stop(*_: Any) -> None:
+        stop_requested.set()
         if scheduler.running:
             scheduler.shutdown(wait=False)
 
+    def stop_if_requested() -> None:  # a signal between the handler swap and start() is not lost
+        if stop_requested.is_set():
+            stop()
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    daemon.tick()
     if stop_requested.is_set():  # a signal came during start-up: stop after one sample
-        daemon.tick()
         print(f"stopped after {daemon.samples} samples")
         return 0
-    daemon.tick()
+    scheduler.add_job(stop_if_requested, "interval", seconds=0.5, id="stop")
     scheduler.add_job(daemon.tick, "interval", seconds=args.interval, id="sample")
     if out is not None:
         scheduler.add_job(out.flush, "interval", seconds=2.0, id="flush")
