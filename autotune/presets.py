@@ -34,7 +34,25 @@ ENTRY_POINT_GROUP = "autotune.policies"
 
 
 class PresetError(ValueError):
-    """A preset or one of its policies is not valid; the message names the file, policy and key."""
+    """A preset or one of its policies is not valid; the message names the file, line, policy and key."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+def _line_of(text: str, policy_index: int, key: str | None) -> int | None:
+    """The line (1-based) of `key` in the `policy_index`-th [[policy]] table, or of the table itself."""
+    tables = [i for i, line in enumerate(text.splitlines()) if line.strip().startswith("[[policy]]")]
+    if policy_index >= len(tables):
+        return None
+    lines = text.splitlines()
+    end = tables[policy_index + 1] if policy_index + 1 < len(tables) else len(lines)
+    for i in range(tables[policy_index] + 1, end):
+        name = lines[i].split("=", 1)[0].strip()
+        if key is not None and "=" in lines[i] and name == key:
+            return i + 1
+    return tables[policy_index] + 1
 
 
 def preset_names() -> list[str]:
@@ -89,7 +107,7 @@ def _check_type(where: str, key: str, value: Any, default: Any) -> None:
     else:
         expected = (type(default),)
     if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
-        raise PresetError(f"{where}: {key} = {value!r} must be {' or '.join(t.__name__ for t in expected)}")
+        raise PresetError(f"{where}: {key} = {value!r} must be {' or '.join(t.__name__ for t in expected)}", key=key)
 
 
 def build_policy(spec: dict[str, Any], where: str = "policy") -> Policy:
@@ -97,21 +115,23 @@ def build_policy(spec: dict[str, Any], where: str = "policy") -> Policy:
     spec = dict(spec)
     use = spec.pop("use", None)
     if not isinstance(use, str):
-        raise PresetError(f"{where}: missing 'use = \"policy_name\"'")
+        raise PresetError(f"{where}: missing 'use = \"policy_name\"'", key=None)
     try:
         cls = resolve_policy(use)
     except PresetError as exc:
-        raise PresetError(f"{where}: {exc}") from exc
+        raise PresetError(f"{where}: {exc}", key="use") from exc
     where = f"{where} ({use})"
     params = policy_parameters(cls)
     for key, value in spec.items():
         if key not in params:
-            raise PresetError(f"{where}: unknown key {key!r}; choices: {', '.join(params) or '(none)'}")
+            raise PresetError(f"{where}: unknown key {key!r}; choices: {', '.join(params) or '(none)'}", key=key)
         _check_type(where, key, value, params[key])
     try:
         policy = cls(**spec)
     except (TypeError, ValueError) as exc:
-        raise PresetError(f"{where}: {exc}") from exc
+        # a policy names the bad parameter first in its message ("grow_back: margin must ...")
+        named = next((k for k in spec if f" {k} " in f" {exc} "), None)
+        raise PresetError(f"{where}: {exc}", key=named) from exc
     if not isinstance(policy, Policy):
         raise PresetError(f"{where}: {cls.__name__} lacks the Policy interface (name, events, decide, state_dict, load_state_dict)")
     return policy
@@ -131,7 +151,15 @@ def load_preset(path: Path) -> list[Policy]:
     specs = data.get("policy", [])
     if not isinstance(specs, list):
         raise PresetError(f"{path}: 'policy' must be an array of tables ([[policy]])")
-    return [build_policy(spec, where=f"{path}: policy #{i + 1}") for i, spec in enumerate(specs)]
+    policies = []
+    text = path.read_text()
+    for i, spec in enumerate(specs):
+        try:
+            policies.append(build_policy(spec, where=f"policy #{i + 1}"))
+        except PresetError as exc:
+            line = _line_of(text, i, exc.key)
+            raise PresetError(f"{path}:{line}: {exc}" if line else f"{path}: {exc}", key=exc.key) from exc
+    return policies
 
 
 def resolve_policies(policies: str | Path | Sequence[Policy]) -> list[Policy]:

@@ -25,7 +25,7 @@ def test_a_bad_preset_is_one_clear_line_not_a_traceback(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert f"{path}: policy #1 (halve_on_oom): unknown key 'min_micro'" in proc.stderr
+    assert f"{path}:3: policy #1 (halve_on_oom): unknown key 'min_micro'" in proc.stderr  # file:line
 
 
 def test_demo_survives_its_ooms_and_says_so(tmp_path):

@@ -91,3 +91,13 @@ def test_missing_preset_file_is_an_error(tmp_path):
 def test_every_builtin_is_listed_by_its_name():
     for name, cls in BUILTIN_POLICIES.items():
         assert cls.name == name
+
+
+def test_errors_name_the_line_of_the_bad_key_and_value(tmp_path):
+    path = write(tmp_path, '[[policy]]\nuse = "halve_on_oom"\n\n[[policy]]\nuse = "grow_back"\n'
+                           'calm_steps = 5\nmargin = 1.5\n')
+    with pytest.raises(PresetError, match=r"preset.toml:7: policy #2 \(grow_back\): .*margin must be in \[0, 1\), got 1.5"):
+        load_preset(path)
+    path = write(tmp_path, '[[policy]]\nuse = "no_such_policy"\n')
+    with pytest.raises(PresetError, match=r"preset.toml:2: policy #1: unknown policy 'no_such_policy'"):
+        load_preset(path)
