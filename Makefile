@@ -9,10 +9,11 @@ TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
 .PHONY: install demo test bench gpu-check clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml examples/custom_policy/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH_PINS)
 	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet --no-deps -e examples/custom_policy  # the example plug-in, tested by the suite
 	touch $@
 
 install: $(VENV)/.installed

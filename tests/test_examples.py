@@ -15,8 +15,9 @@ def run(script, tmp_path):
     return proc.stdout
 
 
-def test_custom_policy_example_journals_its_actions(tmp_path):
-    out = run("custom_policy.py", tmp_path)
+def test_plugin_policy_example_journals_its_actions(tmp_path):
+    # the plug-in package is installed by `make install` (pip install -e examples/custom_policy)
+    out = run("custom_policy/train.py", tmp_path)
     assert "done: 2048 samples" in out
     (journal,) = (tmp_path / "runs").glob("*/events.jsonl")
     actions = [json.loads(line) for line in journal.read_text().splitlines() if '"action"' in line]
