@@ -66,7 +66,7 @@ def largest(tmp_path_factory):
 
 def train(tmp_path, start):
     run_dir = tmp_path / "run"
-    proc, result = run_python(f"START={start}\nRUN_DIR={str(run_dir)!r}\n" + TRAIN, tmp_path)
+    proc, result = run_python(f"START={start!r}\nRUN_DIR={str(run_dir)!r}\n" + TRAIN, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return result, journal(run_dir)
 
@@ -79,7 +79,7 @@ def test_from_far_below_it_grows_to_within_10_percent(tmp_path, largest):
 
 
 def test_from_far_above_it_shrinks_grows_back_and_settles(tmp_path, largest):
-    result, records = train(tmp_path, start=2048)
+    result, records = train(tmp_path, start="auto")  # "auto": start at the whole batch, 2048
     assert result["samples"] == 8192 * 3
     # within 10% of the largest size a fresh process fits (the probe is itself within 2%)
     assert abs(result["micro"] - largest) <= 0.1 * largest, (result, largest)

@@ -131,6 +131,11 @@ def test_journal_records_the_run(tmp_path):
     ({"device": "banana"}, ValueError, "unknown device"),
     ({"policies": "no-such-preset"}, ValueError, "unknown preset 'no-such-preset'; choices: conservative, default, throughput"),
     ({"optimizer": 3}, TypeError, "optimizer"),
+    ({"memory_cap": 1.5}, ValueError, r"memory_cap=1.5: a fraction must be in \(0, 1\]"),
+    ({"memory_cap": "lots"}, ValueError, "memory_cap: 'lots' is not a size"),
+    ({"memory_cap": "12 parsecs"}, ValueError, "unknown unit 'parsecs'"),
+    ({"memory_cap": 10**18}, ValueError, "is more than the cpu has"),
+    ({"micro_batch_size": "big"}, ValueError, "micro_batch_size must be an integer >= 1"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -191,3 +196,13 @@ def test_dataloader_with_another_layout_and_loss_fn_is_a_clear_error(tmp_path):
     loader = DataLoader([{"x": torch.zeros(8)} for _ in range(4)], batch_size=2)
     with pytest.raises(TypeError, match=r"must be \(inputs, targets\); got dict"):
         trainer(tmp_path, data=loader).fit()
+
+
+def test_memory_cap_becomes_the_soft_cap_on_cpu(tmp_path):
+    t = trainer(tmp_path, memory_cap="1GiB")
+    assert t.knobs.memory_cap_bytes == 2**30
+    assert trainer(tmp_path, memory_cap=0.5).knobs.memory_cap_bytes > 0
+
+
+def test_auto_micro_batch_starts_at_the_batch(tmp_path):
+    assert trainer(tmp_path, batch_size=16, micro_batch_size="auto").knobs.micro_batch_size == 16

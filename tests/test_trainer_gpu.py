@@ -40,3 +40,22 @@ def test_real_cuda_oom_is_recovered_with_the_same_weights(tmp_path):
     assert any(r["kind"] == "oom" and r["device"].startswith("cuda") for r in journal(tmp_path / "capped"))
     for key in free_weights:
         torch.testing.assert_close(free_weights[key], capped_weights[key], rtol=1e-4, atol=1e-5)
+
+
+def test_memory_cap_is_enforced_and_recovered_from(tmp_path):
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(4096, 256, generator=g), torch.randint(0, 8, (4096,), generator=g))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 32768), nn.ReLU(), nn.Linear(32768, 8))
+    torch.cuda.empty_cache()
+    cap = torch.cuda.memory_allocated(device) + 1 * 2**30  # activations at 4096 x 32768 floats need ~1.5 GiB
+    try:
+        trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=4096, device=device,
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.01), memory_cap=cap,
+                              run_dir=tmp_path / "run", progress=False)
+        result = trainer.fit(epochs=1)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert result.ooms >= 1 and result.micro_batch_size < 4096 and result.samples_seen == 4096
+    assert torch.cuda.max_memory_reserved(device) <= cap + 64 * 2**20
