@@ -16,11 +16,10 @@ from pathlib import Path
 import psutil
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import median, write_results  # noqa: E402
-from overhead import BATCH, CLASSES, FEATURES, SAMPLES, make_model  # noqa: E402
+from overhead import BATCH, CLASSES, FEATURES, SAMPLES, make_data, make_model  # noqa: E402
 
 from autotune import AutoTrainer  # noqa: E402
 from autotune.monitor.board import Board, default_path  # noqa: E402
@@ -99,8 +98,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))
+    data = make_data()
     runs = Path("runs/bench-monitor")
     train(data, True, runs / "warm-on")
     train(data, False, runs / "warm-off")

@@ -27,6 +27,11 @@ from autotune.data.sampler import EpochSampler  # noqa: E402
 SAMPLES, FEATURES, CLASSES, BATCH = 8192, 784, 10, 128
 
 
+def make_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))
+
+
 def make_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(FEATURES, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, CLASSES))
@@ -64,8 +69,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))
+    data = make_data()
     run_dir = Path("runs/bench-overhead")
     loops = {
         "plain": lambda r: plain_run(data, args.epochs),
