@@ -1,9 +1,10 @@
 """grow_back: after calm steps, grow the micro-batch back toward the batch, by binary search.
 
 When: `Event.BATCH_END` (and `OOM` / `MEMORY_HIGH`, to learn and to reset).
-What: a step is calm when it demanded less than `headroom` of the room it had (its peak
-over the cap, less what was in use before training: `Snapshot.step_demand`), or when that
-is not measured. After `calm_steps` calm steps below the batch size it asks for more:
+What: while no failure is known, a step is calm when it demanded less than `headroom` of
+the room it had (its peak over the cap, less what was in use before training:
+`Snapshot.step_demand`), or when that is not measured. After `calm_steps` calm steps
+below the batch size it asks for more:
   - no recent failure known: double it (up to the batch size), but no further than the
     size the last step's demand predicts would just fit (demand grows with the batch);
   - a size failed recently: halfway between the current size (known to work) and the
@@ -18,7 +19,7 @@ finds the largest size that fits in a few probes on real batches; nothing is ski
 Parameters:
     calm_steps: calm steps before doubling (default 50).
     search_calm_steps: calm steps before a binary-search probe (default 2).
-    headroom: a step is calm below this share of its room (default 0.9).
+    headroom: before any failure, a step is calm below this share of its room (default 0.9).
     margin: stop searching when the gap is within this fraction of the size (default 0.1).
     forget_failure_steps: steps after which a failed size may be tried again (default 2000).
 """
@@ -73,15 +74,17 @@ class GrowBack:
             self.failed_step = snap.step
             self.calm = 0
             return []
+        micro, batch = snap.micro_batch_size, snap.batch_size
+        failed = self._recent_failure(snap.step)
         demand = snap.step_demand
-        if demand is not None and demand >= self.headroom:
+        # Doubling blind needs room to spare; below a known failure the probe is bounded by
+        # it, and an OOM there only costs a retry of the same batch, so the room may be tight.
+        if failed is None and demand is not None and demand >= self.headroom:
             self.calm = 0
             return []
-        micro, batch = snap.micro_batch_size, snap.batch_size
         if micro >= batch:
             return []
         self.calm += 1
-        failed = self._recent_failure(snap.step)
         if failed is not None and failed - micro <= max(1, int(self.margin * micro)):
             return []  # converged: the largest size that fits, within the margin
         if self.calm < (self.search_calm_steps if failed is not None else self.calm_steps):
