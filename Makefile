@@ -25,11 +25,13 @@ test: install
 	$(PY) -m pytest -q
 
 bench: install
+	$(PIP) install --quiet -e '.[bench]'
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/recovery.py
 	$(PY) benchmarks/monitor.py
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/ddp.py
+	$(PY) benchmarks/batch_efficiency.py
 
 # On a CUDA machine: the gpu-marked tests plus a short GPU timing. Runs with the
 # machine's own python (GPU machines bring torch with CUDA), not the venv.
