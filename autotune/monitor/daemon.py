@@ -236,6 +236,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_daemon(args: argparse.Namespace) -> int:
     """`autotune monitor`: returns the exit code; bad arguments raise UsageError."""
     from apscheduler.executors.pool import ThreadPoolExecutor
+    from apscheduler.schedulers import SchedulerNotRunningError
     from apscheduler.schedulers.blocking import BlockingScheduler
 
     stop_requested = threading.Event()
@@ -268,8 +269,11 @@ def run_daemon(args: argparse.Namespace) -> int:
 
     def stop(*_: Any) -> None:
         stop_requested.set()
-        if scheduler.running:
+        # A signal and a scheduler job can both get here: the second shutdown is a no-op.
+        try:
             scheduler.shutdown(wait=False)
+        except SchedulerNotRunningError:
+            return
 
     def stop_if_requested() -> None:  # a signal between the handler swap and start() is not lost
         if stop_requested.is_set():

@@ -130,6 +130,7 @@ def _die_with_parent(parent_pid: int) -> None:
 def run(config: MonitorConfig, parent_pid: int | None = None, duration: float | None = None) -> None:
     """Sample until stopped (SIGTERM/SIGINT, parent gone, or `duration` elapsed)."""
     from apscheduler.executors.pool import ThreadPoolExecutor
+    from apscheduler.schedulers import SchedulerNotRunningError
     from apscheduler.schedulers.blocking import BlockingScheduler
 
     logging.getLogger("apscheduler").setLevel(logging.ERROR)  # no per-run "Running job" lines
@@ -152,8 +153,11 @@ def run(config: MonitorConfig, parent_pid: int | None = None, duration: float | 
             stop()
 
     def stop(*_: Any) -> None:
-        if scheduler.running:
+        # A signal and a scheduler job can both get here: the second shutdown is a no-op.
+        try:
             scheduler.shutdown(wait=False)
+        except SchedulerNotRunningError:
+            return
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
