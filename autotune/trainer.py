@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from tqdm.auto import tqdm
 
-from autotune.batching import SplitFn, batch_len, check_splittable, micro_batches
+from autotune.batching import SplitFn, batch_len, micro_batches
 from autotune.dispatch import Dispatcher
 from autotune.events import Event
 from autotune.journal import Journal
@@ -281,9 +281,7 @@ class AutoTrainer:
         self.sampler: EpochSampler | None = None
         self._seed = seed
         self.loader = self._make_loader(dataset, batch_size, shuffle, seed, num_workers, collate_fn)
-        batch_size = self.loader.batch_size or batch_size
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        batch_size = self.loader.batch_size  # validated by _make_loader, or the DataLoader's own
         # "auto": start at the whole batch; OOMs halve it and grow_back's binary search finds
         # the largest size that fits, on real batches, nothing skipped.
         micro = batch_size if micro_batch_size in (None, "auto") else micro_batch_size
@@ -318,6 +316,14 @@ class AutoTrainer:
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", keep=keep_checkpoints)
         self.inject_oom = self._injection_rate(inject_oom)
         self._injector = random.Random(seed + 0x5EED + (self.ranks.rank if self.ranks else 0))  # own stream per rank
+
+        self._last_oom_message = ""
+        self._last_oom_injected = False
+        self._flags = [0, 0]  # [stop signal, checkpoint due], agreed by all ranks under torchrun
+        self._last_good_micro: int | None = None
+        self._step_demand: float | None = None
+        self._peak = StepPeak(self.device)
+        self._room: tuple[int, int] | None = None
 
         self.step = 0  # optimizer steps, across fit() calls
         self.epoch = 0  # epochs completed
@@ -415,6 +421,7 @@ class AutoTrainer:
         if resume:
             self._resume()
         self._warm_up_oom_path()
+        self._room = self._measure_room()
         started = time.perf_counter()
         self._last_checkpoint = (self.step, time.monotonic())
         self.journal.write("fit_start", self.step, self.epoch, device=str(self.device),
@@ -499,7 +506,8 @@ class AutoTrainer:
             loss_samples += n
             self.position += n
             self.batches_done += 1
-            self._allocator = allocator_stats(self.device)  # one memory_stats() call a step (CUDA)
+            # One memory_stats() call a step (CUDA); its peak was reset by self._peak.start().
+            self._allocator = allocator_stats(self.device, reset_peak=False)
             self._fire(Event.BATCH_END, timing=StepTiming(step_seconds=step_end - wait_start,
                                                           data_wait_seconds=step_start - wait_start,
                                                           retries=retries))
@@ -829,24 +837,21 @@ class AutoTrainer:
         # Under a hard memory cap anything may fail to allocate, including a lazy import
         # or a first-time library lookup. Run the OOM path's helpers once now, while
         # there is memory, so the path itself needs next to nothing later.
-        self._last_oom_message = ""
-        self._last_oom_injected = False
-        self._flags = [0, 0]
-        self._last_good_micro: int | None = None
-        self._step_demand: float | None = None
-        # The room a step has: the cap less what is in use before training (weights, libraries).
-        self._peak = StepPeak(self.device)
-        sample = device_sample(self.device, self.knobs.memory_cap_bytes)
-        in_use = self._peak.current()
-        self._room: tuple[int, int] | None = None
-        if sample.cap_bytes is not None and sample.used_bytes is not None and in_use is not None:
-            self._room = (in_use, sample.cap_bytes - sample.used_bytes)
         is_oom(RuntimeError("warm-up"))
         load_libc()
         load_mkl()
         describe_memory(self.device)
         self._memory_text()
         self._zero_grad()
+
+    def _measure_room(self) -> tuple[int, int] | None:
+        """(memory in use, room left under the cap) before training: weights, libraries and
+        the cap as they are when fit() starts. A step's demand is measured against it."""
+        sample = device_sample(self.device, self.knobs.memory_cap_bytes)
+        in_use = self._peak.current()
+        if sample.cap_bytes is None or sample.used_bytes is None or in_use is None:
+            return None
+        return in_use, sample.cap_bytes - sample.used_bytes
 
     def _demand(self) -> float | None:
         peak = self._peak.peak()
