@@ -32,6 +32,7 @@ bench: install
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/ddp.py
 	$(PY) benchmarks/batch_efficiency.py
+	$(PY) benchmarks/growing_memory.py --trials 5
 
 # On a CUDA machine: the gpu-marked tests plus a short GPU timing. Runs with the
 # machine's own python (GPU machines bring torch with CUDA), not the venv.

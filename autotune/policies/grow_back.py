@@ -1,6 +1,6 @@
 """grow_back: after calm steps, grow the micro-batch back toward the batch, by binary search.
 
-When: `Event.BATCH_END` (and `OOM` / `MEMORY_HIGH`, to learn and to reset).
+When: `Event.BATCH_END` (and `Event.OOM`, to learn the failing size and restart the count).
 What: while no failure is known, a step is calm when it demanded less than `headroom` of
 the room it had (its peak over the cap, less what was in use before training:
 `Snapshot.step_demand`), or when that is not measured. After `calm_steps` calm steps
@@ -17,7 +17,7 @@ Started with `micro_batch_size="auto"` the run begins at the batch size and this
 finds the largest size that fits in a few probes on real batches; nothing is skipped.
 
 Parameters:
-    calm_steps: calm steps before doubling (default 50).
+    calm_steps: calm steps before doubling (default 10).
     search_calm_steps: calm steps before a binary-search probe (default 2).
     headroom: before any failure, a step is calm below this share of its room (default 0.9).
     margin: stop searching when the gap is within this fraction of the size (default 0.1).
@@ -41,7 +41,7 @@ class GrowBack:
     name: ClassVar[str] = "grow_back"
     events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM})
 
-    calm_steps: int = 50
+    calm_steps: int = 10
     search_calm_steps: int = 2
     headroom: float = 0.9
     margin: float = 0.1
