@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -97,11 +96,7 @@ def main() -> None:
     from common import median, write_results
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                    "--master-port", str(port), __file__, "--worker", "--rounds", str(args.rounds), "--out", args.out],
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", __file__, "--worker", "--rounds", str(args.rounds), "--out", args.out],
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     times = json.loads(Path(args.out).read_text())
     plain, auto = median([t[0] for t in times["plain"]]), median([t[0] for t in times["autotune"]])

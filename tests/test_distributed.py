@@ -4,7 +4,6 @@ retry the same batch, and the result equals a two-rank run without any OOM."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -65,19 +64,13 @@ with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
 '''
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(tmp_path, name, phase, capped):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     run_dir = tmp_path / name
     env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           "--standalone",  # rendezvous on a port the OS picks: no race for a free one
                            str(script), str(run_dir), phase, "1" if capped else "0"],
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
