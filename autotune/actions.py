@@ -26,7 +26,28 @@ class EmptyCache:
     reason: str = ""
 
 
-Action = Union[SetMicroBatch, EmptyCache]
+@dataclasses.dataclass(frozen=True)
+class CacheSamples:
+    """Cache decoded samples (before random transforms) in shared memory, from the next batch on.
+
+    The budget is the tightest of `max_bytes`, `available_fraction` of MemAvailable, free
+    /dev/shm, and half the room under the host memory cap.
+    """
+
+    max_bytes: int | None = None
+    available_fraction: float = 0.5
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SetLoaderWorkers:
+    """Load data in `num_workers` worker processes, from the next batch on (same sample order)."""
+
+    num_workers: int
+    reason: str = ""
+
+
+Action = Union[SetMicroBatch, EmptyCache, CacheSamples, SetLoaderWorkers]
 
 
 def action_kind(action: Action) -> str:

@@ -8,14 +8,18 @@ MEMORY_PRESSURE  the allocator struggled in the last step: new `num_alloc_retrie
                  CUDA caching allocator freed its cache and retried: an OOM narrowly
                  avoided), or memory is high while much of what is reserved is not
                  allocated (fragmentation).
+IO_BOUND         over the last `window` steps, the loop spent at least `high` of its time
+                 blocked in the loader's next(). It stays input-bound (and fires again once
+                 per fresh window) until that share falls under `calm`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from autotune.events import Event
-from autotune.snapshot import AllocatorStats, DeviceSample
+from autotune.snapshot import AllocatorStats, DeviceSample, StepTiming
 
 
 @dataclasses.dataclass
@@ -75,3 +79,56 @@ class MemoryDetector:
         fragmented = (fraction is not None and fraction >= self.high and stats.reserved_bytes > 0
                       and idle / stats.reserved_bytes >= self.fragmentation)
         return [Event.MEMORY_PRESSURE] if new_retries or fragmented else []
+
+
+@dataclasses.dataclass
+class InputDetector:
+    """IO_BOUND from per-step timings: the share of step time spent waiting for data."""
+
+    high: float = 0.20
+    calm: float = 0.05
+    window: int = 20
+
+    _steps: collections.deque = dataclasses.field(default_factory=collections.deque, init=False)
+    _bound: bool = dataclasses.field(default=False, init=False)
+    _last: tuple[float, float, int] = dataclasses.field(default=(0.0, 0.0, 0), init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.calm < self.high <= 1:
+            raise ValueError(f"input detector thresholds need 0 <= calm < high <= 1, got calm={self.calm}, "
+                             f"high={self.high}")
+        if self.window < 1:
+            raise ValueError(f"input detector window must be >= 1 step, got {self.window}")
+
+    @property
+    def is_bound(self) -> bool:
+        return self._bound
+
+    def summary(self) -> tuple[float, float, int]:
+        """(data-wait share, samples per second, steps) over the current window, or the last full one."""
+        if not self._steps:
+            return self._last
+        step = sum(t.step_seconds for t, _ in self._steps)
+        wait = sum(t.data_wait_seconds for t, _ in self._steps)
+        samples = sum(n for _, n in self._steps)
+        return (wait / step if step > 0 else 0.0, samples / step if step > 0 else 0.0, len(self._steps))
+
+    def on_step(self, timing: StepTiming, samples: int) -> list[Event]:
+        """Feed one step; returns [Event.IO_BOUND] when the loop is (still) waiting on its data."""
+        self._steps.append((timing, samples))
+        if len(self._steps) < self.window:
+            return []
+        self._last = self.summary()
+        fraction = self._last[0]
+        self._steps.clear()  # the next verdict needs a fresh window: at most one event per window
+        if fraction >= self.high or (self._bound and fraction >= self.calm):
+            self._bound = True
+            return [Event.IO_BOUND]
+        if fraction < self.calm:
+            self._bound = False
+        return []
+
+    def restart(self) -> None:
+        """Forget the window (the loader changed: its figures no longer describe the pipeline)."""
+        self._steps.clear()
+        self._last = (0.0, 0.0, 0)

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from autotune.actions import EmptyCache, SetMicroBatch
+from autotune.actions import CacheSamples, EmptyCache, SetLoaderWorkers, SetMicroBatch
 from autotune.memory import device_sample, free_cpu_caches, free_memory
 from autotune.units import format_bytes
 
@@ -25,6 +25,11 @@ class Knobs:
     micro_batch_size: int  # samples per forward/backward
     device: torch.device
     memory_cap_bytes: int | None = None
+    num_workers: int = 0  # DataLoader worker processes
+    sample_cache: CacheSamples | None = None  # the cache asked for, once asked
+    # Bumped by every change to the two above; the trainer rebuilds its loader at the next
+    # batch boundary when it differs from the version its loader was built for.
+    loader_version: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,3 +65,22 @@ def _empty_cache(action: EmptyCache, knobs: Knobs) -> Outcome:
     if before is None or after is None:
         return Outcome(True, "freed cached memory (amount not measurable here)")
     return Outcome(True, f"returned {format_bytes(before - after)}")
+
+
+@apply.register
+def _cache_samples(action: CacheSamples, knobs: Knobs) -> Outcome:
+    if knobs.sample_cache is not None:
+        return Outcome(False, "samples are already cached")
+    knobs.sample_cache = action
+    knobs.loader_version += 1
+    return Outcome(True, "sample cache on from the next batch")
+
+
+@apply.register
+def _set_loader_workers(action: SetLoaderWorkers, knobs: Knobs) -> Outcome:
+    workers = max(0, int(action.num_workers))
+    if workers == knobs.num_workers:
+        return Outcome(False, f"already {workers} loader workers")
+    old, knobs.num_workers = knobs.num_workers, workers
+    knobs.loader_version += 1
+    return Outcome(True, f"loader workers {old} -> {workers} from the next batch")

@@ -58,6 +58,36 @@ class StepTiming:
 
 
 @dataclasses.dataclass(frozen=True)
+class InputProfile:
+    """Where the time of producing one sample goes: the cacheable part vs what runs after it."""
+
+    load_seconds: float  # per sample: read + decode (the part a cache saves)
+    transform_seconds: float  # per sample: what still runs after a cache hit (e.g. random crops)
+    samples: int  # how many samples were timed
+    cacheable: bool
+    how: str  # the rule that split the dataset, or why it cannot be cached
+
+    @property
+    def load_share(self) -> float:
+        total = self.load_seconds + self.transform_seconds
+        return self.load_seconds / total if total > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class InputState:
+    """The input pipeline over the recent steps (since the loader was last rebuilt)."""
+
+    data_wait_fraction: float  # time blocked in the loader's next() / step time
+    samples_per_second: float
+    steps: int  # steps the two figures above are over
+    num_workers: int
+    cpu_cores: int  # cores this process may run on
+    loader_owned: bool  # built by the trainer, so it can be rebuilt (not the caller's DataLoader)
+    cache_active: bool = False
+    profile: InputProfile | None = None  # measured once, when the loop first looked input-bound
+
+
+@dataclasses.dataclass(frozen=True)
 class Snapshot:
     """The training state at the moment an event fires. Policies must treat it as read-only."""
 
@@ -78,3 +108,4 @@ class Snapshot:
     window: tuple[DeviceSample, ...] = ()  # recent readings, oldest first
     allocator: AllocatorStats | None = None
     timing: StepTiming | None = None
+    input: InputState | None = None

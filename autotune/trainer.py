@@ -38,7 +38,7 @@ import random
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import psutil
 import torch
@@ -64,7 +64,7 @@ from autotune.policy import Policy
 from autotune.preemption import Preempted, StopRequests
 from autotune.presets import resolve_policies
 from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot, StepTiming
-from autotune.data.sampler import EpochSampler
+from autotune.data.pipeline import InputPipeline
 from autotune.units import format_bytes, parse_bytes
 
 class _ProgressBar(tqdm):
@@ -182,7 +182,8 @@ class AutoTrainer:
             list of policy objects.
         run_dir: where the journal (events.jsonl) goes; default `runs/<timestamp>`.
         shuffle, seed: the sample order of each epoch is a function of (seed, epoch).
-        num_workers, collate_fn: passed to the DataLoader built for a map-style dataset.
+        num_workers, collate_fn: passed to the DataLoader built for a map-style dataset (the
+            `tune_workers` policy may raise num_workers when the loop waits on its data).
         split_fn: `split_fn(batch, size) -> list of micro-batches` for batch types the
             built-in splitter does not know.
         progress: show a tqdm bar with loss, micro-batch and memory.
@@ -278,10 +279,10 @@ class AutoTrainer:
         self._window: collections.deque[DeviceSample] = collections.deque(maxlen=20)
         self._allocator: AllocatorStats | None = None
 
-        self.sampler: EpochSampler | None = None
-        self._seed = seed
-        self.loader = self._make_loader(dataset, batch_size, shuffle, seed, num_workers, collate_fn)
-        batch_size = self.loader.batch_size  # validated by _make_loader, or the DataLoader's own
+        self.input = InputPipeline(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                                   num_workers=num_workers, collate_fn=collate_fn, device=self.device,
+                                   ranks=self.ranks)
+        batch_size = self.input.loader.batch_size  # validated by InputPipeline, or the DataLoader's own
         # "auto": start at the whole batch; OOMs halve it and grow_back's binary search finds
         # the largest size that fits, on real batches, nothing skipped.
         micro = batch_size if micro_batch_size in (None, "auto") else micro_batch_size
@@ -304,7 +305,8 @@ class AutoTrainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.run_dir / "events.jsonl" if self.is_main else None)  # rank 0 writes
         self.knobs = Knobs(batch_size=batch_size, micro_batch_size=micro, device=self.device,
-                           memory_cap_bytes=resolve_memory_cap(memory_cap, self.device))
+                           memory_cap_bytes=resolve_memory_cap(memory_cap, self.device),
+                           num_workers=self.input.num_workers)
         self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
 
         self.scheduler = self._make_scheduler(scheduler)
@@ -324,6 +326,7 @@ class AutoTrainer:
         self._step_demand: float | None = None
         self._peak = StepPeak(self.device)
         self._room: tuple[int, int] | None = None
+        self._loader_version = self.knobs.loader_version
 
         self.step = 0  # optimizer steps, across fit() calls
         self.epoch = 0  # epochs completed
@@ -333,27 +336,10 @@ class AutoTrainer:
         self.samples_seen = 0
 
     # ----------------------------------------------------------------------------- set-up
-    def _make_loader(self, dataset, batch_size, shuffle, seed, num_workers, collate_fn) -> DataLoader:
-        if isinstance(dataset, DataLoader):
-            if dataset.batch_size is None:
-                raise ValueError("the DataLoader must have a batch_size (it is the batch of one optimizer step)")
-            return dataset
-        if isinstance(dataset, IterableDataset):
-            raise TypeError("an IterableDataset must come wrapped in a DataLoader (its batch_size is the batch)")
-        if not isinstance(dataset, Dataset) and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-            raise TypeError(f"dataset must be a map-style torch Dataset or a DataLoader, got {type(dataset).__name__}")
-        if len(dataset) == 0:
-            raise ValueError("the dataset is empty: there is nothing to train on")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        ranks = self.ranks
-        self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed,
-                                    rank=ranks.rank if ranks else 0, world=ranks.world if ranks else 1)
-        return DataLoader(
-            dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
-            collate_fn=collate_fn, pin_memory=self.device.type == "cuda",
-            generator=torch.Generator().manual_seed(seed),  # worker seeds follow `seed`
-        )
+    @property
+    def loader(self) -> DataLoader:
+        """The DataLoader in use now (rebuilt when a policy changes workers or caching)."""
+        return self.input.loader
 
     def _check_sample_layout(self, sample: Any) -> None:
         if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
@@ -470,24 +456,12 @@ class AutoTrainer:
         return result
 
     def _train_epoch(self, bar: _ProgressBar, max_steps: int | None) -> float | None:
-        if self.sampler is not None:
-            # The order is a function of (seed, epoch); a resumed epoch starts where it stopped.
-            self.sampler.set_epoch(self.epoch, start=self.position)
-            self.loader.generator.manual_seed(self._seed + self.epoch)  # worker seeds: a function of the epoch
-        elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
-            self.loader.sampler.set_epoch(self.epoch)  # e.g. a user's DistributedSampler
         self._fire(Event.EPOCH_START)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)  # summed on the device: no sync per step
         loss_samples = 0
         last_shown = 0.0
-        batches = iter(self.loader)
-        if self.sampler is None and self.batches_done:
-            # A user's DataLoader cannot start mid-epoch: replay and drop the batches already
-            # trained (exact only if its order is deterministic).
-            logger.warning(f"resuming a user DataLoader mid-epoch: skipping {self.batches_done} batches")
-            for _ in range(self.batches_done):
-                next(batches)
+        batches = self.input.batches(self.epoch, self.position, self.batches_done)
         finished_epoch = True
         while True:
             wait_start = time.perf_counter()
@@ -508,10 +482,15 @@ class AutoTrainer:
             self.batches_done += 1
             # One memory_stats() call a step (CUDA); its peak was reset by self._peak.start().
             self._allocator = allocator_stats(self.device, reset_peak=False)
-            self._fire(Event.BATCH_END, timing=StepTiming(step_seconds=step_end - wait_start,
-                                                          data_wait_seconds=step_start - wait_start,
-                                                          retries=retries))
+            timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
+                                retries=retries)
+            self._fire(Event.BATCH_END, timing=timing)
             self._watch_memory()
+            for event in self.input.on_step(timing, n):
+                self._fire(event, timing=timing)
+            if self.knobs.loader_version != self._loader_version:  # a policy changed workers or caching
+                del batches  # its workers exit before the new loader's start
+                batches = self._rebuild_loader()
             bar.update(1)
             if self.progress and step_end - last_shown > 0.5:
                 last_shown = step_end
@@ -531,6 +510,7 @@ class AutoTrainer:
             self.position = self.batches_done = 0
             self.journal.write("epoch_end", self.step, self.epoch - 1, samples_seen=self.samples_seen,
                                loss=epoch_loss, micro_batch_size=self.knobs.micro_batch_size)
+            self.input.epoch_end(self.journal, self.step, self.epoch - 1)
             self._fire(Event.EPOCH_END)
         return epoch_loss
 
@@ -687,8 +667,15 @@ class AutoTrainer:
             last_good_micro_batch=self._last_good_micro, step_demand=self._step_demand,
             ooms=self.ooms, sample=self._latest_sample(fresh=event is Event.OOM), window=tuple(self._window),
             allocator=self._allocator, timing=timing,
+            input=self.input.state(self.journal, self.step, self.epoch, profile=event is Event.IO_BOUND),
         )
         self.dispatcher.fire(event, snap)
+
+    def _rebuild_loader(self) -> Iterator[Any]:
+        self._loader_version = self.knobs.loader_version
+        host_cap = self.knobs.memory_cap_bytes if self.device.type == "cpu" else None
+        return self.input.rebuild(self.knobs.num_workers, self.knobs.sample_cache, self.journal, self.step,
+                                  self.epoch, self.position, host_cap_bytes=host_cap)
 
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -872,7 +859,7 @@ class AutoTrainer:
 
     def _planned_batches(self, epochs: int, max_steps: int | None) -> int | None:
         try:
-            total = (epochs - self.epoch) * len(self.loader) - self.batches_done
+            total = (epochs - self.epoch) * len(self.input.loader) - self.batches_done
         except TypeError:
             return None if max_steps is None else max_steps - self.step
         if max_steps is not None and self.keep_effective_batch:

@@ -1,0 +1,304 @@
+"""A cache of decoded samples in shared memory, and the split of a dataset around it.
+
+Caching is only right for the part of a sample that is the same every epoch: the file
+read and the decode. Random augmentation must run after the lookup, or every epoch would
+see the first epoch's crops. `split_for_caching` finds that boundary:
+
+- a torchvision `VisionDataset`: a shallow copy without `transform`, `target_transform`
+  and `transforms` is the cached part; those transforms run after each lookup;
+- a dataset that defines `load(index)` and `augment(sample)`: `load` is cached;
+- a dataset with `cacheable = True`: its whole output is deterministic and cached;
+- anything else is not cached (a random output is never cached silently).
+
+`SampleCache` is one region in /dev/shm shared by the main process and every DataLoader
+worker: created before the workers start, inherited (fork) or reopened by name (spawn),
+so its memory does not grow with the worker count. Samples are pickled: PIL images keep
+their raw pixels (uint8 for RGB), numpy arrays and tensors their raw buffers. Filling
+stops at the byte budget; the rest of the dataset is read as before (partial caching).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import mmap
+import multiprocessing
+import os
+import pickle
+import secrets
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Subset
+
+from autotune.snapshot import InputProfile
+
+_HEADER = 8  # int64 slots: [bytes used, full, hits, misses, entries, ...spare]
+_USED, _FULL, _HITS, _MISSES, _ENTRIES = range(5)
+
+
+class NotCacheable(Exception):
+    """The dataset does not say which part of a sample is safe to cache; the message says how to."""
+
+
+@dataclasses.dataclass
+class CacheSplit:
+    """`raw[i]` is the deterministic part of sample i; `after(raw[i])` is the sample."""
+
+    raw: Dataset
+    after: Callable[[Any], Any] | None
+    how: str  # for the journal: which rule split it
+
+
+class VisionTransforms:
+    """The transforms of a torchvision dataset, applied after the cache as its `__getitem__` would."""
+
+    def __init__(self, transform: Callable | None, target_transform: Callable | None, joint: Callable | None):
+        self.transform, self.target_transform, self.joint = transform, target_transform, joint
+
+    def __call__(self, sample: Any) -> Any:
+        image, target = sample
+        if self.joint is not None:
+            return self.joint(image, target)
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return image, target
+
+
+class _Loaded(Dataset):
+    """The `load(index)` half of a dataset that splits load and augment."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset.load(index)
+
+
+def split_for_caching(dataset: Any) -> CacheSplit:
+    """Split `dataset` into a cacheable part and what runs after it; raises NotCacheable."""
+    if isinstance(dataset, Subset):
+        inner = split_for_caching(dataset.dataset)
+        return CacheSplit(Subset(inner.raw, dataset.indices), inner.after, f"subset of {inner.how}")
+    if callable(getattr(dataset, "load", None)) and callable(getattr(dataset, "augment", None)):
+        return CacheSplit(_Loaded(dataset), dataset.augment, "load(index) cached, augment(sample) after")
+    if getattr(dataset, "cacheable", False) is True:
+        return CacheSplit(dataset, None, "cacheable = True: whole samples cached")
+    try:
+        from torchvision.datasets import VisionDataset
+        from torchvision.datasets.vision import StandardTransform
+    except ImportError:  # torchvision is a dependency, but a broken install should not stop training
+        VisionDataset = StandardTransform = ()  # type: ignore[assignment,misc]
+    if VisionDataset and isinstance(dataset, VisionDataset):
+        transform = getattr(dataset, "transform", None)
+        target_transform = getattr(dataset, "target_transform", None)
+        joint = getattr(dataset, "transforms", None)
+        if isinstance(joint, StandardTransform):
+            joint = None  # built from transform/target_transform: apply those, as ImageFolder does
+        raw = copy.copy(dataset)
+        for name in ("transform", "target_transform", "transforms"):
+            if hasattr(raw, name):
+                setattr(raw, name, None)
+        after = None if transform is None and target_transform is None and joint is None \
+            else VisionTransforms(transform, target_transform, joint)
+        return CacheSplit(raw, after, f"torchvision {type(dataset).__name__}: decoded samples cached, "
+                                      "transforms after")
+    raise NotCacheable(
+        f"{type(dataset).__name__} does not say what is safe to cache: set `cacheable = True` on it if "
+        "__getitem__ is deterministic, or define load(index) (cached) and augment(sample) (run after)")
+
+
+def cache_budget(max_bytes: int | None = None, available_fraction: float = 0.5,
+                 room_bytes: int | None = None, shm_dir: str | None = None) -> tuple[int, str]:
+    """The bytes the cache may fill, and which limit set it.
+
+    The tightest of: `max_bytes` (the user's), `available_fraction` of MemAvailable,
+    90% of what is free in the shared-memory directory, and half of `room_bytes` (what is
+    left under the host memory cap), so the cache never makes the host swap or the run
+    hit its own cap.
+    """
+    import psutil
+
+    limits: dict[str, int] = {"MemAvailable x %.2f" % available_fraction:
+                              int(psutil.virtual_memory().available * available_fraction)}
+    if max_bytes is not None:
+        limits["max_bytes"] = int(max_bytes)
+    directory = shm_dir or _shm_dir()
+    limits[f"free in {directory} x 0.9"] = int(shutil.disk_usage(directory).free * 0.9)
+    if room_bytes is not None:
+        limits["room under the memory cap x 0.5"] = max(0, int(room_bytes) // 2)
+    which = min(limits, key=limits.__getitem__)
+    return limits[which], which
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> Any:
+    # torch's own pickling goes through torch.save (~180 us for a 150 KB image); numpy's
+    # buffer is ~10 us. Only for plain CPU tensors numpy can hold.
+    if type(tensor) is torch.Tensor and tensor.device.type == "cpu" and not tensor.requires_grad \
+            and tensor.layout is torch.strided and tensor.dtype not in (torch.bfloat16,) and not tensor.is_complex():
+        try:
+            return torch.from_numpy, (tensor.numpy(),)
+        except (TypeError, RuntimeError):
+            return NotImplemented
+    return NotImplemented
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return _reduce_tensor(obj)
+        return NotImplemented
+
+
+def _dumps(sample: Any) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=5).dump(sample)
+    return out.getbuffer()
+
+
+class SampleCache:
+    """Decoded samples by index, in one shared-memory region every process of the run maps.
+
+    Layout: a header of counters, an (n, 2) int64 table of (offset, length) per index
+    (length 0 = not cached), then the data, filled front to back. A lock shared with the
+    workers guards the table and the fill pointer; the bytes are copied outside it.
+    """
+
+    def __init__(self, n: int, budget_bytes: int, directory: str | None = None):
+        if n < 1:
+            raise ValueError(f"a sample cache needs at least one index, got {n}")
+        self.n = n
+        self.budget = max(0, int(budget_bytes))
+        self._data_start = (_HEADER + 2 * n) * 8
+        self.path = Path(directory or _shm_dir()) / f"autotune-cache-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self._data_start + self.budget)  # sparse: pages are used only once written
+        finally:
+            os.close(fd)
+        self._lock = multiprocessing.get_context().Lock()
+        self._owner = os.getpid()
+        self._map()
+
+    def _map(self) -> None:
+        with open(self.path, "r+b") as f:
+            self._mm = mmap.mmap(f.fileno(), self._data_start + self.budget)
+        self._counts = np.frombuffer(self._mm, dtype=np.int64, count=_HEADER)
+        self._table = np.frombuffer(self._mm, dtype=np.int64, count=2 * self.n, offset=_HEADER * 8).reshape(self.n, 2)
+        self._view = memoryview(self._mm)
+
+    # A spawned worker reopens the region by path; a forked one inherits the mapping.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"n": self.n, "budget": self.budget, "data_start": self._data_start, "path": self.path,
+                "lock": self._lock, "owner": self._owner}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.n, self.budget, self._data_start = state["n"], state["budget"], state["data_start"]
+        self.path, self._lock, self._owner = state["path"], state["lock"], state["owner"]
+        self._map()
+
+    def get(self, index: int) -> Any | None:
+        """The cached sample at `index`, or None (counted as a hit or a miss)."""
+        with self._lock:
+            offset, length = self._table[index]
+            self._counts[_HITS if length else _MISSES] += 1
+        if not length:
+            return None
+        start = self._data_start + int(offset)
+        return pickle.loads(self._view[start:start + int(length)])
+
+    def put(self, index: int, sample: Any) -> bool:
+        """Store `sample` at `index`; False when the budget is full (the sample is not stored)."""
+        if self._counts[_FULL]:
+            return False
+        data = _dumps(sample)
+        with self._lock:
+            if self._table[index, 1] or self._counts[_FULL]:
+                return bool(self._table[index, 1])
+            offset = int(self._counts[_USED])
+            if offset + len(data) > self.budget:
+                self._counts[_FULL] = 1
+                return False
+            self._counts[_USED] = offset + len(data)
+        start = self._data_start + offset
+        self._view[start:start + len(data)] = data
+        with self._lock:  # published only once the bytes are in place
+            self._table[index] = (offset, len(data))
+            self._counts[_ENTRIES] += 1
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the last `reset_counters`: hits, misses, entries, bytes, full."""
+        with self._lock:
+            used, full, hits, misses, entries = (int(v) for v in self._counts[:5])
+        return {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else None,
+                "entries": entries, "samples": self.n, "bytes": used, "budget_bytes": self.budget, "full": bool(full)}
+
+    def reset_counters(self) -> None:
+        with self._lock:
+            self._counts[_HITS] = self._counts[_MISSES] = 0
+
+    def close(self) -> None:
+        """Unmap, and remove the region if this process created it."""
+        for name in ("_counts", "_table"):
+            setattr(self, name, None)
+        view, self._view = self._view, None
+        if view is not None:
+            view.release()
+            self._mm.close()
+        if os.getpid() == self._owner:
+            self.path.unlink(missing_ok=True)
+
+
+class CachedDataset(Dataset):
+    """`split.raw` through `cache`, then `split.after`: what the model sees does not change."""
+
+    def __init__(self, split: CacheSplit, cache: SampleCache):
+        self.raw, self.after, self.cache = split.raw, split.after, cache
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, index: int) -> Any:
+        sample = self.cache.get(index)
+        if sample is None:
+            sample = self.raw[index]
+            self.cache.put(index, sample)
+        return self.after(sample) if self.after is not None else sample
+
+
+def profile_input(dataset: Any, samples: int = 8, seed: int = 0) -> InputProfile:
+    """Time load/decode and the transforms separately on a few random samples."""
+    try:
+        split = split_for_caching(dataset)
+    except NotCacheable as exc:
+        return InputProfile(0.0, 0.0, 0, False, str(exc))
+    generator = torch.Generator().manual_seed(seed)
+    indices = torch.randperm(len(split.raw), generator=generator)[:samples].tolist()
+    load = transform = 0.0
+    for index in indices:
+        start = time.perf_counter()
+        sample = split.raw[index]
+        loaded = time.perf_counter()
+        if split.after is not None:
+            split.after(sample)
+        load += loaded - start
+        transform += time.perf_counter() - loaded
+    k = max(1, len(indices))
+    return InputProfile(load / k, transform / k, len(indices), True, split.how)
+

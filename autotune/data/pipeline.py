@@ -1,0 +1,185 @@
+"""The trainer's data side: build the DataLoader, see when the loop waits on it, and rebuild it
+(more workers, a shared sample cache) at a batch boundary without changing the sample order.
+
+The order is `EpochSampler`'s, a function of (seed, epoch) that can start mid-epoch: a
+rebuilt loader continues at the same position, so switching mid-epoch skips and repeats
+nothing. A DataLoader the caller built is used as it is and never rebuilt.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from loguru import logger
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from autotune.actions import CacheSamples
+from autotune.data.cache import CachedDataset, NotCacheable, SampleCache, cache_budget, profile_input, split_for_caching
+from autotune.data.sampler import EpochSampler
+from autotune.detectors import InputDetector
+from autotune.distributed import Ranks
+from autotune.events import Event
+from autotune.journal import Journal
+from autotune.memory import device_sample
+from autotune.snapshot import InputProfile, InputState, StepTiming
+from autotune.units import format_bytes
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, which containers often narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class InputPipeline:
+    """Owns the DataLoader of a run: built from a map-style dataset, or the caller's own."""
+
+    def __init__(self, dataset: Dataset | DataLoader, *, batch_size: int, shuffle: bool, seed: int,
+                 num_workers: int, collate_fn: Callable[[list], Any] | None, device: torch.device,
+                 ranks: Ranks | None):
+        self.seed = seed
+        self.device = device
+        self.detector = InputDetector()
+        self.profile: InputProfile | None = None
+        self.cache: SampleCache | None = None
+        self._skip_next = False  # the first batch of a new loader waits on its workers starting
+        if isinstance(dataset, DataLoader):
+            if dataset.batch_size is None:
+                raise ValueError("the DataLoader must have a batch_size (it is the batch of one optimizer step)")
+            self.dataset, self.sampler, self.loader = dataset.dataset, None, dataset
+            self.num_workers = dataset.num_workers
+            return
+        if isinstance(dataset, IterableDataset):
+            raise TypeError("an IterableDataset must come wrapped in a DataLoader (its batch_size is the batch)")
+        if not isinstance(dataset, Dataset) and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise TypeError(f"dataset must be a map-style torch Dataset or a DataLoader, got {type(dataset).__name__}")
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty: there is nothing to train on")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+        self.dataset = dataset
+        self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed,
+                                    rank=ranks.rank if ranks else 0, world=ranks.world if ranks else 1)
+        self._batch_size, self._collate_fn = batch_size, collate_fn
+        self.num_workers = num_workers
+        self.loader = self._build(dataset, num_workers)
+
+    @property
+    def owned(self) -> bool:
+        """Built here (so it can be rebuilt), not the caller's DataLoader."""
+        return self.sampler is not None
+
+    def _build(self, dataset: Dataset, num_workers: int) -> DataLoader:
+        return DataLoader(
+            dataset, batch_size=self._batch_size, sampler=self.sampler, num_workers=num_workers,
+            collate_fn=self._collate_fn, pin_memory=self.device.type == "cuda",
+            generator=torch.Generator().manual_seed(self.seed),  # worker seeds follow `seed`
+        )
+
+    def batches(self, epoch: int, position: int, batches_done: int) -> Iterator[Any]:
+        """The batches of `epoch`, from sample `position` on (`batches_done` batches in)."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch, start=position)  # a resumed epoch starts where it stopped
+            self.loader.generator.manual_seed(self.seed + epoch)  # worker seeds: a function of the epoch
+        elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
+            self.loader.sampler.set_epoch(epoch)  # e.g. a user's DistributedSampler
+        batches = iter(self.loader)
+        if self.sampler is None and batches_done:
+            # A caller's DataLoader cannot start mid-epoch: replay and drop the batches
+            # already trained (exact only if its order is deterministic).
+            logger.warning(f"resuming a user DataLoader mid-epoch: skipping {batches_done} batches")
+            for _ in range(batches_done):
+                next(batches)
+        return batches
+
+    # ------------------------------------------------------------------------- watching
+    def on_step(self, timing: StepTiming, samples: int) -> list[Event]:
+        """Feed one step's timing; returns [Event.IO_BOUND] when the loop waits on its data."""
+        if self._skip_next:
+            self._skip_next = False
+            return []
+        return self.detector.on_step(timing, samples)
+
+    def state(self, journal: Journal, step: int, epoch: int, profile: bool = False) -> InputState:
+        """The pipeline now, for a snapshot. With `profile`, first time the dataset's load/decode
+        apart from its transforms (once per run: it reads a few samples)."""
+        if profile and self.profile is None:
+            self.profile = self._profile()
+            journal.write("input_profile", step, epoch, load_ms=round(self.profile.load_seconds * 1e3, 3),
+                          transform_ms=round(self.profile.transform_seconds * 1e3, 3),
+                          load_share=round(self.profile.load_share, 3), samples=self.profile.samples,
+                          cacheable=self.profile.cacheable, how=self.profile.how,
+                          verdict=self._verdict(self.profile))
+        wait, rate, steps = self.detector.summary()
+        return InputState(data_wait_fraction=wait, samples_per_second=rate, steps=steps, num_workers=self.num_workers,
+                          cpu_cores=cpu_cores(), loader_owned=self.owned, cache_active=self.cache is not None,
+                          profile=self.profile)
+
+    def _profile(self) -> InputProfile:
+        if not self.owned:
+            return InputProfile(0.0, 0.0, 0, False, "the DataLoader was built by the caller: it is used as it is")
+        return profile_input(self.dataset, seed=self.seed)
+
+    @staticmethod
+    def _verdict(profile: InputProfile) -> str:
+        if not profile.cacheable:
+            return "not cacheable"
+        return "load/decode dominates" if profile.load_share >= 0.5 else "transforms dominate"
+
+    # ------------------------------------------------------------------------- rebuilding
+    def rebuild(self, num_workers: int, cache: CacheSamples | None, journal: Journal, step: int, epoch: int,
+                position: int, host_cap_bytes: int | None = None) -> Iterator[Any]:
+        """A new loader with `num_workers` and (if asked) the sample cache, continuing `epoch` at
+        `position`. `host_cap_bytes`: the user's memory cap when training on CPU."""
+        if cache is not None and self.cache is None:
+            self._start_cache(cache, journal, step, epoch, host_cap_bytes)
+        self.num_workers = num_workers
+        dataset = self._cached if self.cache is not None else self.dataset
+        self.loader = self._build(dataset, num_workers)
+        journal.write("loader_rebuilt", step, epoch, num_workers=num_workers, cache=self.cache is not None,
+                      position=position)
+        logger.info(f"data loader rebuilt: {num_workers} workers{', sample cache on' if self.cache else ''}")
+        self.detector.restart()
+        self._skip_next = True
+        return self.batches(epoch, position, 0)
+
+    def _start_cache(self, action: CacheSamples, journal: Journal, step: int, epoch: int,
+                     host_cap_bytes: int | None) -> None:
+        try:
+            split = split_for_caching(self.dataset)
+        except NotCacheable as exc:
+            journal.write("sample_cache_off", step, epoch, reason=str(exc))
+            logger.warning(f"not caching samples: {exc}")
+            return
+        host = device_sample(torch.device("cpu"), host_cap_bytes)
+        room = host.cap_bytes - host.used_bytes if host.cap_bytes and host.used_bytes is not None else None
+        budget, limit = cache_budget(action.max_bytes, action.available_fraction, room_bytes=room)
+        if budget <= 0:
+            journal.write("sample_cache_off", step, epoch, reason=f"no room: {limit} is 0")
+            return
+        self.cache = SampleCache(len(split.raw), budget)
+        weakref.finalize(self, self.cache.close)  # the region goes with the trainer, or at exit
+        self._cached = CachedDataset(split, self.cache)
+        journal.write("sample_cache_on", step, epoch, budget_bytes=budget, limited_by=limit, how=split.how,
+                      path=str(self.cache.path), reason=action.reason)
+        logger.info(f"caching decoded samples in shared memory (budget {format_bytes(budget)}, set by {limit})")
+
+    def epoch_end(self, journal: Journal, step: int, epoch: int) -> None:
+        """Journal the cache's hit rate over the epoch, and start counting afresh."""
+        if self.cache is None:
+            return
+        journal.write("sample_cache", step, epoch, **self.cache.stats())
+        self.cache.reset_counters()
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+
