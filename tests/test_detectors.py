@@ -1,8 +1,8 @@
 import pytest
 
-from autotune.detectors import MemoryDetector
+from autotune.detectors import InputDetector, MemoryDetector
 from autotune.events import Event
-from autotune.snapshot import AllocatorStats, DeviceSample
+from autotune.snapshot import AllocatorStats, DeviceSample, StepTiming
 
 
 def at(fraction):
@@ -47,3 +47,45 @@ def test_fragmentation_when_high_is_pressure():
 def test_bad_thresholds():
     with pytest.raises(ValueError):
         MemoryDetector(high=0.7, low=0.8)
+
+
+def steps(detector, share, n, seconds=0.1, samples=32):
+    events = []
+    for _ in range(n):
+        events += detector.on_step(StepTiming(step_seconds=seconds, data_wait_seconds=share * seconds), samples)
+    return events
+
+
+def test_input_bound_fires_once_per_full_window_above_the_threshold():
+    detector = InputDetector(high=0.2, calm=0.05, window=10)
+    assert steps(detector, 0.3, 9) == []  # the window is not full yet
+    assert steps(detector, 0.3, 1) == [Event.IO_BOUND]
+    assert steps(detector, 0.3, 9) == [] and steps(detector, 0.3, 1) == [Event.IO_BOUND]  # a fresh window each time
+    wait, rate, n = detector.summary()
+    assert abs(wait - 0.3) < 1e-9 and abs(rate - 320) < 1e-6 and n == 10
+
+
+def test_input_bound_has_hysteresis():
+    detector = InputDetector(high=0.2, calm=0.05, window=10)
+    assert steps(detector, 0.1, 10) == []  # between the lines, not yet input-bound
+    assert steps(detector, 0.25, 10) == [Event.IO_BOUND]
+    assert steps(detector, 0.1, 10) == [Event.IO_BOUND]  # still input-bound until it is calm
+    assert steps(detector, 0.01, 10) == [] and not detector.is_bound
+    assert steps(detector, 0.1, 10) == []
+
+
+def test_a_compute_bound_loop_is_never_input_bound():
+    detector = InputDetector()
+    assert steps(detector, 0.02, 200) == []
+
+
+def test_restart_forgets_the_window():
+    detector = InputDetector(window=10)
+    steps(detector, 0.5, 9)
+    detector.restart()
+    assert steps(detector, 0.5, 9) == []
+
+
+def test_bad_input_thresholds():
+    with pytest.raises(ValueError, match="calm"):
+        InputDetector(high=0.05, calm=0.2)
