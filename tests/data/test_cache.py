@@ -160,6 +160,7 @@ def _read_all(dataset, workers):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 4 workers on a 2-core machine, on purpose
 def test_one_copy_for_all_workers(tmp_path_factory):
     """Read a filled cache with 1 and with 4 workers: the region is one and the same size, and
     no worker's own memory grows more than when it decodes the same images (no private copies)."""
