@@ -33,6 +33,8 @@ bench: install
 	$(PY) benchmarks/ddp.py
 	$(PY) benchmarks/batch_efficiency.py
 	$(PY) benchmarks/growing_memory.py --trials 5
+	$(PY) benchmarks/input_cache.py --trials 3
+	$(PY) benchmarks/input_cache.py --trials 3 --size 384
 
 # On a CUDA machine: the gpu-marked tests plus a short GPU timing. Runs with the
 # machine's own python (GPU machines bring torch with CUDA), not the venv.

@@ -23,11 +23,12 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Action": "autotune.actions", "EmptyCache": "autotune.actions", "SetMicroBatch": "autotune.actions",
+    "CacheSamples": "autotune.actions", "SetLoaderWorkers": "autotune.actions",
     "Event": "autotune.events",
     "OutOfMemory": "autotune.oom", "is_oom": "autotune.oom",
     "Policy": "autotune.policy",
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
-    "StepTiming": "autotune.snapshot",
+    "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
     "AutoTrainer": "autotune.trainer", "FitResult": "autotune.trainer",
 }
 
@@ -41,9 +42,9 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from autotune.actions import Action, EmptyCache, SetMicroBatch
+    from autotune.actions import Action, CacheSamples, EmptyCache, SetLoaderWorkers, SetMicroBatch
     from autotune.events import Event
     from autotune.oom import OutOfMemory, is_oom
     from autotune.policy import Policy
-    from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot, StepTiming
+    from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
     from autotune.trainer import AutoTrainer, FitResult

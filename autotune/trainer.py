@@ -690,6 +690,7 @@ class AutoTrainer:
             "step": self.step, "epoch": self.epoch, "position": self.position, "batches_done": self.batches_done,
             "samples_seen": self.samples_seen, "ooms": self.ooms,
             "batch_size": self.knobs.batch_size, "micro_batch_size": self.knobs.micro_batch_size,
+            "num_workers": self.knobs.num_workers,
             "policies": self.dispatcher.state_dict(),
             "rng": rng_state(),
             "injector": [version, list(keys), gauss],
@@ -707,6 +708,10 @@ class AutoTrainer:
             raise ValueError(f"the checkpoint was made with batch_size {state['batch_size']}, this trainer has "
                              f"{self.knobs.batch_size}: the position in the epoch would not line up")
         self.knobs.micro_batch_size = state["micro_batch_size"]
+        workers = state.get("num_workers", self.knobs.num_workers)
+        if workers != self.knobs.num_workers and self.input.owned:  # as tuned before the stop
+            self.knobs.num_workers = workers
+            self.input.set_workers(workers)
         self.dispatcher.load_state_dict(state["policies"])
         if self.ranks is not None and "rng_ranks" in state:
             if len(state["rng_ranks"]) != self.ranks.world:

@@ -164,7 +164,8 @@ def main() -> None:
               "AutoTrainer caches the decoded image, before the random crop and flip, so every epoch still sees "
               "new crops. The cache switches on at a batch boundary of the first epoch, once ~20 steps show the "
               "loop waiting on its data; the rest of that epoch fills it."]
-    write_results("input_cache", "Input-bound training: shared sample cache (CPU)", lines)
+    name = "input_cache" if args.size == 256 else f"input_cache_{args.size}px"
+    write_results(name, f"Input-bound training: shared sample cache, {args.size}px JPEGs (CPU)", lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """AutoTrainer without memory pressure: input checks, and equality with a plain PyTorch loop."""
 
-import copy
 
 import pytest
 import torch

@@ -8,7 +8,6 @@ layers, so a run that hit OOMs must end with the same weights as one that did no
 import re
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.conftest import journal, run_python

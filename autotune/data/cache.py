@@ -214,7 +214,7 @@ class SampleCache:
     workers guards the table and the fill pointer; the bytes are copied outside it.
     """
 
-    def __init__(self, n: int, budget_bytes: int, directory: str | None = None):
+    def __init__(self, n: int, budget_bytes: int, directory: str | None = None, context: str | None = None):
         if n < 1:
             raise ValueError(f"a sample cache needs at least one index, got {n}")
         self.n = n
@@ -226,7 +226,9 @@ class SampleCache:
             os.ftruncate(fd, self._data_start + self.budget)  # sparse: pages are used only once written
         finally:
             os.close(fd)
-        self._lock = multiprocessing.get_context().Lock()
+        # The lock must come from the start method the workers use (a fork lock cannot be
+        # reopened by a spawned worker); the DataLoader's default is multiprocessing's default.
+        self._lock = multiprocessing.get_context(context).Lock()
         self._owner = os.getpid()
         self._map()
 

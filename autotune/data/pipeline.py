@@ -140,15 +140,20 @@ class InputPipeline:
         `position`. `host_cap_bytes`: the user's memory cap when training on CPU."""
         if cache is not None and self.cache is None:
             self._start_cache(cache, journal, step, epoch, host_cap_bytes)
-        self.num_workers = num_workers
-        dataset = self._cached if self.cache is not None else self.dataset
-        self.loader = self._build(dataset, num_workers)
+        self.set_workers(num_workers)
         journal.write("loader_rebuilt", step, epoch, num_workers=num_workers, cache=self.cache is not None,
                       position=position)
         logger.info(f"data loader rebuilt: {num_workers} workers{', sample cache on' if self.cache else ''}")
         self.detector.restart()
         self._skip_next = True
         return self.batches(epoch, position, 0)
+
+    def set_workers(self, num_workers: int) -> None:
+        """Build the loader anew with `num_workers` (takes effect at the next `batches`)."""
+        if not self.owned:
+            raise RuntimeError("the DataLoader was built by the caller: its workers are not changed")
+        self.num_workers = num_workers
+        self.loader = self._build(self._cached if self.cache is not None else self.dataset, num_workers)
 
     def _start_cache(self, action: CacheSamples, journal: Journal, step: int, epoch: int,
                      host_cap_bytes: int | None) -> None:

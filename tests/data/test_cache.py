@@ -4,7 +4,6 @@ all workers, a byte budget."""
 import os
 
 import numpy as np
-import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
@@ -190,3 +189,18 @@ def test_one_copy_for_all_workers(tmp_path_factory):
             assert cached_growth - decoding_growth < stored / workers / 4, (workers, growth, plain_growth, stored)
     assert stored > 50 * 2**20  # ~59 MiB of decoded pixels
     assert region_bytes[1] == region_bytes[4] and region_bytes[1] < stored + 2**20
+
+
+@pytest.mark.slow
+def test_spawned_workers_reopen_the_same_region(jpeg_folder):
+    dataset = datasets.ImageFolder(jpeg_folder)
+    cache = SampleCache(len(dataset), 16 * 2**20, context="spawn")
+    try:
+        cached = CachedDataset(split_for_caching(dataset), cache)
+        for _ in range(2):
+            for _ in DataLoader(cached, batch_size=8, num_workers=2, multiprocessing_context="spawn", collate_fn=len):
+                pass
+        stats = cache.stats()
+        assert stats["entries"] == len(dataset) and stats["hits"] == len(dataset), stats  # filled, then all hits
+    finally:
+        cache.close()

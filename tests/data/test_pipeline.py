@@ -116,3 +116,15 @@ def test_a_callers_data_loader_is_never_rebuilt(tmp_path):
     (profile,) = kinds(tmp_path / "run", "input_profile")
     assert not profile["cacheable"] and "built by the caller" in profile["how"]
     assert not kinds(tmp_path / "run", "loader_rebuilt")
+
+
+def test_the_tuned_worker_count_survives_a_checkpoint(tmp_path):
+    def make(workers):
+        return AutoTrainer(nn.Linear(8, 1), SlowToLoad(16), step_fn=lambda m, b: m(b[0]).pow(2).mean(),
+                           batch_size=4, num_workers=workers, device="cpu", progress=False, monitor=False,
+                           run_dir=tmp_path / "run")
+
+    state = make(2).state_dict()
+    resumed = make(0)
+    resumed.load_state_dict(state)
+    assert resumed.loader.num_workers == 2 and resumed.knobs.num_workers == 2

@@ -1,7 +1,6 @@
 import os
 import subprocess
 import sys
-import time
 
 from autotune.monitor.host import cgroup_memory, host_sample, parse_proc_cgroup, rss_bytes
 from autotune.units import format_bytes
