@@ -206,6 +206,27 @@ def _decode(view: memoryview) -> Any:
     return pickle.loads(data, buffers=buffers)
 
 
+def _remove_stale_regions(folder: Path) -> None:
+    """Remove the regions of runs that were killed before they could (their process is gone)."""
+    for path in folder.glob("autotune-cache-*-*"):
+        try:
+            pid = int(path.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 class SampleCache:
     """Decoded samples by index, in one shared-memory region every process of the run maps.
 
@@ -220,7 +241,9 @@ class SampleCache:
         self.n = n
         self.budget = max(0, int(budget_bytes))
         self._data_start = (_HEADER + 2 * n) * 8
-        self.path = Path(directory or _shm_dir()) / f"autotune-cache-{os.getpid()}-{secrets.token_hex(4)}"
+        folder = Path(directory or _shm_dir())
+        _remove_stale_regions(folder)
+        self.path = folder / f"autotune-cache-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, self._data_start + self.budget)  # sparse: pages are used only once written

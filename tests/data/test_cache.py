@@ -204,3 +204,19 @@ def test_spawned_workers_reopen_the_same_region(jpeg_folder):
         assert stats["entries"] == len(dataset) and stats["hits"] == len(dataset), stats  # filled, then all hits
     finally:
         cache.close()
+
+
+def test_a_killed_runs_region_is_removed_by_the_next_cache(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", f"from autotune.data.cache import SampleCache; "
+                           f"c = SampleCache(4, 4096, directory={str(tmp_path)!r}); print(c.path); "
+                           "import os; os._exit(0)"], capture_output=True, text=True, check=True)
+    left = tmp_path / os.path.basename(proc.stdout.strip())
+    assert left.exists()  # os._exit: no clean-up ran
+    cache = SampleCache(4, 4096, directory=str(tmp_path))
+    try:
+        assert not left.exists() and cache.path.exists()
+    finally:
+        cache.close()
