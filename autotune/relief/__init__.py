@@ -1,0 +1,1 @@
+"""Memory reliefs near the cap, one file each: autocast, activation checkpointing, channel pruning."""
