@@ -47,7 +47,32 @@ class SetLoaderWorkers:
     reason: str = ""
 
 
-Action = Union[SetMicroBatch, EmptyCache, CacheSamples, SetLoaderWorkers]
+@dataclasses.dataclass(frozen=True)
+class UseAutocast:
+    """Run forward passes under autocast (bf16, or fp16 with a gradient scaler), from the next attempt on."""
+
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointActivations:
+    """Checkpoint the model's repeated blocks: recompute their activations in backward."""
+
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PruneChannels:
+    """Remove `ratio` of the channels of every prunable layer but the output layers (Torch-Pruning);
+    the optimizer is rebuilt with its state for the kept channels. A checkpoint is written first."""
+
+    ratio: float
+    reason: str = ""
+
+
+Relief = Union[UseAutocast, CheckpointActivations, PruneChannels]
+Action = Union[SetMicroBatch, EmptyCache, CacheSamples, SetLoaderWorkers, UseAutocast, CheckpointActivations,
+               PruneChannels]
 
 
 def action_kind(action: Action) -> str:

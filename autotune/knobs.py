@@ -12,7 +12,8 @@ import functools
 
 import torch
 
-from autotune.actions import CacheSamples, EmptyCache, SetLoaderWorkers, SetMicroBatch
+from autotune.actions import (CacheSamples, CheckpointActivations, EmptyCache, PruneChannels, Relief, SetLoaderWorkers,
+                              SetMicroBatch, UseAutocast)
 from autotune.memory import device_sample, free_cpu_caches, free_memory
 from autotune.units import format_bytes
 
@@ -30,6 +31,9 @@ class Knobs:
     # Bumped by every change to the two above; the trainer rebuilds its loader at the next
     # batch boundary when it differs from the version its loader was built for.
     loader_version: int = 0
+    # A memory relief to carry out before the next attempt (the trainer does it: it changes the
+    # model or the forward). One per trigger, so each rung's effect is seen before the next.
+    relief: Relief | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,3 +88,13 @@ def _set_loader_workers(action: SetLoaderWorkers, knobs: Knobs) -> Outcome:
     old, knobs.num_workers = knobs.num_workers, workers
     knobs.loader_version += 1
     return Outcome(True, f"loader workers {old} -> {workers} from the next batch")
+
+
+@apply.register(UseAutocast)
+@apply.register(CheckpointActivations)
+@apply.register(PruneChannels)
+def _relief(action: Relief, knobs: Knobs) -> Outcome:
+    if knobs.relief is not None:
+        return Outcome(False, f"one relief at a time: {type(knobs.relief).__name__} goes first")
+    knobs.relief = action
+    return Outcome(True, "carried out before the next attempt")

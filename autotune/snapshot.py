@@ -109,3 +109,6 @@ class Snapshot:
     allocator: AllocatorStats | None = None
     timing: StepTiming | None = None
     input: InputState | None = None
+    reliefs: tuple[str, ...] = ()  # memory reliefs in effect, in the order applied: "autocast", "checkpointing", "pruning"
+    last_relief_step: int | None = None  # the step the last relief was applied at
+    pruned_fraction: float = 0.0  # share of the model's parameters pruning has removed so far

@@ -60,8 +60,12 @@ from autotune.memory import (StepPeak, allocator_stats, cuda_uuid, describe_memo
                              load_libc, load_mkl)
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL, MonitorProcess
 from autotune.oom import OutOfMemory, is_oom
+from autotune.actions import CheckpointActivations, PruneChannels, UseAutocast
 from autotune.policy import Policy
 from autotune.preemption import Preempted, StopRequests
+from autotune.relief.autocast import AutocastPlan, autocast_plan
+from autotune.relief.checkpointing import checkpoint_blocks
+from autotune.relief.pruning import prune_channels, rebind_scheduler, rebuild_optimizer
 from autotune.presets import resolve_policies
 from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot, StepTiming
 from autotune.data.pipeline import InputPipeline
@@ -158,6 +162,16 @@ def to_device(obj: Any, device: torch.device) -> Any:
         return type(obj)(*(to_device(v, device) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def _clone_tensors(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _clone_tensors(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_clone_tensors(v) for v in obj)
     return obj
 
 
@@ -327,6 +341,13 @@ class AutoTrainer:
         self._peak = StepPeak(self.device)
         self._room: tuple[int, int] | None = None
         self._loader_version = self.knobs.loader_version
+        self.reliefs: list[str] = []  # memory reliefs applied, in order ("autocast", "checkpointing", "pruning")
+        self._last_relief_step: int | None = None
+        self._pruned_fraction = 0.0
+        self._autocast: AutocastPlan | None = None
+        self._scaler: torch.amp.GradScaler | None = None
+        self._example: Any = None
+        self._relief_watch: dict[str, Any] | None = None
 
         self.step = 0  # optimizer steps, across fit() calls
         self.epoch = 0  # epochs completed
@@ -485,6 +506,8 @@ class AutoTrainer:
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
                                 retries=retries)
             self._fire(Event.BATCH_END, timing=timing)
+            self._relief_effect()
+            self._apply_relief()
             self._watch_memory()
             for event in self.input.on_step(timing, n):
                 self._fire(event, timing=timing)
@@ -567,9 +590,9 @@ class AutoTrainer:
                     if self.keep_effective_batch:
                         # Weight by the micro-batch's share so the accumulated gradient is the
                         # gradient of the mean loss over the whole batch.
-                        (loss * (m / n)).backward()
+                        self._backward(loss * (m / n))
                     else:
-                        loss.backward()
+                        self._backward(loss)
                         self._optimizer_step(m)
                         done += m
                     loss_sum += loss.detach() * m
@@ -599,7 +622,21 @@ class AutoTrainer:
             return None
         return "forward" if self._injector.random() < 0.5 else "backward"
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
+
     def _loss(self, micro: Any) -> torch.Tensor:
+        if self._example is None:
+            # Two real samples, copied (a view would keep the whole batch alive), for tracing
+            # the model if it is ever pruned.
+            first, _ = next(iter(micro_batches(micro, 2, split_fn=self.split_fn)))
+            self._example = _clone_tensors(first)
+        if self._autocast is not None:
+            with self._autocast.context():
+                return self._forward(micro)
+        return self._forward(micro)
+
+    def _forward(self, micro: Any) -> torch.Tensor:
         if self.step_fn is not None:
             return self.step_fn(self._forward_model, micro)
         if not (isinstance(micro, (tuple, list)) and len(micro) == 2):
@@ -612,7 +649,11 @@ class AutoTrainer:
         # An OOM inside optimizer.step() may leave some parameters updated and others not,
         # and a smaller micro-batch cannot help it: it is not retried.
         try:
-            self.optimizer.step()
+            if self._scaler is not None:
+                self._scaler.step(self.optimizer)  # unscales; skips the step on inf/nan gradients
+                self._scaler.update()
+            else:
+                self.optimizer.step()
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -643,7 +684,10 @@ class AutoTrainer:
         logger.warning(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch")
         self._fire(Event.OOM, failed_micro_batch=failed_size, force=True)
         if self.knobs.micro_batch_size < failed_size:
+            self.knobs.relief = None  # a smaller micro-batch first: reliefs are the last resort
             return
+        if self._apply_relief():
+            return  # the same batch again, with the relief
         memory = describe_memory(self.device)
         self.journal.write("out_of_memory", self.step, self.epoch, micro_batch_size=failed_size,
                            device=str(self.device), tried=tried, memory=memory)
@@ -653,6 +697,67 @@ class AutoTrainer:
             f"(sizes tried on this batch: {', '.join(map(str, tried))}); no policy could make more room. "
             f"Memory: {memory}. Last error: {self._last_oom_message}"
         )
+
+    # ----------------------------------------------------------------------------- reliefs
+    def _apply_relief(self) -> bool:
+        """Carry out the memory relief a policy asked for, between attempts; True if one was applied."""
+        action, self.knobs.relief = self.knobs.relief, None
+        if action is None:
+            return False
+        kind = {UseAutocast: "autocast", CheckpointActivations: "checkpointing", PruneChannels: "pruning"}[type(action)]
+        if self.ranks is not None:
+            # Every rank would have to change its model the same way at the same step; not yet.
+            self.journal.write("relief_skipped", self.step, self.epoch, relief=kind, reason="not under torchrun yet")
+            return False
+        demand = self._step_demand
+        if kind == "autocast":
+            self._autocast = autocast_plan(self.device)
+            if self._autocast is None:
+                details: dict[str, Any] = {"note": f"no autocast on {self.device.type}"}
+            else:
+                if self._autocast.needs_scaler:
+                    self._scaler = torch.amp.GradScaler(self.device.type)
+                details = {"dtype": str(self._autocast.dtype).replace("torch.", ""),
+                           "grad_scaler": self._autocast.needs_scaler}
+        elif kind == "checkpointing":
+            details = {"blocks": checkpoint_blocks(self.model)}
+        else:
+            details = self._prune(action.ratio)
+        self.reliefs.append(kind)
+        self._last_relief_step = self.step
+        self._relief_watch = {"relief": kind, "from_step": self.step, "demands": []}
+        self.journal.write("relief", self.step, self.epoch, relief=kind, demand_before=demand, **details)
+        logger.warning(f"memory relief: {kind} ({action.reason})")
+        free_memory(self.device)
+        return True
+
+    def _prune(self, ratio: float) -> dict[str, Any]:
+        if self._example is None:
+            raise RuntimeError("pruning needs a micro-batch the model has run on")
+        self._checkpoint("before_pruning")  # the unpruned model can be restored from here
+        example = to_device(self._example, self.device)
+        self._example = None  # the next micro-batch (its layout may change with the model) replaces it
+        if self.step_fn is not None:
+            result = prune_channels(self.model, example, ratio, forward_fn=self.step_fn)
+        else:
+            result = prune_channels(self.model, example[0], ratio)
+        self.optimizer = rebuild_optimizer(self.optimizer, result)
+        rebind_scheduler(self.scheduler, self.optimizer)
+        self._pruned_fraction = 1 - (1 - self._pruned_fraction) * (1 - result.removed_fraction)
+        return {"channel_ratio": ratio, "parameters_before": result.parameters_before,
+                "parameters_after": result.parameters_after, "kept_whole": result.ignored,
+                "parameters_removed_in_all": round(self._pruned_fraction, 4)}
+
+    def _relief_effect(self) -> None:
+        """A few steps after a relief, journal what the steps demand now."""
+        watch = self._relief_watch
+        if watch is None or self._step_demand is None:
+            return
+        watch["demands"].append(self._step_demand)
+        if len(watch["demands"]) >= 3:
+            self.journal.write("relief_effect", self.step, self.epoch, relief=watch["relief"],
+                               applied_at_step=watch["from_step"], demand_after=max(watch["demands"]))
+            self._relief_watch = None
 
     # ----------------------------------------------------------------------------- helpers
     def _fire(self, event: Event, failed_micro_batch: int | None = None, timing: StepTiming | None = None,
@@ -668,6 +773,8 @@ class AutoTrainer:
             ooms=self.ooms, sample=self._latest_sample(fresh=event is Event.OOM), window=tuple(self._window),
             allocator=self._allocator, timing=timing,
             input=self.input.state(self.journal, self.step, self.epoch, profile=event is Event.IO_BOUND),
+            reliefs=tuple(self.reliefs), last_relief_step=self._last_relief_step,
+            pruned_fraction=self._pruned_fraction,
         )
         self.dispatcher.fire(event, snap)
 

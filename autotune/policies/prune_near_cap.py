@@ -1,0 +1,69 @@
+"""prune_near_cap: the last rung of the relief ladder: structured pruning that frees memory.
+
+When: at the smallest micro-batch, an OOM, or steps that demand >= `high` of the room
+under the cap for `persist_steps` steps (see autotune/relief/trigger.py); after the cheaper
+rungs in the preset have been applied (one relief per trigger, in preset order).
+What: `PruneChannels(step_ratio)`: Torch-Pruning removes `step_ratio` of the channels of
+every Linear/Conv layer but the output layers (outputs keep their shape), by L2 magnitude.
+Parameters, gradients, optimizer state and activations all shrink; the optimizer is
+rebuilt with the state of the kept channels, the LR scheduler re-bound, and a checkpoint
+written before. Again on the next trigger, until `max_ratio` of the channels are gone.
+Not `torch.nn.utils.prune`: its masks make a step need *more* memory.
+
+Parameters:
+    step_ratio: share of the remaining channels removed per trigger (default 0.1).
+    max_ratio: the most of the original channels ever removed (default 0.5).
+    high: step demand (share of the room under the cap) that counts as near the cap (default 0.9).
+    persist_steps: steps in a row near the cap before acting (default 5).
+    settle_steps: steps after the previous relief before acting again (default 20).
+    floor_micro_batch: act only at or below this micro-batch (default 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Sequence
+
+from autotune.actions import Action, PruneChannels
+from autotune.events import Event
+from autotune.relief.trigger import NearCap
+from autotune.snapshot import Snapshot
+from autotune.validate import check_fraction
+
+
+@dataclasses.dataclass
+class PruneNearCap:
+    """Relief rung 3: remove channels in bounded steps when memory stays near the cap."""
+
+    name: ClassVar[str] = "prune_near_cap"
+    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM})
+
+    step_ratio: float = 0.1
+    max_ratio: float = 0.5
+    high: float = 0.9
+    persist_steps: int = 5
+    settle_steps: int = 20
+    floor_micro_batch: int = 1
+
+    def __post_init__(self) -> None:
+        check_fraction(self.name, "step_ratio", self.step_ratio)
+        check_fraction(self.name, "max_ratio", self.max_ratio)
+        if self.step_ratio >= 1:
+            raise ValueError(f"{self.name}: step_ratio must be below 1, got {self.step_ratio!r}")
+        self._trigger = NearCap(self.name, self.high, self.persist_steps, self.settle_steps, self.floor_micro_batch)
+
+    def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
+        done = 1 - (1 - self.step_ratio) ** snap.reliefs.count("pruning")  # channels removed so far
+        if done + 1e-9 >= self.max_ratio:
+            return []
+        reason = self._trigger.due(event, snap)
+        if not reason:
+            return []
+        ratio = min(self.step_ratio, 1 - (1 - self.max_ratio) / (1 - done))  # never past max_ratio in all
+        return [PruneChannels(ratio=round(ratio, 4), reason=f"{reason}; {done:.0%} of channels pruned so far")]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streak": self._trigger.streak}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._trigger.streak = state.get("streak", 0)

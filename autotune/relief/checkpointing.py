@@ -1,0 +1,68 @@
+"""Activation checkpointing as a memory relief: keep only each block's input, recompute the
+inside during backward (about one more forward of compute for much less activation memory).
+
+Which blocks: the model's repeated blocks, i.e. sibling modules of one class (two or more)
+inside an `nn.Sequential` or `nn.ModuleList` that hold parameters and are not single layers:
+ResNet's BasicBlocks, transformer layers. A model that is one flat `nn.Sequential` of layers
+is checkpointed in about sqrt(n) segments instead. Recomputation replays the random state
+(dropout masks match); BatchNorm running statistics see the recomputed forward too.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+_MARK = "_autotune_checkpointed"
+
+
+def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _sequential_forward(module: nn.Sequential, segments: int, x: Any) -> Any:
+    return checkpoint_sequential(module, segments, x, use_reentrant=False)
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the blocks worth checkpointing one by one, outermost first."""
+    found: list[tuple[str, nn.Module]] = []
+    taken: set[int] = set()
+    for name, container in model.named_modules():
+        if not isinstance(container, (nn.Sequential, nn.ModuleList)) or id(container) in taken:
+            continue
+        children = list(container.named_children())
+        classes: dict[type, int] = {}
+        for _, child in children:
+            classes[type(child)] = classes.get(type(child), 0) + 1
+        for child_name, child in children:
+            if classes[type(child)] >= 2 and not isinstance(child, _LAYERS) \
+                    and any(True for _ in child.parameters()) and not any(id(m) in taken for m in child.modules()):
+                found.append((f"{name}.{child_name}" if name else child_name, child))
+                taken.update(id(m) for m in child.modules())
+    return found
+
+
+def checkpoint_blocks(model: nn.Module) -> list[str]:
+    """Checkpoint the model's repeated blocks (or a flat Sequential in segments); returns what
+    was wrapped. Idempotent: a second call wraps nothing and returns []."""
+    if getattr(model, _MARK, False):
+        return []
+    wrapped = []
+    for name, block in repeated_blocks(model):
+        if getattr(block, _MARK, False):
+            continue
+        block.forward = functools.partial(_checkpointed_forward, block.forward)  # the instance's, not the class's
+        setattr(block, _MARK, True)
+        wrapped.append(name)
+    if not wrapped and isinstance(model, nn.Sequential) and len(model) >= 4:
+        segments = max(2, round(math.sqrt(len(model))))
+        model.forward = functools.partial(_sequential_forward, model, segments)
+        wrapped.append(f"the model's {len(model)} layers in {segments} segments")
+    setattr(model, _MARK, True)
+    return wrapped
