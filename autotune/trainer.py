@@ -65,7 +65,7 @@ from autotune.policy import Policy
 from autotune.preemption import Preempted, StopRequests
 from autotune.relief.autocast import AutocastPlan, autocast_plan
 from autotune.relief.checkpointing import checkpoint_blocks
-from autotune.relief.pruning import prune_channels, rebind_scheduler, rebuild_optimizer
+from autotune.relief.pruning import UnsafePruning, prune_channels, rebind_scheduler, rebuild_optimizer
 from autotune.presets import resolve_policies
 from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot, StepTiming
 from autotune.data.pipeline import InputPipeline
@@ -722,7 +722,13 @@ class AutoTrainer:
         elif kind == "checkpointing":
             details = {"blocks": checkpoint_blocks(self.model)}
         else:
-            details = self._prune(action.ratio)
+            try:
+                details = self._prune(action.ratio)
+            except UnsafePruning as exc:
+                self.reliefs.append("pruning_unsafe")  # the ladder ends here; the model is as it was
+                self.journal.write("relief_failed", self.step, self.epoch, relief=kind, reason=str(exc))
+                logger.warning(f"not pruning: {exc}")
+                return False
         self.reliefs.append(kind)
         self._last_relief_step = self.step
         self._relief_watch = {"relief": kind, "from_step": self.step, "demands": []}

@@ -8,6 +8,8 @@ every Linear/Conv layer but the output layers (outputs keep their shape), by L2 
 Parameters, gradients, optimizer state and activations all shrink; the optimizer is
 rebuilt with the state of the kept channels, the LR scheduler re-bound, and a checkpoint
 written before. Again on the next trigger, until `max_ratio` of the channels are gone.
+The pruning is first tried on a memory-free (meta) copy: if it would break the model (e.g.
+a residual stream that starts at the raw input), nothing is pruned and the ladder ends.
 Not `torch.nn.utils.prune`: its masks make a step need *more* memory.
 
 Parameters:
@@ -54,7 +56,7 @@ class PruneNearCap:
 
     def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
         done = 1 - (1 - self.step_ratio) ** snap.reliefs.count("pruning")  # channels removed so far
-        if done + 1e-9 >= self.max_ratio:
+        if done + 1e-9 >= self.max_ratio or "pruning_unsafe" in snap.reliefs:
             return []
         reason = self._trigger.due(event, snap)
         if not reason:

@@ -15,6 +15,7 @@ the same way, so the kept channels continue exactly where they were.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 from typing import Any, Callable, Iterator, Sequence
@@ -90,12 +91,65 @@ def output_layers(model: nn.Module, example: Any, forward_fn: Callable[[nn.Modul
     return found
 
 
+class UnsafePruning(Exception):
+    """Pruning would break the model (e.g. a residual stream that starts at the raw input); nothing was pruned."""
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """The module's structure with every parameter and buffer on the meta device: no memory."""
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+            if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def _to_meta(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_like(obj, device="meta")
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_meta(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_meta(v) for v in obj)
+    return obj
+
+
+def _check_on_meta(model: nn.Module, example: Any, ratio: float, forward_fn: Callable[[nn.Module, Any], Any],
+                   ignored: list[nn.Module]) -> None:
+    """Prune a memory-free copy the same way (which channels does not matter for the shapes)
+    and run it: raise UnsafePruning if the pruned model would not run or its outputs change shape."""
+    import torch_pruning as tp
+
+    index = {id(m): i for i, m in enumerate(model.modules())}
+    copy_ = _meta_copy(model)
+    copies = list(copy_.modules())
+    meta_example = _to_meta(example)
+    try:
+        with torch.no_grad():
+            before = forward_fn(copy_, meta_example)
+        pruner = tp.pruner.MagnitudePruner(  # traces through autograd: not under no_grad
+            copy_, meta_example, importance=tp.importance.RandomImportance(), pruning_ratio=ratio,
+            ignored_layers=[copies[index[id(m)]] for m in ignored], forward_fn=forward_fn)
+        with torch.no_grad():
+            pruner.step()
+            after = forward_fn(copy_, meta_example)
+    except Exception as exc:  # any failure means: do not touch the real model
+        raise UnsafePruning(f"a pruned copy of the model does not run: {type(exc).__name__}: {exc}"[:400]) from None
+    shapes = [tuple(t.shape) for t in (before if isinstance(before, (tuple, list)) else [before])]
+    new_shapes = [tuple(t.shape) for t in (after if isinstance(after, (tuple, list)) else [after])]
+    if shapes != new_shapes:
+        raise UnsafePruning(f"pruning would change the output shape {shapes} -> {new_shapes}")
+
+
 def prune_channels(model: nn.Module, example: Any, ratio: float, *,
                    forward_fn: Callable[[nn.Module, Any], Any] | None = None,
                    keep: Sequence[nn.Module] = ()) -> PruneResult:
     """Remove `ratio` of the channels of every prunable layer (by L2 magnitude), except the
     output layers and `keep`. `example` is a small real input; `forward_fn(model, example)`
-    runs the model on it (default: `model(example)`)."""
+    runs the model on it (default: `model(example)`). The same pruning is first tried on a
+    memory-free (meta) copy: if that copy would not run or its outputs would change shape,
+    `UnsafePruning` is raised and the model is left as it was."""
     import torch_pruning as tp
 
     if not 0 < ratio < 1:
@@ -107,6 +161,7 @@ def prune_channels(model: nn.Module, example: Any, ratio: float, *,
     was_training = model.training
     model.eval()  # tracing runs a forward: BatchNorm statistics must not move
     try:
+        _check_on_meta(model, example, ratio, forward_fn, ignored)
         pruner = tp.pruner.MagnitudePruner(
             model, example, importance=tp.importance.MagnitudeImportance(p=2), pruning_ratio=ratio,
             ignored_layers=ignored, forward_fn=forward_fn, round_to=None,

@@ -127,3 +127,25 @@ def test_pruning_lowers_the_measured_step_peak(tmp_path, build):
     proc, result = run_python(script, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert result["after"] < 0.7 * result["before"], result  # half the channels: well under the old peak
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_pruning_that_would_break_the_model_leaves_it_untouched():
+    from autotune.relief.pruning import UnsafePruning
+
+    model = nn.Sequential(Residual(), Residual(), nn.Linear(32, 4))  # the residual stream is the raw input
+    shapes = [p.shape for p in model.parameters()]
+    with pytest.raises(UnsafePruning, match="does not run"):
+        prune_channels(model, torch.randn(2, 32), 0.3)
+    assert [p.shape for p in model.parameters()] == shapes
+    stem = nn.Sequential(nn.Linear(16, 32), Residual(), Residual(), nn.Linear(32, 4))  # a stem makes it prunable
+    prune_channels(stem, torch.randn(2, 16), 0.3)
+    assert stem(torch.randn(2, 16)).shape == (2, 4)

@@ -1,0 +1,102 @@
+"""Autocast and activation checkpointing lower the measured step demand where activations
+dominate, and applying them twice changes nothing."""
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from autotune.relief.autocast import autocast_plan
+from autotune.relief.checkpointing import checkpoint_blocks, repeated_blocks
+from tests.conftest import run_python
+
+MEASURE = """
+import torch
+from torch import nn
+from autotune.limits import _fix_mmap_threshold
+from autotune.memory import StepPeak
+from autotune.relief.autocast import autocast_plan
+from autotune.relief.checkpointing import checkpoint_blocks
+_fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
+torch.set_num_threads(1)
+torch.manual_seed(0)
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(128, 1024), nn.Linear(1024, 128)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+model = nn.Sequential(*[Block() for _ in range(6)], nn.Linear(128, 10))
+x, y = torch.randn(2048, 128), torch.randint(0, 10, (2048,))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+plan = autocast_plan(torch.device("cpu")) if RELIEF == "autocast" else None
+if RELIEF == "checkpointing":
+    assert checkpoint_blocks(model) and checkpoint_blocks(model) == []  # a second time: nothing more
+peak = StepPeak(torch.device("cpu"))
+
+def step():
+    if plan is not None:
+        with plan.context():
+            loss = nn.functional.cross_entropy(model(x), y)
+    else:
+        loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+step(); step()  # warm: kernels paged in
+before = peak.current()
+peak.start(); loss = step()
+save({"demand": peak.peak() - before, "loss": loss})
+"""
+
+
+def demand(tmp_path, relief):
+    proc, result = run_python(f"RELIEF = {relief!r}\n" + MEASURE, tmp_path, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return result
+
+
+def test_checkpointing_and_autocast_each_lower_the_step_demand(tmp_path):
+    plain, checkpointed, autocast = (demand(tmp_path, r) for r in (None, "checkpointing", "autocast"))
+    assert checkpointed["demand"] < 0.6 * plain["demand"], (plain, checkpointed)
+    assert autocast["demand"] < 0.8 * plain["demand"], (plain, autocast)
+    assert abs(checkpointed["loss"] - plain["loss"]) < 1e-4  # recomputation changes nothing
+    assert abs(autocast["loss"] - plain["loss"]) < 0.05  # bf16: close, not equal
+
+
+def test_repeated_blocks_are_found_in_common_models():
+    names = [n for n, _ in repeated_blocks(torchvision.models.resnet18())]
+    assert names == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 3)
+    assert [n for n, _ in repeated_blocks(encoder)] == ["layers.0", "layers.1", "layers.2"]
+    flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+    assert repeated_blocks(flat) == [] and checkpoint_blocks(flat) == ["the model's 4 layers in 2 segments"]
+    assert checkpoint_blocks(nn.Linear(4, 4)) == []  # nothing to checkpoint
+
+
+def test_checkpointed_gradients_equal_the_plain_ones():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=4).eval()  # eval: BatchNorm uses fixed statistics
+    x = torch.randn(2, 3, 32, 32)
+    model(x).sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    checkpoint_blocks(model)
+    model(x).sum().backward()
+    for a, b in zip(plain, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_autocast_plan_per_device():
+    cpu = autocast_plan(torch.device("cpu"))
+    assert cpu.dtype is torch.bfloat16 and not cpu.needs_scaler
+    assert autocast_plan(torch.device("meta")) is None
+
+
+@pytest.mark.gpu
+def test_the_autocast_plan_on_cuda():
+    plan = autocast_plan(torch.device("cuda"))
+    assert plan.needs_scaler == (plan.dtype is torch.float16)
