@@ -735,6 +735,9 @@ class AutoTrainer:
         self.journal.write("relief", self.step, self.epoch, relief=kind, demand_before=demand, **details)
         logger.warning(f"memory relief: {kind} ({action.reason})")
         free_memory(self.device)
+        # What stays resident changed (pruning shrinks weights and optimizer state): demand is
+        # measured from here on against the room there is now.
+        self._room = self._measure_room()
         return True
 
     def _prune(self, ratio: float) -> dict[str, Any]:

@@ -1,0 +1,71 @@
+"""End to end on CPU: a run whose steps demand more than the room under its memory cap climbs
+the relief ladder in order (autocast, checkpointing, pruning) and ends below the mark."""
+
+import pytest
+
+from tests.conftest import journal, run_python
+
+SCRIPT = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from autotune import AutoTrainer
+from autotune.limits import _fix_mmap_threshold
+from autotune.memory import StepPeak
+from autotune.policies import AutocastNearCap, CheckpointNearCap, PruneNearCap
+
+_fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
+# oneDNN keeps per-shape caches (its primitives) resident: every pruned shape would add some,
+# and the resident size is what a CPU cap counts. The plain kernels keep it flat.
+torch.backends.mkldnn.enabled = False
+torch.set_num_threads(1)
+torch.manual_seed(0)
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(128, 1024), nn.Linear(1024, 128)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+model = nn.Sequential(nn.Linear(32, 128), *[Block() for _ in range(6)], nn.Linear(128, 10))
+B = 2048
+data = TensorDataset(torch.randn(B * 16, 32), torch.randint(0, 10, (B * 16,)))
+
+def trainer(policies, cap=None, run_dir=RUN_DIR):
+    return AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=B, device="cpu",
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), progress=False,
+                       monitor=False, checkpoint_interval=None, run_dir=run_dir, policies=policies, memory_cap=cap)
+
+trainer([], run_dir=RUN_DIR + "-warm").fit(max_steps=2)  # everything a step touches is resident now
+cap = StepPeak(torch.device("cpu")).current() + ROOM_MIB * 2**20  # far less room than a plain step needs
+near = dict(persist_steps=2, settle_steps=3, floor_micro_batch=B)  # the micro-batch stays B: only reliefs help
+run = trainer([AutocastNearCap(**near), CheckpointNearCap(**near), PruneNearCap(step_ratio=0.3, max_ratio=0.6, **near)],
+              cap=cap)
+result = run.fit(epochs=1)
+save({"reliefs": run.reliefs, "demand": run._step_demand, "samples": result.samples_seen,
+      "loss": result.loss, "parameters": sum(p.numel() for p in model.parameters())})
+"""
+
+
+@pytest.mark.slow
+def test_the_ladder_is_climbed_in_order_and_the_run_ends_below_the_mark(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, result = run_python(f"RUN_DIR = {str(run_dir)!r}\nROOM_MIB = 16\n" + SCRIPT, tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reliefs = result["reliefs"]
+    assert reliefs[:3] == ["autocast", "checkpointing", "pruning"], reliefs
+    assert set(reliefs[3:]) <= {"pruning"}
+    assert result["demand"] < 0.9, result  # below the high-water mark at the end
+    assert result["samples"] == 16 * 2048 and result["loss"] == result["loss"]  # all trained, finite loss
+    records = journal(run_dir)
+    applied = [r for r in records if r["kind"] == "relief"]
+    assert [r["relief"] for r in applied] == reliefs
+    assert all(r["demand_before"] >= 0.9 for r in applied)
+    effects = {r["applied_at_step"]: r["demand_after"] for r in records if r["kind"] == "relief_effect"}
+    first = applied[0]
+    assert effects[first["step"]] < first["demand_before"]  # autocast lowered the demand
+    pruned = [r for r in applied if r["relief"] == "pruning"]
+    assert pruned[0]["parameters_after"] < pruned[0]["parameters_before"]
+    assert any(r["kind"] == "checkpoint" and r["reason"] == "before_pruning" for r in records)
