@@ -65,7 +65,8 @@ from autotune.policy import Policy
 from autotune.preemption import Preempted, StopRequests
 from autotune.relief.autocast import AutocastPlan, autocast_plan
 from autotune.relief.checkpointing import checkpoint_blocks
-from autotune.relief.pruning import UnsafePruning, prune_channels, rebind_scheduler, rebuild_optimizer
+from autotune.relief.pruning import (UnsafePruning, prune_channels, rebind_scheduler, rebuild_optimizer,
+                                     replay_pruning)
 from autotune.presets import resolve_policies
 from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot, StepTiming
 from autotune.data.pipeline import InputPipeline
@@ -348,6 +349,7 @@ class AutoTrainer:
         self._scaler: torch.amp.GradScaler | None = None
         self._example: Any = None
         self._relief_watch: dict[str, Any] | None = None
+        self._pruning_history: list[dict[str, Any]] = []  # each prune: the traced example and Torch-Pruning's history
 
         self.step = 0  # optimizer steps, across fit() calls
         self.epoch = 0  # epochs completed
@@ -746,16 +748,49 @@ class AutoTrainer:
         self._checkpoint("before_pruning")  # the unpruned model can be restored from here
         example = to_device(self._example, self.device)
         self._example = None  # the next micro-batch (its layout may change with the model) replaces it
-        if self.step_fn is not None:
-            result = prune_channels(self.model, example, ratio, forward_fn=self.step_fn)
-        else:
-            result = prune_channels(self.model, example[0], ratio)
+        input_, forward_fn = self._trace_args(example)
+        result = prune_channels(self.model, input_, ratio, forward_fn=forward_fn)
+        self._pruning_history.append({"example": _clone_tensors(example), "history": result.history})
         self.optimizer = rebuild_optimizer(self.optimizer, result)
         rebind_scheduler(self.scheduler, self.optimizer)
         self._pruned_fraction = 1 - (1 - self._pruned_fraction) * (1 - result.removed_fraction)
         return {"channel_ratio": ratio, "parameters_before": result.parameters_before,
                 "parameters_after": result.parameters_after, "kept_whole": result.ignored,
                 "parameters_removed_in_all": round(self._pruned_fraction, 4)}
+
+    def _trace_args(self, example: Any) -> tuple[Any, ...]:
+        """(example input, forward_fn) to trace the model with, for the batch layout in use."""
+        if self.step_fn is not None:
+            return example, self.step_fn
+        return example[0], None
+
+    def _restore_reliefs(self, saved: dict[str, Any]) -> None:
+        """Make this (fresh) trainer's model and forward what they were when the checkpoint was
+        written: the reliefs again, in order, and a pruned model pruned the same way."""
+        applied = list(saved.get("applied", []))
+        if self.reliefs == applied:
+            return  # this trainer is in that state already (resumed in the same process)
+        if self.reliefs:
+            raise ValueError(f"this trainer's model already has the reliefs {self.reliefs}, the checkpoint "
+                             f"{applied}: resume into a fresh trainer built like the original one")
+        prunes = iter(saved.get("pruning", []))
+        for kind in applied:
+            if kind == "autocast":
+                self._autocast = autocast_plan(self.device)
+                if self._autocast is not None and self._autocast.needs_scaler:
+                    self._scaler = torch.amp.GradScaler(self.device.type)
+            elif kind == "checkpointing":
+                checkpoint_blocks(self.model)
+            elif kind == "pruning":
+                entry = next(prunes)
+                example = to_device(entry["example"], self.device)
+                input_, forward_fn = self._trace_args(example)
+                result = replay_pruning(self.model, input_, entry["history"], forward_fn=forward_fn)
+                self.optimizer = rebuild_optimizer(self.optimizer, result)  # its state is loaded after
+                rebind_scheduler(self.scheduler, self.optimizer)
+                self._pruning_history.append(entry)
+            self.reliefs.append(kind)  # "pruning_unsafe" too: the ladder stays where it ended
+        self._pruned_fraction = saved.get("pruned_fraction", 0.0)
 
     def _relief_effect(self) -> None:
         """A few steps after a relief, journal what the steps demand now."""
@@ -807,6 +842,8 @@ class AutoTrainer:
             "samples_seen": self.samples_seen, "ooms": self.ooms,
             "batch_size": self.knobs.batch_size, "micro_batch_size": self.knobs.micro_batch_size,
             "num_workers": self.knobs.num_workers,
+            "reliefs": {"applied": list(self.reliefs), "pruning": self._pruning_history,
+                        "pruned_fraction": self._pruned_fraction},
             "policies": self.dispatcher.state_dict(),
             "rng": rng_state(),
             "injector": [version, list(keys), gauss],
@@ -814,6 +851,8 @@ class AutoTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
+        if state.get("reliefs"):
+            self._restore_reliefs(state["reliefs"])  # a pruned model's weights fit only a pruned model
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:

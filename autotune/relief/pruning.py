@@ -34,6 +34,7 @@ class PruneResult:
     parameters_before: int
     parameters_after: int
     ignored: list[str]  # the layers kept whole (the outputs keep their shape)
+    history: list[list[Any]] = dataclasses.field(default_factory=list)  # Torch-Pruning's, to replay on a fresh model
 
     @property
     def removed_fraction(self) -> float:
@@ -168,11 +169,31 @@ def prune_channels(model: nn.Module, example: Any, ratio: float, *,
         )
         with _watch_replacements() as replaced, torch.no_grad():
             pruner.step()
+        history = [[name, bool(out), [int(i) for i in idxs]] for name, out, idxs in pruner.DG.pruning_history()]
     finally:
         model.train(was_training)
     after = sum(p.numel() for p in model.parameters())
     return PruneResult(replaced=replaced, parameters_before=before, parameters_after=after,
-                       ignored=[names.get(m, type(m).__name__) for m in ignored])
+                       ignored=[names.get(m, type(m).__name__) for m in ignored], history=history)
+
+
+def replay_pruning(model: nn.Module, example: Any, history: list[list[Any]], *,
+                   forward_fn: Callable[[nn.Module, Any], Any] | None = None) -> PruneResult:
+    """Prune a fresh copy of the model exactly as `history` (from `PruneResult.history`) says:
+    for resuming a pruned run from its checkpoint into the original, unpruned model."""
+    import torch_pruning as tp
+
+    before = sum(p.numel() for p in model.parameters())
+    was_training = model.training
+    model.eval()
+    try:
+        graph = tp.DependencyGraph().build_dependency(model, example, forward_fn=forward_fn)
+        with _watch_replacements() as replaced, torch.no_grad():
+            graph.load_pruning_history(history)
+    finally:
+        model.train(was_training)
+    return PruneResult(replaced=replaced, parameters_before=before,
+                       parameters_after=sum(p.numel() for p in model.parameters()), ignored=[], history=history)
 
 
 def _cut(tensor: torch.Tensor, cuts: list[tuple[int, list[int]]]) -> torch.Tensor:

@@ -69,3 +69,36 @@ def test_the_ladder_is_climbed_in_order_and_the_run_ends_below_the_mark(tmp_path
     pruned = [r for r in applied if r["relief"] == "pruning"]
     assert pruned[0]["parameters_after"] < pruned[0]["parameters_before"]
     assert any(r["kind"] == "checkpoint" and r["reason"] == "before_pruning" for r in records)
+
+
+def test_a_pruned_run_resumes_from_its_checkpoint_into_a_fresh_model(tmp_path):
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from autotune import AutoTrainer
+    from autotune.actions import CheckpointActivations, PruneChannels
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+        data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+        return AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=8, device="cpu",
+                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), progress=False, monitor=False,
+                           checkpoint_interval=None, run_dir=tmp_path / "run", policies=[])
+
+    first = build()
+    first.fit(max_steps=2)
+    for relief in (CheckpointActivations(), PruneChannels(ratio=0.25)):  # as the ladder would
+        first.knobs.relief = relief
+        assert first._apply_relief()
+    first.fit(max_steps=4)  # trains pruned, ends with a checkpoint
+    shapes = [tuple(p.shape) for p in first.model.parameters()]
+    assert shapes[0] == (24, 8)
+
+    resumed = build()
+    resumed.fit(max_steps=6, resume=True)
+    assert [tuple(p.shape) for p in resumed.model.parameters()] == shapes
+    assert resumed.reliefs == ["checkpointing", "pruning"] and resumed.step == 6
+    state = resumed.optimizer.state[next(iter(resumed.model.parameters()))]
+    assert state["exp_avg"].shape == (24, 8)  # the carried Adam state was restored, pruned shape and all
