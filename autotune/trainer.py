@@ -65,8 +65,8 @@ from autotune.policy import Policy
 from autotune.preemption import Preempted, StopRequests
 from autotune.relief.autocast import AutocastPlan, autocast_plan
 from autotune.relief.checkpointing import checkpoint_blocks
-from autotune.relief.pruning import (UnsafePruning, prune_channels, rebind_scheduler, rebuild_optimizer,
-                                     replay_pruning)
+from autotune.relief.pruning import (UnsafePruning, adopt_unrecorded, prune_channels, rebind_scheduler,
+                                     rebuild_optimizer, replay_pruning)
 from autotune.presets import resolve_policies
 from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot, StepTiming
 from autotune.data.pipeline import InputPipeline
@@ -752,6 +752,9 @@ class AutoTrainer:
         result = prune_channels(self.model, input_, ratio, forward_fn=forward_fn)
         self._pruning_history.append({"example": _clone_tensors(example), "history": result.history})
         self.optimizer = rebuild_optimizer(self.optimizer, result)
+        adopted = adopt_unrecorded(self.optimizer, self.model)
+        if adopted:
+            logger.warning(f"{adopted} pruned parameter(s) start with fresh optimizer state (not carried over)")
         rebind_scheduler(self.scheduler, self.optimizer)
         self._pruned_fraction = 1 - (1 - self._pruned_fraction) * (1 - result.removed_fraction)
         return {"channel_ratio": ratio, "parameters_before": result.parameters_before,

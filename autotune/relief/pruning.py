@@ -92,6 +92,11 @@ def output_layers(model: nn.Module, example: Any, forward_fn: Callable[[nn.Modul
     return found
 
 
+def _attention_heads(model: nn.Module) -> dict[nn.Module, int]:
+    # Attention splits its width into heads: Torch-Pruning must cut every head alike.
+    return {m: m.num_heads for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+
+
 class UnsafePruning(Exception):
     """Pruning would break the model (e.g. a residual stream that starts at the raw input); nothing was pruned."""
 
@@ -131,7 +136,8 @@ def _check_on_meta(model: nn.Module, example: Any, ratio: float, forward_fn: Cal
             before = forward_fn(copy_, meta_example)
         pruner = tp.pruner.MagnitudePruner(  # traces through autograd: not under no_grad
             copy_, meta_example, importance=tp.importance.RandomImportance(), pruning_ratio=ratio,
-            ignored_layers=[copies[index[id(m)]] for m in ignored], forward_fn=forward_fn)
+            ignored_layers=[copies[index[id(m)]] for m in ignored], forward_fn=forward_fn,
+            num_heads=_attention_heads(copy_))
         with torch.no_grad():
             pruner.step()
             after = forward_fn(copy_, meta_example)
@@ -165,7 +171,7 @@ def prune_channels(model: nn.Module, example: Any, ratio: float, *,
         _check_on_meta(model, example, ratio, forward_fn, ignored)
         pruner = tp.pruner.MagnitudePruner(
             model, example, importance=tp.importance.MagnitudeImportance(p=2), pruning_ratio=ratio,
-            ignored_layers=ignored, forward_fn=forward_fn, round_to=None,
+            ignored_layers=ignored, forward_fn=forward_fn, num_heads=_attention_heads(model),
         )
         with _watch_replacements() as replaced, torch.no_grad():
             pruner.step()
@@ -228,6 +234,20 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, result: PruneResult) -> 
                 for key, value in state.items()
             }
     return rebuilt
+
+
+def adopt_unrecorded(optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
+    """Safety net: parameters of `model` the optimizer does not hold (replaced some other way
+    than the recorded one) join its first group with fresh state; ones the model no longer has
+    leave it. Returns how many were adopted."""
+    live = {id(p) for p in model.parameters()}
+    held = set()
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in live]
+        held.update(id(p) for p in group["params"])
+    missing = [p for p in model.parameters() if id(p) not in held]
+    optimizer.param_groups[0]["params"].extend(missing)
+    return len(missing)
 
 
 def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
