@@ -35,6 +35,7 @@ bench: install
 	$(PY) benchmarks/growing_memory.py --trials 5
 	$(PY) benchmarks/input_cache.py --trials 3
 	$(PY) benchmarks/input_cache.py --trials 3 --size 384
+	$(PY) benchmarks/relief_ladder.py
 
 # On a CUDA machine: the gpu-marked tests plus a short GPU timing. Runs with the
 # machine's own python (GPU machines bring torch with CUDA), not the venv.
