@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import pickle
 import secrets
+import statistics
 import shutil
 import tempfile
 import time
@@ -346,23 +347,22 @@ class CachedDataset(Dataset):
         return self.after(sample) if self.after is not None else sample
 
 
-def profile_input(dataset: Any, samples: int = 8, seed: int = 0) -> InputProfile:
-    """Time load/decode and the transforms separately on a few random samples."""
+def profile_input(dataset: Any, samples: int = 16, seed: int = 0) -> InputProfile:
+    """Time load/decode and the transforms separately on a few random samples (medians per
+    sample: the first call of a decoder or a transform pays one-time set-up)."""
     try:
         split = split_for_caching(dataset)
     except NotCacheable as exc:
         return InputProfile(0.0, 0.0, 0, False, str(exc))
     generator = torch.Generator().manual_seed(seed)
     indices = torch.randperm(len(split.raw), generator=generator)[:samples].tolist()
-    load = transform = 0.0
+    load, transform = [], []
     for index in indices:
         start = time.perf_counter()
         sample = split.raw[index]
         loaded = time.perf_counter()
         if split.after is not None:
             split.after(sample)
-        load += loaded - start
-        transform += time.perf_counter() - loaded
-    k = max(1, len(indices))
-    return InputProfile(load / k, transform / k, len(indices), True, split.how)
-
+        load.append(loaded - start)
+        transform.append(time.perf_counter() - loaded)
+    return InputProfile(statistics.median(load), statistics.median(transform), len(indices), True, split.how)
