@@ -166,6 +166,45 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def _first_rows(obj: Any, rows: int = 2) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj[:rows] if obj.dim() else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _first_rows(v, rows)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_first_rows(v, rows) for v in obj)
+    return obj
+
+
+class _InputCatcher:
+    """A forward pre-hook keeping the model's first inputs (two samples, copied: a view would
+    keep the whole batch alive), for tracing the model if it is ever pruned. Copies of the
+    model (Torch-Pruning's, the meta dry run) share it rather than copy what holds it."""
+
+    def __init__(self) -> None:
+        self.example: tuple[tuple, dict] | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.example is None and not _on_meta(args):
+            self.example = (_clone_tensors(_first_rows(args)), _clone_tensors(_first_rows(kwargs)))
+
+    def __deepcopy__(self, memo: dict) -> "_InputCatcher":
+        return self
+
+
+def _on_meta(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type == "meta"
+    if isinstance(obj, (list, tuple)):
+        return any(_on_meta(v) for v in obj)
+    return False
+
+
+def _call_with(model: nn.Module, example: tuple[tuple, dict]) -> Any:
+    args, kwargs = example
+    return model(*args, **kwargs)
+
+
 def _clone_tensors(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
@@ -347,7 +386,8 @@ class AutoTrainer:
         self._pruned_fraction = 0.0
         self._autocast: AutocastPlan | None = None
         self._scaler: torch.amp.GradScaler | None = None
-        self._example: Any = None
+        self._inputs = _InputCatcher()
+        self.model.register_forward_pre_hook(self._inputs, with_kwargs=True)
         self._relief_watch: dict[str, Any] | None = None
         self._pruning_history: list[dict[str, Any]] = []  # each prune: the traced example and Torch-Pruning's history
 
@@ -628,11 +668,6 @@ class AutoTrainer:
         (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
 
     def _loss(self, micro: Any) -> torch.Tensor:
-        if self._example is None:
-            # Two real samples, copied (a view would keep the whole batch alive), for tracing
-            # the model if it is ever pruned.
-            first, _ = next(iter(micro_batches(micro, 2, split_fn=self.split_fn)))
-            self._example = _clone_tensors(first)
         if self._autocast is not None:
             with self._autocast.context():
                 return self._forward(micro)
@@ -743,11 +778,10 @@ class AutoTrainer:
         return True
 
     def _prune(self, ratio: float) -> dict[str, Any]:
-        if self._example is None:
-            raise RuntimeError("pruning needs a micro-batch the model has run on")
+        if self._inputs.example is None:
+            raise UnsafePruning("the model has not run yet: there is no input to trace it with")
         self._checkpoint("before_pruning")  # the unpruned model can be restored from here
-        example = to_device(self._example, self.device)
-        self._example = None  # the next micro-batch (its layout may change with the model) replaces it
+        example = to_device(self._inputs.example, self.device)
         input_, forward_fn = self._trace_args(example)
         result = prune_channels(self.model, input_, ratio, forward_fn=forward_fn)
         self._pruning_history.append({"example": _clone_tensors(example), "history": result.history})
@@ -761,11 +795,11 @@ class AutoTrainer:
                 "parameters_after": result.parameters_after, "kept_whole": result.ignored,
                 "parameters_removed_in_all": round(self._pruned_fraction, 4)}
 
-    def _trace_args(self, example: Any) -> tuple[Any, ...]:
-        """(example input, forward_fn) to trace the model with, for the batch layout in use."""
-        if self.step_fn is not None:
-            return example, self.step_fn
-        return example[0], None
+    @staticmethod
+    def _trace_args(example: Any) -> tuple[Any, Any]:
+        """(example, forward_fn) to trace the model with: its captured inputs, called as it was."""
+        return example, _call_with
+
 
     def _restore_reliefs(self, saved: dict[str, Any]) -> None:
         """Make this (fresh) trainer's model and forward what they were when the checkpoint was
