@@ -125,9 +125,9 @@ def test_out_of_memory_at_micro_batch_one_is_a_clear_error(tmp_path):
     records = journal(run_dir)
     assert "can't allocate memory" in [r for r in records if r["kind"] == "oom"][0]["message"]
     # At micro-batch 1 the relief ladder had its turn before giving up: autocast, checkpointing,
-    # then pruning (which itself cannot run in 2 MiB: refused, the model left whole).
+    # then pruning (refused when it cannot even run in 2 MiB, or done up to its maximum).
     tried = [r["relief"] for r in records if r["kind"] in ("relief", "relief_failed")]
-    assert tried == ["autocast", "checkpointing", "pruning"], tried
+    assert tried[:3] == ["autocast", "checkpointing", "pruning"] and set(tried[2:]) == {"pruning"}, tried
     gave_up = [r for r in records if r["kind"] == "out_of_memory"]
     assert gave_up and gave_up[0]["tried"][-1] == 1
     assert {r["micro_batch_size"] for r in records if r["kind"] == "oom"} == {8, 4, 2, 1}  # halved all the way
