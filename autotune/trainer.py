@@ -828,6 +828,8 @@ class AutoTrainer:
                 self._pruning_history.append(entry)
             self.reliefs.append(kind)  # "pruning_unsafe" too: the ladder stays where it ended
         self._pruned_fraction = saved.get("pruned_fraction", 0.0)
+        if self._scaler is not None and saved.get("grad_scaler"):
+            self._scaler.load_state_dict(saved["grad_scaler"])  # fp16: the loss scale it had reached
 
     def _relief_effect(self) -> None:
         """A few steps after a relief, journal what the steps demand now."""
@@ -880,7 +882,8 @@ class AutoTrainer:
             "batch_size": self.knobs.batch_size, "micro_batch_size": self.knobs.micro_batch_size,
             "num_workers": self.knobs.num_workers,
             "reliefs": {"applied": list(self.reliefs), "pruning": self._pruning_history,
-                        "pruned_fraction": self._pruned_fraction},
+                        "pruned_fraction": self._pruned_fraction,
+                        "grad_scaler": self._scaler.state_dict() if self._scaler is not None else None},
             "policies": self.dispatcher.state_dict(),
             "rng": rng_state(),
             "injector": [version, list(keys), gauss],
