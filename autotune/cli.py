@@ -1,4 +1,4 @@
-"""The `autotune` command line: `autotune demo`, `autotune monitor`, `autotune policies`.
+"""The `autotune` command line: `autotune demo`, `autotune monitor`, `autotune policies`, `autotune report`.
 
 Errors a user can fix (a bad preset, an unknown device) are printed as one clear line
 with exit code 2, not as a traceback.
@@ -43,6 +43,16 @@ def _cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    import json
+
+    from autotune.report import render, summarize
+
+    summary = summarize(args.run_dir)
+    print(json.dumps(summary, indent=2, default=str) if args.json else render(summary))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from autotune.demo import add_arguments as add_demo_arguments
     from autotune.monitor.daemon import add_arguments as add_monitor_arguments
@@ -59,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     policies = sub.add_parser("policies", help="list the available policies and presets")
     policies.add_argument("--check", metavar="FILE.toml", help="validate a preset file")
     policies.set_defaults(func=_cmd_policies)
+    report = sub.add_parser("report", help="what a run did and why: OOMs, actions, cache, reliefs, memory")
+    report.add_argument("run_dir", help="a run directory (it holds events.jsonl)")
+    report.add_argument("--json", action="store_true", help="the summary as JSON, for scripts")
+    report.set_defaults(func=_cmd_report)
     return parser
 
 

@@ -1,0 +1,169 @@
+"""`autotune report RUN_DIR`: what a run did and why, from its journal and memory samples.
+
+Works on a finished run, one still in progress, and one that crashed (a truncated last
+journal line is tolerated and reported). Everything comes from `events.jsonl` (and
+`samples.jsonl` when the monitor ran): nothing is recomputed from the model.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Any
+
+from autotune.units import format_bytes
+
+
+class NotARun(ValueError):
+    """The folder has no journal: it is not a run directory."""
+
+
+def _read_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON records of a JSONL file and how many lines could not be read (a crash mid-write)."""
+    records, bad = [], 0
+    if not path.exists():
+        return records, bad
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            bad += 1
+    return records, bad
+
+
+def summarize(run_dir: str | Path) -> dict[str, Any]:
+    """The summary of a run as plain data (what `--json` prints)."""
+    run_dir = Path(run_dir)
+    journal_path = run_dir / "events.jsonl"
+    if not run_dir.is_dir():
+        raise NotARun(f"{run_dir} is not a folder")
+    if not journal_path.exists():
+        raise NotARun(f"{run_dir} is not a run directory: it has no events.jsonl")
+    records, bad_lines = _read_lines(journal_path)
+    samples, _ = _read_lines(run_dir / "samples.jsonl")
+    by_kind: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for record in records:
+        by_kind[record.get("kind", "?")].append(record)
+
+    first = records[0]["time"] if records else None
+    last = records[-1]["time"] if records else None
+    ends, failures = by_kind["fit_end"], by_kind["fit_failed"]
+    started = by_kind["fit_start"][-1]["time"] if by_kind["fit_start"] else None
+
+    def since_start(kind: str) -> list[dict[str, Any]]:  # records of `kind` from the last fit() on
+        return [r for r in by_kind[kind] if started is None or r["time"] >= started]
+
+    if since_start("fit_failed"):
+        status = f"failed: {failures[-1].get('error', '')}"
+    elif since_start("fit_end"):
+        status = "finished"
+    elif since_start("preempted"):
+        status = "stopped by a signal (resume with fit(..., resume=True))"
+    else:
+        status = "in progress, or killed without a trace"
+    epochs = by_kind["epoch_end"]
+    last_fit = ends[-1] if ends else {}
+    throughput = []
+    previous_time, previous_seen = first, 0
+    for epoch in epochs:
+        seconds = epoch["time"] - previous_time if previous_time is not None else None
+        trained = (epoch.get("samples_seen") or 0) - previous_seen
+        throughput.append({"epoch": epoch["epoch"], "seconds": seconds, "samples": trained,
+                           "samples_per_second": trained / seconds if seconds else None, "loss": epoch.get("loss")})
+        previous_time, previous_seen = epoch["time"], epoch.get("samples_seen") or 0
+    actions: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for record in by_kind["action"]:
+        actions[record["policy"]].append({"step": record["step"], "action": record["action"], "params": record["params"],
+                                          "applied": record["applied"], "reason": record.get("reason", ""),
+                                          "note": record.get("note", "")})
+    ooms = by_kind["oom"]
+    cache = by_kind["sample_cache"]
+    reliefs = by_kind["relief"]
+    pruned = [r for r in reliefs if r.get("relief") == "pruning"]
+    used = [s["used_bytes"] for s in samples if s.get("used_bytes") is not None]
+    caps = [s["cap_bytes"] for s in samples if s.get("cap_bytes")]
+    start = by_kind["fit_start"][0] if by_kind["fit_start"] else {}
+    return {
+        "run_dir": str(run_dir),
+        "status": status,
+        "journal_lines_unreadable": bad_lines,
+        "wall_seconds": (last - first) if first is not None else None,
+        "samples_seen": last_fit.get("samples_seen", epochs[-1].get("samples_seen") if epochs else None),
+        "steps": records[-1]["step"] if records else 0,
+        "epochs_completed": len(epochs),
+        "epochs": throughput,
+        "batch_size": last_fit.get("batch_size", start.get("batch_size")),
+        "micro_batch_size": {"start": start.get("micro_batch_size"),
+                             "end": last_fit.get("micro_batch_size",
+                                                 epochs[-1].get("micro_batch_size") if epochs else None)},
+        "ooms": {"survived": len(ooms),
+                 "by_micro_batch": {str(k): v for k, v in collections.Counter(o["micro_batch_size"] for o in ooms).items()},
+                 "gave_up": len(by_kind["out_of_memory"])},
+        "actions": dict(actions),
+        "reliefs": [{"step": r["step"], "relief": r["relief"], "demand_before": r.get("demand_before")}
+                    for r in reliefs],
+        "parameters_removed_by_pruning": pruned[-1].get("parameters_removed_in_all") if pruned else 0.0,
+        "sample_cache": [{"epoch": c["epoch"], "hit_rate": c.get("hit_rate"), "bytes": c.get("bytes"),
+                          "entries": c.get("entries")} for c in cache],
+        "loader_workers": [r.get("num_workers") for r in by_kind["loader_rebuilt"]],
+        "checkpoints": [{"step": c["step"], "reason": c.get("reason"), "path": c.get("path")}
+                        for c in by_kind["checkpoint"]],
+        "memory": {"cap_bytes": start.get("memory_cap") or (caps[-1] if caps else None),
+                   "peak_used_bytes": max(used) if used else None, "samples": len(samples),
+                   "source": samples[-1].get("source") if samples else None},
+    }
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The summary as text for a terminal."""
+    def size(value: Any) -> str:
+        return format_bytes(value) if isinstance(value, (int, float)) else "n/a"
+
+    lines = [f"run {summary['run_dir']}: {summary['status']}"]
+    if summary["journal_lines_unreadable"]:
+        lines.append(f"  note: {summary['journal_lines_unreadable']} journal line(s) could not be read "
+                     "(cut off by a crash)")
+    wall = summary["wall_seconds"]
+    lines.append(f"  time {wall:.1f} s, {summary['steps']} steps, {summary['epochs_completed']} epochs, "
+                 f"{summary['samples_seen']} samples" if wall is not None else "  nothing recorded yet")
+    micro = summary["micro_batch_size"]
+    lines.append(f"  batch {summary['batch_size']}, micro-batch {micro['start']} -> {micro['end']}")
+    for epoch in summary["epochs"]:
+        rate = f"{epoch['samples_per_second']:.0f} samples/s" if epoch["samples_per_second"] else ""
+        loss = f"loss {epoch['loss']:.4f}" if isinstance(epoch["loss"], (int, float)) else ""
+        lines.append(f"    epoch {epoch['epoch']}: {epoch['seconds']:.1f} s {loss} {rate}".rstrip())
+    ooms = summary["ooms"]
+    lines.append(f"  OOMs survived {ooms['survived']}"
+                 + (f" (at micro-batch {', '.join(f'{k} x{v}' for k, v in ooms['by_micro_batch'].items())})"
+                    if ooms["survived"] else "")
+                 + (f"; gave up {ooms['gave_up']} time(s)" if ooms["gave_up"] else ""))
+    if summary["actions"]:
+        lines.append("  actions:")
+        for policy, actions in summary["actions"].items():
+            applied = [a for a in actions if a["applied"]]
+            lines.append(f"    {policy}: {len(applied)} applied, {len(actions) - len(applied)} suppressed")
+            for a in applied[:8]:
+                lines.append(f"      step {a['step']}: {a['action']} {a['params']} - {a['reason']}")
+            if len(applied) > 8:
+                lines.append(f"      ... {len(applied) - 8} more")
+    for relief in summary["reliefs"]:
+        lines.append(f"  relief at step {relief['step']}: {relief['relief']}")
+    if summary["parameters_removed_by_pruning"]:
+        lines.append(f"  pruning removed {summary['parameters_removed_by_pruning']:.0%} of the parameters")
+    for cache in summary["sample_cache"]:
+        rate = cache["hit_rate"]
+        lines.append(f"  sample cache, epoch {cache['epoch']}: hit rate "
+                     f"{'n/a' if rate is None else f'{rate:.0%}'}, {cache['entries']} samples, {size(cache['bytes'])}")
+    if summary["loader_workers"]:
+        lines.append(f"  loader workers changed: {' -> '.join(map(str, summary['loader_workers']))}")
+    memory = summary["memory"]
+    lines.append(f"  memory: peak {size(memory['peak_used_bytes'])} of cap {size(memory['cap_bytes'])}"
+                 + (f" ({memory['source']}, {memory['samples']} samples)" if memory["samples"] else " (no samples)"))
+    checkpoints = summary["checkpoints"]
+    if checkpoints:
+        lines.append(f"  checkpoints: {len(checkpoints)}, last at step {checkpoints[-1]['step']} "
+                     f"({checkpoints[-1]['reason']}): {checkpoints[-1]['path']}")
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""`autotune report` on real run directories: normal, with OOMs, crashed mid-write, empty, not a run."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from autotune import AutoTrainer
+from autotune.cli import main
+from autotune.report import NotARun, render, summarize
+
+
+@pytest.fixture(scope="module")
+def run_with_ooms(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "ooms"
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(256, 8), torch.randint(0, 2, (256,)))
+    trainer = AutoTrainer(nn.Linear(8, 2), data, loss_fn=nn.functional.cross_entropy, batch_size=32, device="cpu",
+                          progress=False, monitor=False, run_dir=run_dir, inject_oom=0.3, seed=1)
+    trainer.fit(epochs=2)
+    return run_dir
+
+
+def test_a_run_with_ooms_in_text_and_json(run_with_ooms, capsys):
+    summary = summarize(run_with_ooms)
+    journal = [json.loads(line) for line in (run_with_ooms / "events.jsonl").read_text().splitlines()]
+    assert summary["status"] == "finished" and summary["samples_seen"] == 512 and summary["epochs_completed"] == 2
+    assert summary["ooms"]["survived"] == sum(r["kind"] == "oom" for r in journal) > 0
+    assert summary["actions"]["halve_on_oom"][0]["reason"].startswith("out of memory at micro-batch")
+    assert summary["checkpoints"][-1]["reason"] == "end"
+    assert main(["report", str(run_with_ooms)]) == 0
+    text = capsys.readouterr().out
+    assert "finished" in text and f"OOMs survived {summary['ooms']['survived']}" in text and "halve_on_oom" in text
+    assert main(["report", "--json", str(run_with_ooms)]) == 0
+    assert json.loads(capsys.readouterr().out)["ooms"] == summary["ooms"]
+
+
+def test_a_run_that_crashed_mid_write(run_with_ooms, tmp_path):
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    lines = (run_with_ooms / "events.jsonl").read_text().splitlines()
+    end = next(i for i, line in enumerate(lines) if '"kind": "epoch_end"' in line)
+    (crashed / "events.jsonl").write_text("\n".join(lines[:end + 1]) + "\n" + lines[end + 1][:25])  # cut mid-line
+    summary = summarize(crashed)
+    assert summary["journal_lines_unreadable"] == 1 and summary["epochs_completed"] == 1
+    assert summary["status"].startswith("in progress")
+    assert "could not be read" in render(summary)
+
+
+def test_an_empty_run_and_a_folder_that_is_not_a_run(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "events.jsonl").write_text("")
+    summary = summarize(tmp_path / "empty")
+    assert summary["steps"] == 0 and "nothing recorded yet" in render(summary)
+    with pytest.raises(NotARun, match="no events.jsonl"):
+        summarize(tmp_path)
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
