@@ -50,6 +50,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     summary = summarize(args.run_dir)
     print(json.dumps(summary, indent=2, default=str) if args.json else render(summary))
+    if args.plot is not None:
+        from pathlib import Path
+
+        from autotune.report import plot_timeline
+
+        out = Path(args.plot) if args.plot else Path(args.run_dir) / "timeline.png"
+        plot_timeline(args.run_dir, out)
+        print(f"timeline: {out}", file=sys.stderr)
     return 0
 
 
@@ -72,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="what a run did and why: OOMs, actions, cache, reliefs, memory")
     report.add_argument("run_dir", help="a run directory (it holds events.jsonl)")
     report.add_argument("--json", action="store_true", help="the summary as JSON, for scripts")
+    report.add_argument("--plot", nargs="?", const="", metavar="FILE.png",
+                        help="draw the memory timeline (default RUN_DIR/timeline.png)")
     report.set_defaults(func=_cmd_report)
     return parser
 

@@ -42,7 +42,7 @@ def _dataset(data_dir: str | None, samples: int):
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo with parsed CLI arguments; returns the exit code."""
-    from autotune.limits import cap_address_space, cap_cuda_memory, single_malloc_arena
+    from autotune.limits import lift_address_space_cap, cap_address_space, cap_cuda_memory, single_malloc_arena
     from autotune.trainer import AutoTrainer, resolve_device
     from autotune.units import format_bytes
     import torch
@@ -94,6 +94,12 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"  throughput          {result.samples_seen / wall:.1f} samples/s")
     print(f"  wall time           {wall:.1f} s")
     print(f"  run dir             {result.run_dir} (journal: events.jsonl)")
+    if device.type == "cpu":
+        lift_address_space_cap()  # the cap was for training; drawing needs matplotlib's own memory
+    from autotune.report import plot_timeline
+
+    plot_timeline(result.run_dir)
+    print(f"  timeline            {result.run_dir / 'timeline.png'} (autotune report {result.run_dir} for the details)")
     logger.info("demo finished")
     return 0
 

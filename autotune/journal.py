@@ -49,3 +49,27 @@ def read_journal(path: Path) -> Iterator[dict[str, Any]]:
             if number == len(lines):
                 return
             raise ValueError(f"{path}:{number}: not a JSON line: {exc}") from exc
+
+
+class StepLog:
+    """`run_dir/steps.jsonl`: per-step figures for plots (micro-batch, data wait, demand,
+    allocator), at most one line every `min_interval` seconds after the first `every_step_for`
+    steps, so a two-day run writes tens of megabytes, not gigabytes."""
+
+    def __init__(self, path: Path | None, min_interval: float = 1.0, every_step_for: int = 200):
+        self._journal = Journal(path)
+        self.min_interval = min_interval
+        self.every_step_for = every_step_for
+        self._lines = 0
+        self._last = 0.0
+
+    def write(self, step: int, epoch: int, **fields: Any) -> None:
+        now = time.time()
+        if self._lines >= self.every_step_for and now - self._last < self.min_interval:
+            return
+        self._lines += 1
+        self._last = now
+        self._journal.write("step", step, epoch, **fields)
+
+    def close(self) -> None:
+        self._journal.close()

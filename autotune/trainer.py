@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 from autotune.batching import SplitFn, batch_len, micro_batches
 from autotune.dispatch import Dispatcher
 from autotune.events import Event
-from autotune.journal import Journal
+from autotune.journal import Journal, StepLog
 from autotune.knobs import Knobs
 from autotune.checkpoint import Checkpoints, rng_state, set_rng_state
 from autotune.detectors import MemoryDetector
@@ -358,6 +358,7 @@ class AutoTrainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.run_dir / "events.jsonl" if self.is_main else None)  # rank 0 writes
+        self.step_log = StepLog(self.run_dir / "steps.jsonl" if self.is_main else None)
         self.knobs = Knobs(batch_size=batch_size, micro_batch_size=micro, device=self.device,
                            memory_cap_bytes=resolve_memory_cap(memory_cap, self.device),
                            num_workers=self.input.num_workers)
@@ -547,6 +548,7 @@ class AutoTrainer:
             self._allocator = allocator_stats(self.device, reset_peak=False)
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
                                 retries=retries)
+            self._log_step(timing, n)
             self._fire(Event.BATCH_END, timing=timing)
             self._relief_effect()
             self._apply_relief()
@@ -860,6 +862,15 @@ class AutoTrainer:
             pruned_fraction=self._pruned_fraction,
         )
         self.dispatcher.fire(event, snap)
+
+    def _log_step(self, timing: StepTiming, samples: int) -> None:
+        allocator = self._allocator
+        self.step_log.write(self.step, self.epoch, micro_batch_size=self.knobs.micro_batch_size, samples=samples,
+                            step_seconds=round(timing.step_seconds, 6),
+                            data_wait_fraction=round(timing.data_wait_fraction, 4),
+                            demand=None if self._step_demand is None else round(self._step_demand, 4),
+                            allocated_bytes=allocator.allocated_bytes if allocator else None,
+                            reserved_bytes=allocator.reserved_bytes if allocator else None)
 
     def _rebuild_loader(self) -> Iterator[Any]:
         self._loader_version = self.knobs.loader_version

@@ -58,3 +58,19 @@ def test_an_empty_run_and_a_folder_that_is_not_a_run(tmp_path, capsys):
         summarize(tmp_path)
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_the_timeline_plot_is_a_png_with_the_expected_axes(run_with_ooms, tmp_path, capsys):
+    from autotune.report import plot_timeline
+
+    out = tmp_path / "timeline.png"
+    fig = plot_timeline(run_with_ooms, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 10_000 < out.stat().st_size < 2_000_000
+    memory, micro, wait = fig.axes
+    assert memory.get_ylabel() == "memory (GiB)" and micro.get_ylabel() == "micro-batch"
+    assert wait.get_ylabel() == "data wait (%)"
+    sizes = micro.lines[0].get_ydata()
+    assert sizes[0] == 32 and min(sizes) < 32  # the injected OOMs shrank it
+    assert any(t.get_text() == "OOM" for t in memory.texts)
+    assert main(["report", str(run_with_ooms), "--plot"]) == 0
+    assert (run_with_ooms / "timeline.png").exists() and "timeline:" in capsys.readouterr().err
