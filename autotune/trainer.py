@@ -783,9 +783,9 @@ class AutoTrainer:
         if self._inputs.example is None:
             raise UnsafePruning("the model has not run yet: there is no input to trace it with")
         self._checkpoint("before_pruning")  # the unpruned model can be restored from here
+        # Traced with the model's own captured inputs, called as the training step called it.
         example = to_device(self._inputs.example, self.device)
-        input_, forward_fn = self._trace_args(example)
-        result = prune_channels(self.model, input_, ratio, forward_fn=forward_fn)
+        result = prune_channels(self.model, example, ratio, forward_fn=_call_with)
         self._pruning_history.append({"example": _clone_tensors(example), "history": result.history})
         self.optimizer = rebuild_optimizer(self.optimizer, result)
         adopted = adopt_unrecorded(self.optimizer, self.model)
@@ -796,12 +796,6 @@ class AutoTrainer:
         return {"channel_ratio": ratio, "parameters_before": result.parameters_before,
                 "parameters_after": result.parameters_after, "kept_whole": result.ignored,
                 "parameters_removed_in_all": round(self._pruned_fraction, 4)}
-
-    @staticmethod
-    def _trace_args(example: Any) -> tuple[Any, Any]:
-        """(example, forward_fn) to trace the model with: its captured inputs, called as it was."""
-        return example, _call_with
-
 
     def _restore_reliefs(self, saved: dict[str, Any]) -> None:
         """Make this (fresh) trainer's model and forward what they were when the checkpoint was
@@ -823,8 +817,7 @@ class AutoTrainer:
             elif kind == "pruning":
                 entry = next(prunes)
                 example = to_device(entry["example"], self.device)
-                input_, forward_fn = self._trace_args(example)
-                result = replay_pruning(self.model, input_, entry["history"], forward_fn=forward_fn)
+                result = replay_pruning(self.model, example, entry["history"], forward_fn=_call_with)
                 self.optimizer = rebuild_optimizer(self.optimizer, result)  # its state is loaded after
                 rebind_scheduler(self.scheduler, self.optimizer)
                 self._pruning_history.append(entry)

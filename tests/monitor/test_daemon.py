@@ -40,14 +40,20 @@ def test_watches_the_host_writes_jsonl_and_exits_0_on_sigterm(tmp_path):
     while time.monotonic() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 10):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=10)
+    try:
+        stdout, stderr = proc.communicate(timeout=30)  # a loaded machine can take a while to exit
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the daemon did not exit within 30 s of SIGTERM; stdout {stdout[-1000:]!r}, "
+                    f"stderr {stderr[-2000:]!r}")
     stdout = first + stdout
     assert proc.returncode == 0, stderr
     assert "watching the host" in stdout and "Traceback" not in stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) >= 10
-    assert records[-1]["device"] == "host" and records[-1]["used_bytes"] > 0
-    assert records[-1]["processes"][str(os.getpid())] > 10 * 2**20
+    assert len(records) >= 10, (len(records), stderr)
+    assert records[-1]["device"] == "host" and records[-1]["used_bytes"] > 0, records[-1]
+    assert records[-1]["processes"][str(os.getpid())] > 10 * 2**20, records[-1]
 
 
 def test_duration_ends_it(tmp_path):
