@@ -725,6 +725,10 @@ class AutoTrainer:
         if self.knobs.micro_batch_size < failed_size:
             self.knobs.relief = None  # a smaller micro-batch first: reliefs are the last resort
             return
+        if self.knobs.relief is not None:
+            # Without the relief the run would stop here; a relief changes the model or the
+            # kernels it runs, under memory that is already exhausted: save the progress first.
+            self._checkpoint("before_relief")
         if self._apply_relief():
             return  # the same batch again, with the relief
         memory = describe_memory(self.device)
