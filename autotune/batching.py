@@ -59,6 +59,20 @@ def _collect_lengths(obj: Any, lengths: set[int], path: str) -> None:
         raise TypeError(f"cannot split {path} of type {type(obj).__name__} into micro-batches; pass split_fn=")
 
 
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """`obj` with `fn` applied to every tensor in it (tuples, namedtuples, lists, dicts nested
+    any way); everything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    return obj
+
+
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
     """Samples `start:stop` of `batch`, keeping its structure."""
     if _sliceable(batch) or _is_value_list(batch):

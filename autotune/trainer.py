@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from tqdm.auto import tqdm
 
-from autotune.batching import SplitFn, batch_len, micro_batches
+from autotune.batching import SplitFn, batch_len, map_tensors, micro_batches
 from autotune.dispatch import Dispatcher
 from autotune.events import Event
 from autotune.journal import Journal, StepLog
@@ -155,25 +155,12 @@ def resolve_memory_cap(cap: float | int | str | None, device: torch.device) -> i
 
 def to_device(obj: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to `device`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, to_device(v, device)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(to_device(v, device) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
+    return map_tensors(lambda t: t.to(device, non_blocking=True), obj)
 
 
-def _first_rows(obj: Any, rows: int = 2) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj[:rows] if obj.dim() else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, _first_rows(v, rows)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_first_rows(v, rows) for v in obj)
-    return obj
+def _first_rows_copied(obj: Any, rows: int = 2) -> Any:
+    # Copied: a view would keep the whole batch alive.
+    return map_tensors(lambda t: (t[:rows] if t.dim() else t).detach().clone(), obj)
 
 
 class _InputCatcher:
@@ -186,33 +173,21 @@ class _InputCatcher:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.example is None and not _on_meta(args):
-            self.example = (_clone_tensors(_first_rows(args)), _clone_tensors(_first_rows(kwargs)))
+            self.example = (_first_rows_copied(args), _first_rows_copied(kwargs))
 
     def __deepcopy__(self, memo: dict) -> "_InputCatcher":
         return self
 
 
 def _on_meta(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return obj.device.type == "meta"
-    if isinstance(obj, (list, tuple)):
-        return any(_on_meta(v) for v in obj)
-    return False
+    found: list[bool] = []
+    map_tensors(lambda t: found.append(t.device.type == "meta"), obj)
+    return any(found)
 
 
 def _call_with(model: nn.Module, example: tuple[tuple, dict]) -> Any:
     args, kwargs = example
     return model(*args, **kwargs)
-
-
-def _clone_tensors(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return type(obj)((k, _clone_tensors(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_clone_tensors(v) for v in obj)
-    return obj
 
 
 class AutoTrainer:
@@ -754,12 +729,10 @@ class AutoTrainer:
             return False
         demand = self._step_demand
         if kind == "autocast":
-            self._autocast = autocast_plan(self.device)
+            self._enable_autocast()
             if self._autocast is None:
                 details: dict[str, Any] = {"note": f"no autocast on {self.device.type}"}
             else:
-                if self._autocast.needs_scaler:
-                    self._scaler = torch.amp.GradScaler(self.device.type)
                 details = {"dtype": str(self._autocast.dtype).replace("torch.", ""),
                            "grad_scaler": self._autocast.needs_scaler}
         elif kind == "checkpointing":
@@ -783,6 +756,11 @@ class AutoTrainer:
         self._room = self._measure_room()
         return True
 
+    def _enable_autocast(self) -> None:
+        self._autocast = autocast_plan(self.device)
+        if self._autocast is not None and self._autocast.needs_scaler:
+            self._scaler = torch.amp.GradScaler(self.device.type)
+
     def _prune(self, ratio: float) -> dict[str, Any]:
         if self._inputs.example is None:
             raise UnsafePruning("the model has not run yet: there is no input to trace it with")
@@ -790,7 +768,7 @@ class AutoTrainer:
         # Traced with the model's own captured inputs, called as the training step called it.
         example = to_device(self._inputs.example, self.device)
         result = prune_channels(self.model, example, ratio, forward_fn=_call_with)
-        self._pruning_history.append({"example": _clone_tensors(example), "history": result.history})
+        self._pruning_history.append({"example": map_tensors(torch.clone, example), "history": result.history})
         self.optimizer = rebuild_optimizer(self.optimizer, result)
         adopted = adopt_unrecorded(self.optimizer, self.model)
         if adopted:
@@ -813,9 +791,7 @@ class AutoTrainer:
         prunes = iter(saved.get("pruning", []))
         for kind in applied:
             if kind == "autocast":
-                self._autocast = autocast_plan(self.device)
-                if self._autocast is not None and self._autocast.needs_scaler:
-                    self._scaler = torch.amp.GradScaler(self.device.type)
+                self._enable_autocast()
             elif kind == "checkpointing":
                 checkpoint_blocks(self.model)
             elif kind == "pruning":

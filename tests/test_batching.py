@@ -84,3 +84,18 @@ def test_custom_type_with_split_fn():
 def test_micro_batch_size_must_be_positive():
     with pytest.raises(ValueError):
         list(micro_batches(torch.zeros(3), 0))
+
+
+def test_map_tensors_reaches_every_tensor_and_keeps_the_structure():
+    from collections import namedtuple
+
+    import torch
+
+    from autotune.batching import map_tensors
+
+    Pair = namedtuple("Pair", "x y")
+    batch = {"a": [torch.ones(2), (torch.zeros(1), "label")], "b": Pair(torch.ones(3), 7)}
+    doubled = map_tensors(lambda t: t + 1, batch)
+    assert isinstance(doubled["b"], Pair) and doubled["b"].y == 7 and torch.equal(doubled["b"].x, torch.full((3,), 2.0))
+    assert torch.equal(doubled["a"][0], torch.full((2,), 2.0)) and doubled["a"][1][1] == "label"
+    assert isinstance(doubled["a"][1], tuple) and torch.equal(doubled["a"][1][0], torch.ones(1))

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Sequence
 from autotune.actions import Action, EmptyCache
 from autotune.events import Event
 from autotune.snapshot import Snapshot
+from autotune.validate import check_fraction, check_int
 
 
 @dataclasses.dataclass
@@ -34,10 +35,8 @@ class EmptyCacheOnPressure:
     last_step: int | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not 0 < self.threshold <= 1:
-            raise ValueError(f"empty_cache_on_pressure: threshold must be in (0, 1], got {self.threshold!r}")
-        if isinstance(self.cooldown_steps, bool) or not isinstance(self.cooldown_steps, int) or self.cooldown_steps < 0:
-            raise ValueError(f"empty_cache_on_pressure: cooldown_steps must be an integer >= 0, got {self.cooldown_steps!r}")
+        check_fraction(self.name, "threshold", self.threshold)
+        check_int(self.name, "cooldown_steps", self.cooldown_steps, 0)
 
     def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
         if self.last_step is not None and snap.step - self.last_step < self.cooldown_steps:

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Sequence
 from autotune.actions import Action, SetMicroBatch
 from autotune.events import Event
 from autotune.snapshot import Snapshot
+from autotune.validate import check_fraction, check_int
 
 
 @dataclasses.dataclass
@@ -53,11 +54,8 @@ class GrowBack:
 
     def __post_init__(self) -> None:
         for name in ("calm_steps", "search_calm_steps", "forget_failure_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"grow_back: {name} must be an integer >= 1, got {value!r}")
-        if not 0 < self.headroom <= 1:
-            raise ValueError(f"grow_back: headroom must be in (0, 1], got {self.headroom!r}")
+            check_int(self.name, name, getattr(self, name), 1)
+        check_fraction(self.name, "headroom", self.headroom)
         if not 0 <= self.margin < 1:
             raise ValueError(f"grow_back: margin must be in [0, 1), got {self.margin!r}")
 

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Sequence
 from autotune.actions import Action, SetMicroBatch
 from autotune.events import Event
 from autotune.snapshot import Snapshot
+from autotune.validate import check_int
 
 
 @dataclasses.dataclass
@@ -36,9 +37,7 @@ class HalveOnOOM:
     ceiling: int | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.min_micro_batch, bool) or not isinstance(self.min_micro_batch, int) \
-                or self.min_micro_batch < 1:
-            raise ValueError(f"halve_on_oom: min_micro_batch must be an integer >= 1, got {self.min_micro_batch!r}")
+        check_int(self.name, "min_micro_batch", self.min_micro_batch, 1)
 
     def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
         failed = snap.failed_micro_batch or snap.micro_batch_size

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Sequence
 from autotune.actions import Action, SetMicroBatch
 from autotune.events import Event
 from autotune.snapshot import Snapshot
+from autotune.validate import check_int
 
 
 @dataclasses.dataclass
@@ -34,8 +35,7 @@ class ShrinkOnThrash:
     streak: int = dataclasses.field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"shrink_on_thrash: steps must be an integer >= 1, got {self.steps!r}")
+        check_int(self.name, "steps", self.steps, 1)
         if not 0 < self.factor < 1:
             raise ValueError(f"shrink_on_thrash: factor must be in (0, 1), got {self.factor!r}")
 

@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from autotune.batching import map_tensors
+
 PRUNABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
@@ -111,16 +113,6 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def _to_meta(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj, device="meta")
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_meta(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_to_meta(v) for v in obj)
-    return obj
-
-
 def _check_on_meta(model: nn.Module, example: Any, ratio: float, forward_fn: Callable[[nn.Module, Any], Any],
                    ignored: list[nn.Module]) -> None:
     """Prune a memory-free copy the same way (which channels does not matter for the shapes)
@@ -130,7 +122,7 @@ def _check_on_meta(model: nn.Module, example: Any, ratio: float, forward_fn: Cal
     index = {id(m): i for i, m in enumerate(model.modules())}
     copy_ = _meta_copy(model)
     copies = list(copy_.modules())
-    meta_example = _to_meta(example)
+    meta_example = map_tensors(lambda t: torch.empty_like(t, device="meta"), example)
     try:
         with torch.no_grad():
             before = forward_fn(copy_, meta_example)
