@@ -12,7 +12,7 @@ TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 $(VENV)/.installed: pyproject.toml examples/custom_policy/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH_PINS)
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test,tensorboard]'
 	$(PIP) install --quiet --no-deps -e examples/custom_policy  # the example plug-in, tested by the suite
 	touch $@
 

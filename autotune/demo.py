@@ -67,6 +67,9 @@ def run_demo(args: argparse.Namespace) -> int:
     nn.functional.cross_entropy(model(x), torch.zeros(2, dtype=torch.long, device=device)).backward()
     model.zero_grad(set_to_none=True)
 
+    if args.tensorboard:
+        import torch.utils.tensorboard  # noqa: F401  (imported before the cap: it is large)
+
     budget = int(args.budget_mib * 2**20)
     if device.type == "cuda":
         fraction = cap_cuda_memory(device, torch.cuda.memory_allocated(device) + budget)
@@ -80,7 +83,7 @@ def run_demo(args: argparse.Namespace) -> int:
     trainer = AutoTrainer(
         model, dataset, loss_fn=nn.functional.cross_entropy, optimizer=optimizer,
         batch_size=args.batch_size, device=device, run_dir=args.run_dir, seed=args.seed,
-        policies=args.policies, progress=not args.no_progress,
+        policies=args.policies, progress=not args.no_progress, tensorboard=args.tensorboard,
     )
     started = time.perf_counter()
     result = trainer.fit(epochs=args.epochs)
@@ -100,6 +103,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     plot_timeline(result.run_dir)
     print(f"  timeline            {result.run_dir / 'timeline.png'} (autotune report {result.run_dir} for the details)")
+    if args.tensorboard:
+        print(f"  tensorboard         tensorboard --logdir {result.run_dir / 'tb'}")
     logger.info("demo finished")
     return 0
 
@@ -116,3 +121,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="also write TensorBoard scalars to RUN_DIR/tb (needs autotune[tensorboard])")

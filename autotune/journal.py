@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 class Journal:
-    """Append-only JSONL writer. `Journal(None)` records nothing (e.g. non-zero ranks)."""
+    """Append-only JSONL writer. `Journal(None)` records nothing (e.g. non-zero ranks).
+
+    `listeners` are called with every record written (TensorBoard's text tab is one).
+    """
 
     def __init__(self, path: Path | None):
         self.path = path
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self._file = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -28,6 +32,8 @@ class Journal:
         record = {"time": time.time(), "kind": kind, "step": step, "epoch": epoch, **fields}
         if self._file is not None:
             self._file.write(json.dumps(record, default=str) + "\n")
+            for listener in self.listeners:
+                listener(record)
         return record
 
     def close(self) -> None:
@@ -63,12 +69,14 @@ class StepLog:
         self._lines = 0
         self._last = 0.0
 
+    def due(self) -> bool:
+        """Whether the next step gets a line."""
+        return self._lines < self.every_step_for or time.time() - self._last >= self.min_interval
+
     def write(self, step: int, epoch: int, **fields: Any) -> None:
-        now = time.time()
-        if self._lines >= self.every_step_for and now - self._last < self.min_interval:
-            return
+        """Write the step's line (callers ask `due()` first)."""
         self._lines += 1
-        self._last = now
+        self._last = time.time()
         self._journal.write("step", step, epoch, **fields)
 
     def close(self) -> None:

@@ -52,6 +52,7 @@ from autotune.batching import SplitFn, batch_len, map_tensors, micro_batches
 from autotune.dispatch import Dispatcher
 from autotune.events import Event
 from autotune.journal import Journal, StepLog
+from autotune.tensorboard_log import TensorBoardLog
 from autotune.knobs import Knobs
 from autotune.checkpoint import Checkpoints, rng_state, set_rng_state
 from autotune.detectors import MemoryDetector
@@ -234,6 +235,9 @@ class AutoTrainer:
         inject_oom: probability per micro-batch of a fake `torch.OutOfMemoryError`, raised
             through the same path as a real one, to test a setup (default: the
             AUTOTUNE_INJECT_OOM environment variable, else off).
+        tensorboard: write loss, throughput, memory, micro-batch and every action to
+            TensorBoard in `run_dir/tb` (True) or in the folder given; needs the optional
+            `tensorboard` package.
     """
 
     def __init__(
@@ -264,6 +268,7 @@ class AutoTrainer:
         keep_checkpoints: int = 3,
         inject_oom: float | None = None,
         memory_cap: float | int | str | None = None,
+        tensorboard: bool | str | Path = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -334,6 +339,12 @@ class AutoTrainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.run_dir / "events.jsonl" if self.is_main else None)  # rank 0 writes
         self.step_log = StepLog(self.run_dir / "steps.jsonl" if self.is_main else None)
+        if not isinstance(tensorboard, (bool, str, Path)):
+            raise TypeError(f"tensorboard must be True/False or a folder, got {tensorboard!r}")
+        self.tensorboard: TensorBoardLog | None = None
+        if tensorboard is not False and self.is_main:
+            self.tensorboard = TensorBoardLog(self.run_dir / "tb" if tensorboard is True else tensorboard)
+            self.journal.listeners.append(self.tensorboard.record)
         self.knobs = Knobs(batch_size=batch_size, micro_batch_size=micro, device=self.device,
                            memory_cap_bytes=resolve_memory_cap(memory_cap, self.device),
                            num_workers=self.input.num_workers)
@@ -479,6 +490,8 @@ class AutoTrainer:
             raise
         finally:
             bar.close()
+            if self.tensorboard is not None:
+                self.tensorboard.flush()
             if freeze:
                 gc.unfreeze()
             self._stop_monitor()
@@ -491,6 +504,8 @@ class AutoTrainer:
         self.journal.write("fit_end", self.step, self.epoch, samples_seen=result.samples_seen, ooms=self.ooms,
                            batch_size=result.batch_size, micro_batch_size=result.micro_batch_size,
                            wall_seconds=wall, loss=epoch_loss)
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
         self._fire(Event.FIT_END)
         return result
 
@@ -523,7 +538,7 @@ class AutoTrainer:
             self._allocator = allocator_stats(self.device, reset_peak=False)
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
                                 retries=retries)
-            self._log_step(timing, n)
+            self._log_step(timing, n, batch_loss)
             self._fire(Event.BATCH_END, timing=timing)
             self._relief_effect()
             self._apply_relief()
@@ -836,14 +851,25 @@ class AutoTrainer:
         )
         self.dispatcher.fire(event, snap)
 
-    def _log_step(self, timing: StepTiming, samples: int) -> None:
+    def _log_step(self, timing: StepTiming, samples: int, batch_loss: torch.Tensor) -> None:
+        if not self.step_log.due():  # thinned: a two-day run writes megabytes, and syncs for the loss rarely
+            return
         allocator = self._allocator
+        allocated = allocator.allocated_bytes if allocator else None
+        reserved = allocator.reserved_bytes if allocator else None
         self.step_log.write(self.step, self.epoch, micro_batch_size=self.knobs.micro_batch_size, samples=samples,
                             step_seconds=round(timing.step_seconds, 6),
                             data_wait_fraction=round(timing.data_wait_fraction, 4),
                             demand=None if self._step_demand is None else round(self._step_demand, 4),
-                            allocated_bytes=allocator.allocated_bytes if allocator else None,
-                            reserved_bytes=allocator.reserved_bytes if allocator else None)
+                            allocated_bytes=allocated, reserved_bytes=reserved)
+        if self.tensorboard is not None:
+            sample = self._latest_sample()
+            self.tensorboard.step(
+                self.step, loss=batch_loss.item() / max(samples, 1), samples_seen=self.samples_seen,
+                step_samples=samples, step_seconds=timing.step_seconds, micro_batch_size=self.knobs.micro_batch_size,
+                data_wait_fraction=timing.data_wait_fraction, used_bytes=sample.used_bytes,
+                cap_bytes=sample.cap_bytes, allocated_bytes=allocated, reserved_bytes=reserved,
+                demand=self._step_demand)
 
     def _rebuild_loader(self) -> Iterator[Any]:
         self._loader_version = self.knobs.loader_version

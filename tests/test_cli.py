@@ -1,3 +1,4 @@
+import importlib.util
 import subprocess
 import sys
 
@@ -31,9 +32,11 @@ def test_a_bad_preset_is_one_clear_line_not_a_traceback(tmp_path):
 def test_demo_survives_its_ooms_and_says_so(tmp_path):
     # A small version of `make demo`: ResNet-18 under its own RLIMIT_AS, starting too big.
     run_dir = tmp_path / "demo"
+    # TensorBoard too when installed (make test installs it): its writer sees real OOMs here.
+    tensorboard = ["--tensorboard"] if importlib.util.find_spec("tensorboard") else []
     proc = subprocess.run(
         [sys.executable, "-m", "autotune.cli", "demo", "--samples", "256", "--batch-size", "256", "--epochs", "1",
-         "--budget-mib", "240", "--run-dir", str(run_dir), "--no-progress"],
+         "--budget-mib", "240", "--run-dir", str(run_dir), "--no-progress"] + tensorboard,
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,3 +44,5 @@ def test_demo_survives_its_ooms_and_says_so(tmp_path):
     records = journal(run_dir)
     assert any(r["kind"] == "oom" for r in records)
     assert any(r["kind"] == "action" and r["action"] == "set_micro_batch" and r["applied"] for r in records)
+    if tensorboard:
+        assert "tensorboard --logdir" in proc.stdout and list((run_dir / "tb").glob("events.out.tfevents.*"))
