@@ -34,6 +34,30 @@ def _read_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
     return records, bad
 
 
+def throughput_over_time(steps: list[dict[str, Any]], windows: int = 8) -> list[dict[str, Any]]:
+    """Samples per second in up to `windows` equal stretches of the run, from the cumulative
+    `samples_seen` of steps.jsonl (thinned lines are fine: only differences are used). A new
+    fit() (samples_seen restarting lower, or a resume) starts a new stretch."""
+    points = [(s["time"], s["samples_seen"]) for s in steps if isinstance(s.get("samples_seen"), (int, float))]
+    if len(points) < 2:
+        return []
+    t0, t1 = points[0][0], points[-1][0]
+    width = (t1 - t0) / windows
+    if width <= 0:
+        return []
+    result = []
+    for i in range(windows):
+        start, end = t0 + i * width, t0 + (i + 1) * width
+        inside = [p for p in points if start <= p[0] <= end]
+        if len(inside) < 2 or inside[-1][1] < inside[0][1]:
+            continue
+        seconds = inside[-1][0] - inside[0][0]
+        if seconds > 0:
+            result.append({"from_seconds": round(start - t0, 1), "to_seconds": round(end - t0, 1),
+                           "samples_per_second": (inside[-1][1] - inside[0][1]) / seconds})
+    return result
+
+
 def summarize(run_dir: str | Path) -> dict[str, Any]:
     """The summary of a run as plain data (what `--json` prints)."""
     run_dir = Path(run_dir)
@@ -44,6 +68,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         raise NotARun(f"{run_dir} is not a run directory: it has no events.jsonl")
     records, bad_lines = _read_lines(journal_path)
     samples, _ = _read_lines(run_dir / "samples.jsonl")
+    steps, _ = _read_lines(run_dir / "steps.jsonl")
     by_kind: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for record in records:
         by_kind[record.get("kind", "?")].append(record)
@@ -95,11 +120,13 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "steps": records[-1]["step"] if records else 0,
         "epochs_completed": len(epochs),
         "epochs": throughput,
+        "throughput_over_time": throughput_over_time(steps),
         "batch_size": last_fit.get("batch_size", start.get("batch_size")),
         "micro_batch_size": {"start": start.get("micro_batch_size"),
                              "end": last_fit.get("micro_batch_size",
                                                  epochs[-1].get("micro_batch_size") if epochs else None)},
         "ooms": {"survived": len(ooms),
+                 "seconds_lost": round(sum(o.get("lost_seconds") or 0.0 for o in ooms), 3),
                  "by_micro_batch": {str(k): v for k, v in collections.Counter(o["micro_batch_size"] for o in ooms).items()},
                  "gave_up": len(by_kind["out_of_memory"])},
         "actions": dict(actions),
@@ -115,6 +142,14 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                    "peak_used_bytes": max(used) if used else None, "samples": len(samples),
                    "source": samples[-1].get("source") if samples else None},
     }
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
 
 
 def render(summary: dict[str, Any]) -> str:
@@ -135,9 +170,14 @@ def render(summary: dict[str, Any]) -> str:
         rate = f"{epoch['samples_per_second']:.0f} samples/s" if epoch["samples_per_second"] else ""
         loss = f"loss {epoch['loss']:.4f}" if isinstance(epoch["loss"], (int, float)) else ""
         lines.append(f"    epoch {epoch['epoch']}: {epoch['seconds']:.1f} s {loss} {rate}".rstrip())
+    if summary["throughput_over_time"]:
+        lines.append("  samples/s over time: " + ", ".join(
+            f"{_duration(w['from_seconds'])}-{_duration(w['to_seconds'])} {w['samples_per_second']:.0f}"
+            for w in summary["throughput_over_time"]))
     ooms = summary["ooms"]
     lines.append(f"  OOMs survived {ooms['survived']}"
-                 + (f" (at micro-batch {', '.join(f'{k} x{v}' for k, v in ooms['by_micro_batch'].items())})"
+                 + (f" (at micro-batch {', '.join(f'{k} x{v}' for k, v in ooms['by_micro_batch'].items())}; "
+                    f"{ooms['seconds_lost']:.2f} s of work and clean-up lost to them)"
                     if ooms["survived"] else "")
                  + (f"; gave up {ooms['gave_up']} time(s)" if ooms["gave_up"] else ""))
     if summary["actions"]:

@@ -361,6 +361,7 @@ class AutoTrainer:
         self._injector = random.Random(seed + 0x5EED + (self.ranks.rank if self.ranks else 0))  # own stream per rank
 
         self._last_oom_message = ""
+        self._work_since = 0.0
         self._last_oom_injected = False
         self._flags = [0, 0]  # [stop signal, checkpoint due], agreed by all ranks under torchrun
         self._last_good_micro: int | None = None
@@ -612,6 +613,7 @@ class AutoTrainer:
         """
         size = self.knobs.micro_batch_size if self.keep_effective_batch else min(self.knobs.micro_batch_size, n)
         loss_sum = torch.zeros((), device=self.device)
+        self._work_since = time.perf_counter()  # what an OOM now would throw away started here
         try:
             with self._no_sync():
                 for micro, m in micro_batches(batch, size, start=done, split_fn=self.split_fn):
@@ -629,6 +631,7 @@ class AutoTrainer:
                         self._backward(loss)
                         self._optimizer_step(m)
                         done += m
+                        self._work_since = time.perf_counter()  # this chunk is stepped: kept
                     loss_sum += loss.detach() * m
                     del loss
         except Exception as exc:
@@ -708,8 +711,11 @@ class AutoTrainer:
         self._zero_grad()
         free_memory(self.device)
         self.ooms += 1
+        # The failed attempt's forward/backward work and the clean-up: time the OOM cost.
+        lost = time.perf_counter() - self._work_since
         self.journal.write("oom", self.step, self.epoch, micro_batch_size=failed_size, device=str(self.device),
-                           message=self._last_oom_message, injected=self._last_oom_injected)
+                           message=self._last_oom_message, injected=self._last_oom_injected,
+                           lost_seconds=round(lost, 4))
         logger.warning(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch")
         self._fire(Event.OOM, failed_micro_batch=failed_size, force=True)
         if self.knobs.micro_batch_size < failed_size:
@@ -858,6 +864,7 @@ class AutoTrainer:
         allocated = allocator.allocated_bytes if allocator else None
         reserved = allocator.reserved_bytes if allocator else None
         self.step_log.write(self.step, self.epoch, micro_batch_size=self.knobs.micro_batch_size, samples=samples,
+                            samples_seen=self.samples_seen,
                             step_seconds=round(timing.step_seconds, 6),
                             data_wait_fraction=round(timing.data_wait_fraction, 4),
                             demand=None if self._step_demand is None else round(self._step_demand, 4),

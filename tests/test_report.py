@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from autotune import AutoTrainer
+from autotune import Event
 from autotune.cli import main
 from autotune.report import NotARun, render, summarize
 
@@ -23,16 +24,63 @@ def run_with_ooms(tmp_path_factory):
     return run_dir
 
 
+def test_a_normal_run(tmp_path, capsys):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(512, 8), torch.randint(0, 2, (512,)))
+    trainer = AutoTrainer(nn.Linear(8, 2), data, loss_fn=nn.functional.cross_entropy, batch_size=32, device="cpu",
+                          progress=False, monitor=False, run_dir=tmp_path / "run", policies="conservative")
+    result = trainer.fit(epochs=2)
+    summary = summarize(tmp_path / "run")
+    assert summary["status"] == "finished" and summary["samples_seen"] == 1024 and summary["steps"] == result.steps
+    assert summary["ooms"] == {"survived": 0, "seconds_lost": 0, "by_micro_batch": {}, "gave_up": 0}
+    assert summary["micro_batch_size"] == {"start": 32, "end": 32}
+    windows = summary["throughput_over_time"]
+    assert len(windows) >= 4 and all(w["samples_per_second"] > 0 for w in windows)
+    assert windows[-1]["to_seconds"] == pytest.approx(summary["wall_seconds"], abs=0.5)
+    assert main(["report", str(tmp_path / "run")]) == 0
+    text = capsys.readouterr().out
+    assert "finished" in text and "samples/s over time: 0.0s-" in text and "OOMs survived 0\n" in text
+
+
+def test_a_run_still_in_progress(tmp_path):
+    # A policy that reads the report from inside the run, half-way through the second epoch.
+    seen = {}
+
+    class ReportMidway:
+        name = "report_midway"
+        events = frozenset({Event.BATCH_END})
+
+        def decide(self, event, snap):
+            if snap.step == 24 and not seen:
+                seen.update(summarize(tmp_path / "run"))
+            return []
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            return None
+
+    data = TensorDataset(torch.randn(512, 8), torch.randint(0, 2, (512,)))
+    AutoTrainer(nn.Linear(8, 2), data, loss_fn=nn.functional.cross_entropy, batch_size=32, device="cpu",
+                progress=False, monitor=False, run_dir=tmp_path / "run", policies=[ReportMidway()]).fit(epochs=2)
+    assert seen["status"].startswith("in progress") and seen["epochs_completed"] == 1
+    assert seen["steps"] >= 16 and seen["journal_lines_unreadable"] == 0
+    assert summarize(tmp_path / "run")["status"] == "finished"
+
+
 def test_a_run_with_ooms_in_text_and_json(run_with_ooms, capsys):
     summary = summarize(run_with_ooms)
     journal = [json.loads(line) for line in (run_with_ooms / "events.jsonl").read_text().splitlines()]
     assert summary["status"] == "finished" and summary["samples_seen"] == 512 and summary["epochs_completed"] == 2
     assert summary["ooms"]["survived"] == sum(r["kind"] == "oom" for r in journal) > 0
+    assert 0 < summary["ooms"]["seconds_lost"] < summary["wall_seconds"]
     assert summary["actions"]["halve_on_oom"][0]["reason"].startswith("out of memory at micro-batch")
     assert summary["checkpoints"][-1]["reason"] == "end"
     assert main(["report", str(run_with_ooms)]) == 0
     text = capsys.readouterr().out
     assert "finished" in text and f"OOMs survived {summary['ooms']['survived']}" in text and "halve_on_oom" in text
+    assert "of work and clean-up lost to them" in text
     assert main(["report", "--json", str(run_with_ooms)]) == 0
     assert json.loads(capsys.readouterr().out)["ooms"] == summary["ooms"]
 
