@@ -57,6 +57,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
         out = Path(args.plot) if args.plot else Path(args.run_dir) / "timeline.png"
         plot_timeline(args.run_dir, out)
+        sys.stdout.flush()  # the summary first, then where the plot went
         print(f"timeline: {out}", file=sys.stderr)
     return 0
 

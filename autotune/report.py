@@ -126,7 +126,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                              "end": last_fit.get("micro_batch_size",
                                                  epochs[-1].get("micro_batch_size") if epochs else None)},
         "ooms": {"survived": len(ooms),
-                 "seconds_lost": round(sum(o.get("lost_seconds") or 0.0 for o in ooms), 3),
+                 # None for journals written before OOMs were timed
+                 "seconds_lost": (round(sum(o["lost_seconds"] for o in ooms), 3)
+                                  if all("lost_seconds" in o for o in ooms) else None),
                  "by_micro_batch": {str(k): v for k, v in collections.Counter(o["micro_batch_size"] for o in ooms).items()},
                  "gave_up": len(by_kind["out_of_memory"])},
         "actions": dict(actions),
@@ -176,8 +178,9 @@ def render(summary: dict[str, Any]) -> str:
             for w in summary["throughput_over_time"]))
     ooms = summary["ooms"]
     lines.append(f"  OOMs survived {ooms['survived']}"
-                 + (f" (at micro-batch {', '.join(f'{k} x{v}' for k, v in ooms['by_micro_batch'].items())}; "
-                    f"{ooms['seconds_lost']:.2f} s of work and clean-up lost to them)"
+                 + (f" (at micro-batch {', '.join(f'{k} x{v}' for k, v in ooms['by_micro_batch'].items())}"
+                    + (f"; {ooms['seconds_lost']:.2f} s of work and clean-up lost to them)"
+                       if ooms["seconds_lost"] is not None else ")")
                     if ooms["survived"] else "")
                  + (f"; gave up {ooms['gave_up']} time(s)" if ooms["gave_up"] else ""))
     if summary["actions"]:
@@ -245,11 +248,16 @@ def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> Any:
     memory.set_ylabel("memory (GiB)")
     memory.set_title(f"autotune run {run_dir.name}")
     starts = [(r["time"] - t0, r.get("micro_batch_size")) for r in records if r["kind"] == "fit_start"]
+    # The size a policy set, from the moment it set it (an OOM's halving shows at once, not
+    # only when a step completes at the new size).
+    changes = [(r["time"] - t0, r["params"]["size"]) for r in records
+               if r["kind"] == "action" and r.get("applied") and r.get("action") == "set_micro_batch"
+               and isinstance(r.get("params"), dict) and "size" in r["params"]]
     if steps or starts:
         # Each fit starts at its first micro-batch; then the size each step completed with.
-        points = sorted(starts + [(s["time"] - t0, s.get("micro_batch_size")) for s in steps])
+        points = sorted(starts + changes + [(s["time"] - t0, s.get("micro_batch_size")) for s in steps])
         micro.step([x for x, _ in points], [m for _, m in points], where="post", color="tab:purple",
-                   label="completed steps")
+                   label="micro-batch in use")
     failed = [(r["time"] - t0, r.get("micro_batch_size")) for r in records if r["kind"] == "oom"]
     if failed:
         micro.scatter([x for x, _ in failed], [m for _, m in failed], marker="x", color="tab:red", label="OOM at")
