@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import signal
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ import psutil
 from autotune.monitor import host
 from autotune.monitor.nvml import GpuInfo, NVML, normalize_uuid, session
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL, SampleLog
+from autotune.monitor.schedule import run_until_stopped, stop_on_signals
 from autotune.units import format_bytes
 
 
@@ -235,13 +235,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_daemon(args: argparse.Namespace) -> int:
     """`autotune monitor`: returns the exit code; bad arguments raise UsageError."""
-    from apscheduler.executors.pool import ThreadPoolExecutor
-    from apscheduler.schedulers import SchedulerNotRunningError
-    from apscheduler.schedulers.blocking import BlockingScheduler
-
     stop_requested = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())  # until the scheduler runs
-    signal.signal(signal.SIGINT, lambda *_: stop_requested.set())
+    stop_on_signals(stop_requested)
     for pid in args.pid:
         if not psutil.pid_exists(pid):
             raise UsageError(f"--pid {pid}: no such process")
@@ -262,38 +257,19 @@ def run_daemon(args: argparse.Namespace) -> int:
         print("no GPU found (NVML not available or no devices): watching the host's memory")
     sys.stdout.flush()
 
-    logging.getLogger("apscheduler").setLevel(logging.ERROR)
     daemon = Daemon(devices, nvml, args.pid, out, view, prometheus)
-    scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
-                                  job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
-
-    def stop(*_: Any) -> None:
-        stop_requested.set()
-        # A signal and a scheduler job can both get here: the second shutdown is a no-op.
-        try:
-            scheduler.shutdown(wait=False)
-        except SchedulerNotRunningError:
-            return
-
-    def stop_if_requested() -> None:  # a signal between the handler swap and start() is not lost
-        if stop_requested.is_set():
-            stop()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     daemon.tick()
     if stop_requested.is_set():  # a signal came during start-up: stop after one sample
         print(f"stopped after {daemon.samples} samples")
         return 0
-    scheduler.add_job(stop_if_requested, "interval", seconds=0.5, id="stop")
-    scheduler.add_job(daemon.tick, "interval", seconds=args.interval, id="sample")
+    jobs = [("sample", daemon.tick, args.interval)]
     if out is not None:
-        scheduler.add_job(out.flush, "interval", seconds=2.0, id="flush")
+        jobs.append(("flush", out.flush, 2.0))
     if args.duration:
-        timer = threading.Timer(args.duration, stop)
+        timer = threading.Timer(args.duration, stop_requested.set)
         timer.daemon = True
         timer.start()
-    scheduler.start()
+    run_until_stopped(jobs, stop_requested)
     if out is not None:
         out.flush()
     print(f"stopped after {daemon.samples} samples" + (f"; wrote {args.out}" if out is not None else ""))

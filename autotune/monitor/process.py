@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -27,13 +26,13 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 import psutil
 
 from autotune.monitor import host
 from autotune.monitor.board import Board, default_path
 from autotune.monitor.nvml import session as nvml_session
+from autotune.monitor.schedule import run_until_stopped, stop_on_signals
 from autotune.snapshot import DeviceSample
 
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 10.0
@@ -129,16 +128,11 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def run(config: MonitorConfig, parent_pid: int | None = None, duration: float | None = None) -> None:
     """Sample until stopped (SIGTERM/SIGINT, parent gone, or `duration` elapsed)."""
-    from apscheduler.executors.pool import ThreadPoolExecutor
-    from apscheduler.schedulers import SchedulerNotRunningError
-    from apscheduler.schedulers.blocking import BlockingScheduler
-
-    logging.getLogger("apscheduler").setLevel(logging.ERROR)  # no per-run "Running job" lines
+    stop = threading.Event()
+    stop_on_signals(stop)
     board = Board(Path(config.board))
     log = SampleLog(Path(config.samples_path) if config.samples_path else None, config.max_log_bytes)
     sampler = Sampler(config)
-    scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
-                                  job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
 
     def sample_memory() -> None:
         sample = sampler.read()
@@ -150,27 +144,20 @@ def run(config: MonitorConfig, parent_pid: int | None = None, duration: float | 
 
     def check_parent() -> None:
         if parent_pid is not None and (os.getppid() != parent_pid or not psutil.pid_exists(parent_pid)):
-            stop()
+            stop.set()
 
-    def stop(*_: Any) -> None:
-        # A signal and a scheduler job can both get here: the second shutdown is a no-op.
-        try:
-            scheduler.shutdown(wait=False)
-        except SchedulerNotRunningError:
-            return
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     sampler.read_process()
     sample_memory()  # a first figure at once, before the first interval passes
-    scheduler.add_job(sample_memory, "interval", seconds=config.interval, id="memory")
-    scheduler.add_job(sampler.read_process, "interval", seconds=max(1.0, config.interval), id="processes")
-    scheduler.add_job(log.flush, "interval", seconds=2.0, id="flush")
+    jobs = [("memory", sample_memory, config.interval),
+            ("processes", sampler.read_process, max(1.0, config.interval)),
+            ("flush", log.flush, 2.0)]
     if parent_pid is not None:
-        scheduler.add_job(check_parent, "interval", seconds=1.0, id="parent")
+        jobs.append(("parent", check_parent, 1.0))
     if duration is not None:
-        threading.Timer(duration, stop).start()
-    scheduler.start()  # blocks until stop()
+        timer = threading.Timer(duration, stop.set)
+        timer.daemon = True
+        timer.start()
+    run_until_stopped(jobs, stop)
     log.flush()
     board.close()
 
