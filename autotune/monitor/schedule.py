@@ -1,9 +1,9 @@
 """Run sampling jobs on a timer until asked to stop: the monitor process and the daemon share it.
 
 APScheduler's BlockingScheduler runs the jobs in one worker thread. Stopping is a flag: a
-signal handler only sets it, and a job in the worker thread shuts the scheduler down. Calling
-`shutdown()` from the handler itself could deadlock, because the handler runs on the main
-thread, which may be inside the scheduler holding a lock (a job submit) that shutdown needs.
+signal handler only sets it, and another thread shuts the scheduler down. Calling `shutdown()`
+from the handler itself could deadlock, because the handler runs on the main thread, which may
+be inside the scheduler holding a lock (a job submit) that shutdown needs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import signal
 import threading
 from typing import Callable, Sequence
 
-STOP_POLL_SECONDS = 0.25  # how soon a stop request is acted on
+STOP_POLL_SECONDS = 0.25  # the backstop for a request made before the scheduler started
 
 
 def stop_on_signals(stop: threading.Event) -> None:
@@ -25,6 +25,7 @@ def stop_on_signals(stop: threading.Event) -> None:
 def run_until_stopped(jobs: Sequence[tuple[str, Callable[[], None], float]], stop: threading.Event) -> None:
     """Run each `(name, function, every_seconds)` on its interval until `stop` is set."""
     from apscheduler.executors.pool import ThreadPoolExecutor
+    from apscheduler.schedulers import SchedulerNotRunningError
     from apscheduler.schedulers.blocking import BlockingScheduler
 
     logging.getLogger("apscheduler").setLevel(logging.ERROR)  # no per-run "Running job" lines
@@ -32,10 +33,18 @@ def run_until_stopped(jobs: Sequence[tuple[str, Callable[[], None], float]], sto
     scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
                                   job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
 
-    def shut_down_if_requested() -> None:  # in the worker thread, never in a signal handler
-        if stop.is_set():
+    def shut_down(*_: object) -> None:  # in a thread of its own or the worker, never in a signal handler
+        try:
             scheduler.shutdown(wait=False)
+        except SchedulerNotRunningError:
+            return  # asked before start(): the polling job below acts once it runs
 
+    def shut_down_if_requested() -> None:
+        if stop.is_set():
+            shut_down()
+
+    # At once when asked (the monitor's owner waits for it to exit), without polling fast.
+    threading.Thread(target=lambda: shut_down(stop.wait()), name="autotune-stop", daemon=True).start()
     scheduler.add_job(shut_down_if_requested, "interval", seconds=STOP_POLL_SECONDS, id="stop")
     for name, function, seconds in jobs:
         scheduler.add_job(function, "interval", seconds=seconds, id=name)
