@@ -14,6 +14,7 @@ on rank 0's monitor reaches every rank at the next agreement.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 from typing import Any, Iterable
@@ -44,21 +45,39 @@ def from_environment() -> Ranks | None:
 
 
 def init_process_group(device: torch.device) -> None:
-    """Join the process group torchrun describes, unless the caller already did: NCCL on CUDA, gloo on CPU."""
+    """Join the process group torchrun describes, unless the caller already did: NCCL on CUDA, gloo on CPU.
+    A group joined here is also left here, at exit."""
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # A process that exits with the group still up can abort in C++ teardown ("terminate
+        # called without an active exception", seen about one run in eight with gloo), after
+        # training finished and everything was saved.
+        atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def agree(failed_size: int | None, micro_batch_size: int, flags: list[int], ranks: Ranks,
           device: torch.device) -> tuple[int | None, int, list[int]]:
     """One small all-reduce per attempt. Every rank learns: the largest micro-batch size that
     failed on any rank (or None), rank 0's micro-batch size, and the element-wise maximum of
-    `flags` (a stop signal, a checkpoint due), so all ranks stop and save at the same step."""
+    `flags` (a stop signal, a checkpoint due, the relief rank 0 offers: other ranks send 0), so
+    all ranks stop, save and change their models at the same step."""
     mine = torch.tensor([failed_size or 0, micro_batch_size if ranks.is_main else 0, *flags],
                         dtype=torch.int64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     values = [int(v) for v in mine.tolist()]
     return (values[0] or None), values[1], values[2:]
+
+
+def from_rank0(values: list[int], ranks: Ranks, device: torch.device) -> list[int]:
+    """Rank 0's `values` on every rank (one small broadcast: every rank must call it)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.broadcast(mine, src=0)
+    return [int(v) for v in mine.tolist()]
 
 
 class GradientBucket:

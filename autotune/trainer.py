@@ -27,6 +27,7 @@ sample not yet stepped on. Either way no sample is skipped or repeated.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -37,6 +38,7 @@ import os
 import random
 import signal
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -56,12 +58,12 @@ from autotune.tensorboard_log import TensorBoardLog
 from autotune.knobs import Knobs
 from autotune.checkpoint import Checkpoints, rng_state, set_rng_state
 from autotune.detectors import MemoryDetector
-from autotune.distributed import GradientBucket, agree, from_environment, gather, init_process_group
+from autotune.distributed import GradientBucket, agree, from_environment, from_rank0, gather, init_process_group
 from autotune.memory import (StepPeak, allocator_stats, cuda_uuid, describe_memory, device_sample, free_memory,
                              load_libc, load_mkl)
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL, MonitorProcess
 from autotune.oom import OutOfMemory, is_oom
-from autotune.actions import CheckpointActivations, PruneChannels, UseAutocast
+from autotune.actions import CheckpointActivations, PruneChannels, Relief, UseAutocast
 from autotune.policy import Policy
 from autotune.preemption import Preempted, StopRequests
 from autotune.relief.autocast import AutocastPlan, autocast_plan
@@ -102,6 +104,21 @@ class FitResult:
     @property
     def samples_per_second(self) -> float:
         return self.samples_seen / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+
+# The reliefs in ladder order; under torchrun a relief travels between ranks as its index + 1.
+_RELIEFS: tuple[type, ...] = (UseAutocast, CheckpointActivations, PruneChannels)
+
+
+def _drop_ddp_wrapper(trainer_ref: weakref.ref) -> None:
+    # At exit, while the interpreter is whole: a DDP wrapper destroyed during interpreter
+    # teardown can abort the process in C++ ("terminate called without an active exception";
+    # about one two-rank gloo run in twelve) after training has finished and everything is saved.
+    trainer = trainer_ref()
+    if trainer is not None:
+        trainer._ddp = None
+        trainer._forward_model = trainer.model
+        gc.collect()
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -287,18 +304,12 @@ class AutoTrainer:
                 torch.cuda.set_device(self.device)
             init_process_group(self.device)
         self.model = model.to(self.device)
-        self._ddp = None
+        self._ddp: DistributedDataParallel | None = None
+        self._forward_model: nn.Module = self.model
+        self._bucket: GradientBucket | None = None
+        self._wrap_for_ranks()
         if self.ranks is not None:
-            # DDP broadcasts rank 0's weights and buffers now; its own gradient sync is never
-            # used (always no_sync): gradients are averaged after the ranks agree.
-            # Buffers are synced once at init, never in forward (a forward-time broadcast is a
-            # collective a failing rank could miss). torch >= 2.14 spells it forward_sync_buffers.
-            no_forward_sync = ({"forward_sync_buffers": False}
-                               if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                               else {"broadcast_buffers": False})
-            self._ddp = DistributedDataParallel(self.model, **no_forward_sync,
-                                                device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self._forward_model = self._ddp if self._ddp is not None else self.model
+            atexit.register(_drop_ddp_wrapper, weakref.ref(self))
         self.loss_fn = loss_fn
         self.step_fn = step_fn
         self.split_fn = split_fn
@@ -328,7 +339,6 @@ class AutoTrainer:
             self._check_sample_layout(dataset[0])
 
         self.optimizer = self._make_optimizer(optimizer)
-        self._bucket = GradientBucket(self.model.parameters()) if self.ranks is not None else None
         if run_dir is None:
             run_dir = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
             if self.ranks is not None:
@@ -363,7 +373,10 @@ class AutoTrainer:
         self._last_oom_message = ""
         self._work_since = 0.0
         self._last_oom_injected = False
-        self._flags = [0, 0]  # [stop signal, checkpoint due], agreed by all ranks under torchrun
+        # [stop signal, checkpoint due, relief code, relief ratio in millionths], agreed by all
+        # ranks under torchrun (the relief is rank 0's: see _offer_relief)
+        self._flags = [0, 0, 0, 0]
+        self._agreed_relief: Relief | None = None  # under torchrun: what every rank applies next
         self._last_good_micro: int | None = None
         self._step_demand: float | None = None
         self._peak = StepPeak(self.device)
@@ -387,6 +400,23 @@ class AutoTrainer:
         self.samples_seen = 0
 
     # ----------------------------------------------------------------------------- set-up
+    def _wrap_for_ranks(self) -> None:
+        """Under torchrun, wrap the model in DDP and bind its gradients to one flat buffer; again
+        after pruning replaced its parameters (every rank prunes alike, at the same step)."""
+        if self.ranks is None:
+            return
+        # DDP broadcasts rank 0's weights and buffers now; its own gradient sync is never
+        # used (always no_sync): gradients are averaged after the ranks agree.
+        # Buffers are synced once at init, never in forward (a forward-time broadcast is a
+        # collective a failing rank could miss). torch >= 2.14 spells it forward_sync_buffers.
+        no_forward_sync = ({"forward_sync_buffers": False}
+                           if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                           else {"broadcast_buffers": False})
+        self._ddp = DistributedDataParallel(self.model, **no_forward_sync,
+                                            device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self._forward_model = self._ddp
+        self._bucket = GradientBucket(self.model.parameters())
+
     @property
     def loader(self) -> DataLoader:
         """The DataLoader in use now (rebuilt when a policy changes workers or caching)."""
@@ -554,7 +584,7 @@ class AutoTrainer:
                 last_shown = step_end
                 bar.set_postfix(loss=f"{loss_sum.item() / max(loss_samples, 1):.4f}",
                                 micro=self.knobs.micro_batch_size, mem=self._memory_text(), refresh=False)
-            signum, checkpoint_due = self._flags  # agreed by all ranks under torchrun
+            signum, checkpoint_due = self._flags[:2]  # agreed by all ranks under torchrun
             if signum:
                 self._preempt(signum)
             if checkpoint_due:
@@ -583,12 +613,13 @@ class AutoTrainer:
         loss_sum = torch.zeros((), device=self.device)
         while done < n:
             failed_size, done, attempt_loss = self._attempt(batch, n, done)
-            self._flags = [self._stop.signum or 0, self._checkpoint_due()]
+            self._flags = [self._stop.signum or 0, self._checkpoint_due(), *self._offer_relief()]
             if self.ranks is not None:
                 # Every rank joins here, failed or not: nobody waits in a gradient all-reduce
                 # for a rank that ran out of memory (see distributed.py).
                 failed_size, self.knobs.micro_batch_size, self._flags = agree(
                     failed_size, self.knobs.micro_batch_size, self._flags, self.ranks, self.device)
+                self._take_agreed_relief(*self._flags[2:])
             if failed_size is None:
                 if self.keep_effective_batch:
                     if self._bucket is not None:
@@ -718,10 +749,15 @@ class AutoTrainer:
                            lost_seconds=round(lost, 4))
         logger.warning(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch")
         self._fire(Event.OOM, failed_micro_batch=failed_size, force=True)
+        if self.ranks is not None:
+            # Every rank's next move is rank 0's: the size to retry at, and any relief first.
+            micro, *relief = from_rank0([self.knobs.micro_batch_size, *self._offer_relief()], self.ranks, self.device)
+            self.knobs.micro_batch_size = micro
+            self._take_agreed_relief(*relief)
         if self.knobs.micro_batch_size < failed_size:
-            self.knobs.relief = None  # a smaller micro-batch first: reliefs are the last resort
+            self.knobs.relief = self._agreed_relief = None  # a smaller micro-batch first: reliefs are the last resort
             return
-        if self.knobs.relief is not None:
+        if self._pending_relief() is not None:
             # Without the relief the run would stop here; a relief changes the model or the
             # kernels it runs, under memory that is already exhausted: save the progress first.
             self._checkpoint("before_relief")
@@ -738,16 +774,42 @@ class AutoTrainer:
         )
 
     # ----------------------------------------------------------------------------- reliefs
+    def _pending_relief(self) -> Relief | None:
+        # Alone: what a policy asked for. Under torchrun: what rank 0's policies asked for, once
+        # every rank has agreed to it, so all change their models at the same step.
+        return self.knobs.relief if self.ranks is None else self._agreed_relief
+
+    def _offer_relief(self) -> list[int]:
+        """Rank 0's pending relief as [code, ratio in millionths] for the next agreement; [0, 0]
+        alone, on other ranks (only rank 0's policies decide reliefs) or when none is pending."""
+        action = self.knobs.relief
+        if self.ranks is None or not self.ranks.is_main or action is None:
+            return [0, 0]
+        ratio = round(action.ratio * 1e6) if isinstance(action, PruneChannels) else 0
+        return [_RELIEFS.index(type(action)) + 1, ratio]
+
+    def _take_agreed_relief(self, code: int, ratio: int) -> None:
+        """Under torchrun, after an agreement: the relief rank 0 offered becomes every rank's next."""
+        action = self.knobs.relief if self.ranks.is_main else None
+        self.knobs.relief = None  # taken (rank 0), or not this rank's to decide (the others)
+        if not code:
+            return
+        if action is None:
+            kind = _RELIEFS[code - 1]
+            reason = "rank 0's policies asked for it"
+            action = kind(ratio=ratio / 1e6, reason=reason) if kind is PruneChannels else kind(reason=reason)
+        self._agreed_relief = action
+
     def _apply_relief(self) -> bool:
         """Carry out the memory relief a policy asked for, between attempts; True if one was applied."""
-        action, self.knobs.relief = self.knobs.relief, None
+        action = self._pending_relief()
+        if self.ranks is None:
+            self.knobs.relief = None
+        else:
+            self._agreed_relief = None  # rank 0's knobs.relief may hold the next one, still to be agreed
         if action is None:
             return False
-        kind = {UseAutocast: "autocast", CheckpointActivations: "checkpointing", PruneChannels: "pruning"}[type(action)]
-        if self.ranks is not None:
-            # Every rank would have to change its model the same way at the same step; not yet.
-            self.journal.write("relief_skipped", self.step, self.epoch, relief=kind, reason="not under torchrun yet")
-            return False
+        kind = ("autocast", "checkpointing", "pruning")[_RELIEFS.index(type(action))]
         demand = self._step_demand
         if kind == "autocast":
             self._enable_autocast()
@@ -790,6 +852,7 @@ class AutoTrainer:
         example = to_device(self._inputs.example, self.device)
         result = prune_channels(self.model, example, ratio, forward_fn=_call_with)
         self._pruning_history.append({"example": map_tensors(torch.clone, example), "history": result.history})
+        self._wrap_for_ranks()  # new parameters: a new DDP wrapper and gradient buffer
         self.optimizer = rebuild_optimizer(self.optimizer, result)
         adopted = adopt_unrecorded(self.optimizer, self.model)
         if adopted:
@@ -819,6 +882,7 @@ class AutoTrainer:
                 entry = next(prunes)
                 example = to_device(entry["example"], self.device)
                 result = replay_pruning(self.model, example, entry["history"], forward_fn=_call_with)
+                self._wrap_for_ranks()
                 self.optimizer = rebuild_optimizer(self.optimizer, result)  # its state is loaded after
                 rebind_scheduler(self.scheduler, self.optimizer)
                 self._pruning_history.append(entry)
