@@ -71,6 +71,25 @@ class PruneChannels:
 
 
 Relief = Union[UseAutocast, CheckpointActivations, PruneChannels]
+RELIEF_NAMES = {UseAutocast: "autocast", CheckpointActivations: "checkpointing", PruneChannels: "pruning"}
+_LADDER = tuple(RELIEF_NAMES)  # cheapest in accuracy first
+
+
+def relief_to_ints(action: Relief | None) -> list[int]:
+    """A relief as [code, ratio in millionths] ([0, 0] for none): what travels between ranks
+    in an integer all-reduce under torchrun."""
+    if action is None:
+        return [0, 0]
+    ratio = round(action.ratio * 1e6) if isinstance(action, PruneChannels) else 0
+    return [_LADDER.index(type(action)) + 1, ratio]
+
+
+def relief_from_ints(code: int, ratio: int, reason: str) -> Relief | None:
+    """The relief `relief_to_ints` encoded (None for code 0), with `reason`."""
+    if not code:
+        return None
+    kind = _LADDER[code - 1]
+    return kind(ratio=ratio / 1e6, reason=reason) if kind is PruneChannels else kind(reason=reason)
 Action = Union[SetMicroBatch, EmptyCache, CacheSamples, SetLoaderWorkers, UseAutocast, CheckpointActivations,
                PruneChannels]
 

@@ -63,7 +63,7 @@ from autotune.memory import (StepPeak, allocator_stats, cuda_uuid, describe_memo
                              load_libc, load_mkl)
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL, MonitorProcess
 from autotune.oom import OutOfMemory, is_oom
-from autotune.actions import CheckpointActivations, PruneChannels, Relief, UseAutocast
+from autotune.actions import RELIEF_NAMES, Relief, relief_from_ints, relief_to_ints
 from autotune.policy import Policy
 from autotune.preemption import Preempted, StopRequests
 from autotune.relief.autocast import AutocastPlan, autocast_plan
@@ -104,10 +104,6 @@ class FitResult:
     @property
     def samples_per_second(self) -> float:
         return self.samples_seen / self.wall_seconds if self.wall_seconds > 0 else 0.0
-
-
-# The reliefs in ladder order; under torchrun a relief travels between ranks as its index + 1.
-_RELIEFS: tuple[type, ...] = (UseAutocast, CheckpointActivations, PruneChannels)
 
 
 def _drop_ddp_wrapper(trainer_ref: weakref.ref) -> None:
@@ -782,11 +778,9 @@ class AutoTrainer:
     def _offer_relief(self) -> list[int]:
         """Rank 0's pending relief as [code, ratio in millionths] for the next agreement; [0, 0]
         alone, on other ranks (only rank 0's policies decide reliefs) or when none is pending."""
-        action = self.knobs.relief
-        if self.ranks is None or not self.ranks.is_main or action is None:
+        if self.ranks is None or not self.ranks.is_main:
             return [0, 0]
-        ratio = round(action.ratio * 1e6) if isinstance(action, PruneChannels) else 0
-        return [_RELIEFS.index(type(action)) + 1, ratio]
+        return relief_to_ints(self.knobs.relief)
 
     def _take_agreed_relief(self, code: int, ratio: int) -> None:
         """Under torchrun, after an agreement: the relief rank 0 offered becomes every rank's next."""
@@ -794,11 +788,7 @@ class AutoTrainer:
         self.knobs.relief = None  # taken (rank 0), or not this rank's to decide (the others)
         if not code:
             return
-        if action is None:
-            kind = _RELIEFS[code - 1]
-            reason = "rank 0's policies asked for it"
-            action = kind(ratio=ratio / 1e6, reason=reason) if kind is PruneChannels else kind(reason=reason)
-        self._agreed_relief = action
+        self._agreed_relief = action or relief_from_ints(code, ratio, reason="rank 0's policies asked for it")
 
     def _apply_relief(self) -> bool:
         """Carry out the memory relief a policy asked for, between attempts; True if one was applied."""
@@ -809,7 +799,7 @@ class AutoTrainer:
             self._agreed_relief = None  # rank 0's knobs.relief may hold the next one, still to be agreed
         if action is None:
             return False
-        kind = ("autocast", "checkpointing", "pruning")[_RELIEFS.index(type(action))]
+        kind = RELIEF_NAMES[type(action)]
         demand = self._step_demand
         if kind == "autocast":
             self._enable_autocast()
