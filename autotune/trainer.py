@@ -10,12 +10,18 @@ The loop, and where each `Event` fires (see events.py for the full picture)::
               for micro in split(batch, micro_batch_size):
                 loss = step(model, micro) * len(micro) / len(batch)
                 loss.backward()
-              optimizer.step(); zero_grad()
             except OOM: note the size that failed (keep no reference to the exception)
-            clean up outside `except`: zero_grad(set_to_none), gc, empty_cache
+            torchrun: every rank joins one small all-reduce here, failed or not
+            no failure: average gradients (torchrun); optimizer.step(); zero_grad()
+            failure: clean up outside `except`: zero_grad(set_to_none), gc, empty_cache
                                                     OOM -> policies -> e.g. SetMicroBatch(n // 2)
-            no policy shrank the micro-batch: raise autotune.OutOfMemory with the figures
+              at the smallest size, a relief if a policy asked (checkpoint first), else
+              raise autotune.OutOfMemory with the figures (checkpoint first)
                                                     BATCH_END
+          a relief a policy asked for: autocast, checkpointing or pruning (journaled)
+          monitor samples, step timing -> detectors MEMORY_HIGH | MEMORY_PRESSURE | IO_BOUND
+          a policy changed workers or caching: rebuild the loader at this position
+          a signal or a due checkpoint (agreed by all ranks): checkpoint (and stop)
                                                     EPOCH_END
                                                     FIT_END
 
@@ -23,6 +29,9 @@ With `keep_effective_batch=True` the micro-batches of a batch are accumulated wi
 weights len(micro)/len(batch), so the optimizer step equals the one without an OOM. With
 False, every micro-batch is its own optimizer step, and a retry resumes at the first
 sample not yet stepped on. Either way no sample is skipped or repeated.
+
+Under torchrun the ranks stay one model: the micro-batch size and any relief are rank 0's,
+carried in that all-reduce (or a broadcast after an OOM), so every rank changes at the same step.
 """
 
 from __future__ import annotations
