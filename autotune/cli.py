@@ -15,8 +15,13 @@ from tqdm import tqdm
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from autotune.demo import run_demo
+    from autotune.oom import OutOfMemory  # imports torch: only the commands that train need it
 
-    return run_demo(args)
+    try:
+        return run_demo(args)
+    except OutOfMemory as exc:
+        print(f"autotune demo: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _cmd_monitor(args: argparse.Namespace) -> int:
@@ -96,11 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                level="WARNING" if args.quiet else "INFO",
                format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
     logger.enable("autotune")
-    from autotune.oom import OutOfMemory
-
     try:
         return args.func(args)
-    except (ValueError, TypeError, OutOfMemory) as exc:
+    except (ValueError, TypeError) as exc:
         print(f"autotune {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

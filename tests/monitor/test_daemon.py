@@ -145,3 +145,14 @@ def test_a_lost_gpu_shows_as_not_available_not_a_crash(monkeypatch):
     daemon.tick()
     daemon.tick()
     assert daemon.samples == 2 and daemon.sample()[0].used_bytes is None
+
+
+def test_the_daemon_does_not_load_torch(tmp_path):
+    # A watcher that sits next to training all day should be small and quick to stop: importing
+    # torch cost ~300 MB of RSS and a second or more at exit.
+    code = ("import sys\nfrom autotune.cli import main\n"
+            "rc = main(['monitor', '--duration', '0.3', '--no-view'])\n"
+            "assert 'torch' not in sys.modules, 'autotune monitor imported torch'\n"
+            "sys.exit(rc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
