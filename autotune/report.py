@@ -8,6 +8,7 @@ journal line is tolerated and reported). Everything comes from `events.jsonl` (a
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,30 @@ def _read_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
     return records, bad
 
 
+@dataclasses.dataclass
+class _Run:
+    records: list[dict[str, Any]]  # events.jsonl
+    unreadable: int  # its lines that could not be read
+    samples: list[dict[str, Any]]  # samples.jsonl (the monitor's)
+    steps: list[dict[str, Any]]  # steps.jsonl
+
+
+def _read_run(run_dir: Path) -> _Run:
+    """Every file of a run, read once; NotARun with the reason when it is not one."""
+    journal_path = run_dir / "events.jsonl"
+    if not run_dir.is_dir():
+        raise NotARun(f"{run_dir} is not a folder")
+    if not journal_path.exists():
+        raise NotARun(f"{run_dir} is not a run directory: it has no events.jsonl")
+    records, unreadable = _read_lines(journal_path)
+    return _Run(records, unreadable, _read_lines(run_dir / "samples.jsonl")[0], _read_lines(run_dir / "steps.jsonl")[0])
+
+
 def throughput_over_time(steps: list[dict[str, Any]], windows: int = 8) -> list[dict[str, Any]]:
     """Samples per second in up to `windows` equal stretches of the run, from the cumulative
-    `samples_seen` of steps.jsonl (thinned lines are fine: only differences are used). A new
-    fit() (samples_seen restarting lower, or a resume) starts a new stretch."""
+    `samples_seen` of steps.jsonl (thinned lines are fine: only differences are used). A
+    stretch in which samples_seen ends lower than it began (a resume from an earlier
+    checkpoint) is left out."""
     points = [(s["time"], s["samples_seen"]) for s in steps if isinstance(s.get("samples_seen"), (int, float))]
     if len(points) < 2:
         return []
@@ -61,14 +82,8 @@ def throughput_over_time(steps: list[dict[str, Any]], windows: int = 8) -> list[
 def summarize(run_dir: str | Path) -> dict[str, Any]:
     """The summary of a run as plain data (what `--json` prints)."""
     run_dir = Path(run_dir)
-    journal_path = run_dir / "events.jsonl"
-    if not run_dir.is_dir():
-        raise NotARun(f"{run_dir} is not a folder")
-    if not journal_path.exists():
-        raise NotARun(f"{run_dir} is not a run directory: it has no events.jsonl")
-    records, bad_lines = _read_lines(journal_path)
-    samples, _ = _read_lines(run_dir / "samples.jsonl")
-    steps, _ = _read_lines(run_dir / "steps.jsonl")
+    run = _read_run(run_dir)
+    records, bad_lines, samples, steps = run.records, run.unreadable, run.samples, run.steps
     by_kind: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for record in records:
         by_kind[record.get("kind", "?")].append(record)
@@ -226,10 +241,8 @@ def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> Any:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    summarize(run_dir)  # the same clear error when it is not a run
-    records, _ = _read_lines(run_dir / "events.jsonl")
-    samples, _ = _read_lines(run_dir / "samples.jsonl")
-    steps, _ = _read_lines(run_dir / "steps.jsonl")
+    run = _read_run(run_dir)
+    records, samples, steps = run.records, run.samples, run.steps
     t0 = min([r["time"] for r in records[:1]] + [s["time"] for s in samples[:1]] + [s["time"] for s in steps[:1]],
              default=0.0)
     fig, (memory, micro, wait) = plt.subplots(3, 1, sharex=True, figsize=(11, 7.5),
