@@ -62,7 +62,6 @@ class TensorBoardLog:
                               "pip install 'autotune[tensorboard]' (or pip install tensorboard)") from exc
         self.log_dir = Path(log_dir)
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
-        self._ooms = 0
         self._last: tuple[int, float] | None = None  # (samples seen, monotonic time) at the last step written
         self._pending_step: int | None = None
         self._pending: list[str] = []
@@ -92,9 +91,9 @@ class TensorBoardLog:
     def record(self, record: dict[str, Any]) -> None:
         """A journal record (the Journal calls this for every line it writes)."""
         kind, step = record.get("kind"), int(record.get("step", 0))
-        if kind == "oom":
-            self._ooms += 1
-            self._writer.add_scalar("autotune/ooms", self._ooms, step)
+        if kind == "oom" and isinstance(record.get("ooms"), int):
+            # The trainer's running count: a resumed run goes on from the checkpoint's.
+            self._writer.add_scalar("autotune/ooms", record["ooms"], step)
         elif kind == "epoch_end" and isinstance(record.get("loss"), (int, float)):
             self._writer.add_scalar("train/epoch_loss", record["loss"], step)
         elif kind == "sample_cache" and isinstance(record.get("hit_rate"), (int, float)):

@@ -751,7 +751,7 @@ class AutoTrainer:
         lost = time.perf_counter() - self._work_since
         self.journal.write("oom", self.step, self.epoch, micro_batch_size=failed_size, device=str(self.device),
                            message=self._last_oom_message, injected=self._last_oom_injected,
-                           lost_seconds=round(lost, 4))
+                           lost_seconds=round(lost, 4), ooms=self.ooms)
         logger.warning(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch")
         self._fire(Event.OOM, failed_micro_batch=failed_size, force=True)
         if self.ranks is not None:

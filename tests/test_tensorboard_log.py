@@ -76,3 +76,14 @@ def test_describe_keeps_applied_actions_and_events_worth_a_line():
     assert describe({"kind": "step", "step": 3}) is None
     assert describe({"kind": "relief", "step": 9, "time": 1.0, "epoch": 0, "relief": "autocast"}) == \
         "relief: relief=autocast"
+
+
+def test_the_oom_count_goes_on_from_the_checkpoint_after_a_resume(tmp_path):
+    first = _trainer(tmp_path / "run", inject_oom=0.3, tensorboard=True)
+    first.fit(epochs=1)
+    assert first.ooms > 0
+    resumed = _trainer(tmp_path / "run", inject_oom=0.3, tensorboard=True)
+    resumed.fit(epochs=2, resume=True)
+    assert resumed.ooms > first.ooms
+    counts = sorted((p.step, p.value) for p in _read(tmp_path / "run" / "tb").Scalars("autotune/ooms"))
+    assert counts[-1][1] == resumed.ooms  # the whole run's, not only those since the resume
