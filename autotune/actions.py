@@ -71,6 +71,7 @@ class PruneChannels:
 
 
 Relief = Union[UseAutocast, CheckpointActivations, PruneChannels]
+Action = Union[SetMicroBatch, EmptyCache, CacheSamples, SetLoaderWorkers, Relief]
 RELIEF_NAMES = {UseAutocast: "autocast", CheckpointActivations: "checkpointing", PruneChannels: "pruning"}
 _LADDER = tuple(RELIEF_NAMES)  # cheapest in accuracy first
 
@@ -90,8 +91,6 @@ def relief_from_ints(code: int, ratio: int, reason: str) -> Relief | None:
         return None
     kind = _LADDER[code - 1]
     return kind(ratio=ratio / 1e6, reason=reason) if kind is PruneChannels else kind(reason=reason)
-Action = Union[SetMicroBatch, EmptyCache, CacheSamples, SetLoaderWorkers, UseAutocast, CheckpointActivations,
-               PruneChannels]
 
 
 def action_kind(action: Action) -> str:

@@ -33,7 +33,7 @@ def run_until_stopped(jobs: Sequence[tuple[str, Callable[[], None], float]], sto
     scheduler = BlockingScheduler(executors={"default": ThreadPoolExecutor(1)},
                                   job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None})
 
-    def shut_down(*_: object) -> None:  # in a thread of its own or the worker, never in a signal handler
+    def shut_down() -> None:  # in a thread of its own or the worker, never in a signal handler
         try:
             scheduler.shutdown(wait=False)
         except SchedulerNotRunningError:
@@ -43,10 +43,13 @@ def run_until_stopped(jobs: Sequence[tuple[str, Callable[[], None], float]], sto
         if stop.is_set():
             shut_down()
 
-    # At once when asked (the monitor's owner waits for it to exit), without polling fast.
-    threading.Thread(target=lambda: shut_down(stop.wait()), name="autotune-stop", daemon=True).start()
+    def shut_down_when_asked() -> None:  # at once (the monitor's owner waits for it to exit), no fast polling
+        stop.wait()
+        shut_down()
+
+    threading.Thread(target=shut_down_when_asked, name="autotune-stop", daemon=True).start()
     scheduler.add_job(shut_down_if_requested, "interval", seconds=STOP_POLL_SECONDS, id="stop")
     for name, function, seconds in jobs:
         scheduler.add_job(function, "interval", seconds=seconds, id=name)
     if not stop.is_set():  # a request that came while setting up: no need to start
-        scheduler.start()  # blocks until shut_down_if_requested() acts
+        scheduler.start()  # blocks until shut_down() is called
