@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes, the last K kept, resume from the newest one that loads.
+"""Checkpoints: when they are due, atomic writes, the last K kept, resume from the newest one that loads.
 
 A checkpoint is one `torch.save` file in `run_dir/checkpoints/`, named by step. It is written
 to a temporary file, fsynced, renamed into place and the folder fsynced, so a kill at any
@@ -8,12 +8,13 @@ Loading uses `weights_only=True`: a checkpoint holds tensors and plain data, nev
 
 from __future__ import annotations
 
+import enum
 import os
 import random
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -95,3 +96,79 @@ class Checkpoints:
             except Exception as exc:  # truncated zip, bad pickle, disallowed type: try the one before
                 logger.warning(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}); trying an older one")
         return None
+
+
+class CheckpointDue(enum.IntEnum):
+    """Whether a checkpoint is due, and by which rule (the larger wins when ranks agree)."""
+
+    NO = 0
+    BY_TIME = 1
+    BY_STEPS = 2
+
+
+class RankFailed(Exception):
+    """A rank reported, in a checkpoint's gather, that it cannot go on (see distributed.py)."""
+
+
+class Checkpointer:
+    """When checkpoints are due, writing them (rank 0, with every rank's random state) and
+    finding the newest for a resume. Owns `run_dir/checkpoints/` and nothing else: the state
+    to save comes from a function the trainer passes in."""
+
+    def __init__(self, folder: Path, *, keep: int, every: int | None, interval: float | None,
+                 ranks: Any, journal: Any):
+        self.store = Checkpoints(folder, keep=keep)
+        self.every, self.interval = every, interval
+        self.ranks, self.journal = ranks, journal
+        self._last = (0, time.monotonic())  # (step, time) of the last checkpoint or of the fit's start
+
+    def restart_clock(self, step: int) -> None:
+        """Count from `step` and now (at the start of a fit)."""
+        self._last = (step, time.monotonic())
+
+    def due(self, step: int) -> CheckpointDue:
+        """Whether a checkpoint is due once the run has done `step` optimizer steps: every N steps
+        means at steps N, 2N, ... (the caller passes the step the current batch will end at)."""
+        last_step, last_time = self._last
+        if self.every is not None and step - last_step >= self.every:
+            return CheckpointDue.BY_STEPS
+        if self.interval is not None and time.monotonic() - last_time >= self.interval:
+            return CheckpointDue.BY_TIME
+        return CheckpointDue.NO
+
+    def save(self, reason: str, state_fn: Callable[[], dict[str, Any]], step: int, epoch: int,
+             failure: str | None = None, **journal_fields: Any) -> Path | None:
+        """Write a checkpoint now (every rank calls this together under torchrun). Failing to write
+        one is journaled, not raised: it must not turn an orderly stop (or the error being
+        reported) into a different error. `failure`: this rank cannot go on; under torchrun it
+        travels in the gather, and `RankFailed` is raised on every rank before anything is written."""
+        try:
+            state = state_fn()
+            gathered = self.ranks.gather((state["rng"], failure))
+            failures = [f"rank {rank}: {text}" for rank, (_, text) in enumerate(gathered) if text]
+            if failures:
+                raise RankFailed("; ".join(failures))
+            if len(gathered) > 1:  # every rank's random state; the rest is the same everywhere
+                state["rng_ranks"] = [rng for rng, _ in gathered]
+            if not self.ranks.is_main:
+                self._last = (step, time.monotonic())
+                return None
+            path, seconds = self.store.save(state, step)
+        except RankFailed:
+            raise
+        except Exception as exc:
+            self.journal.write("checkpoint_failed", step, epoch, reason=reason, error=repr(exc)[:300])
+            logger.error(f"could not write a checkpoint ({reason}): {exc}")
+            return None
+        self._last = (step, time.monotonic())
+        self.journal.write("checkpoint", step, epoch, reason=reason, path=str(path), seconds=round(seconds, 4),
+                           **journal_fields)
+        return path
+
+    def load_latest(self, map_location: str | torch.device) -> tuple[dict[str, Any], Path] | None:
+        """The newest checkpoint that loads, or None."""
+        return self.store.load_latest(map_location=map_location)
+
+    @property
+    def folder(self) -> Path:
+        return self.store.folder

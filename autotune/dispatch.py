@@ -1,45 +1,24 @@
 """Event -> subscribed policies -> actions -> conflicts resolved -> applied -> journal.
 
 Every decision goes to the journal as an `action` line, applied or suppressed, with the
-policy's reason and what applying it did.
+policy's reason and what applying it did. A policy learns of its own suppressed actions
+(`suppressed`), and of a relief it asked for that could not be carried out (`failed`).
+Conflicts are resolved in knobs.py, next to the code that applies actions.
 """
 
 from __future__ import annotations
 
+import typing
 from typing import Sequence
 
 from loguru import logger
 
 from autotune import knobs as knob_module
-from autotune.actions import Action, SetMicroBatch, action_kind, action_params
+from autotune.actions import Action, Relief, action_kind, action_params
 from autotune.events import Event
 from autotune.journal import Journal
 from autotune.policy import Policy
 from autotune.snapshot import Snapshot
-
-
-def resolve_conflicts(proposals: list[tuple[Policy, Action]]) -> list[tuple[Policy, Action, str | None]]:
-    """Decide which proposals to carry out. Returns (policy, action, why_suppressed or None).
-
-    Two micro-batch sizes in one round: the smaller wins, because the OOM it avoids costs
-    more than the throughput it gives up. Identical actions run once.
-    """
-    smallest = min((a.size for _, a in proposals if isinstance(a, SetMicroBatch)), default=None)
-    resolved: list[tuple[Policy, Action, str | None]] = []
-    seen: set[tuple[str, tuple]] = set()
-    winner_taken = False
-    for policy, action in proposals:
-        key = (action_kind(action), tuple(sorted(action_params(action).items())))
-        if isinstance(action, SetMicroBatch) and (action.size != smallest or winner_taken):
-            resolved.append((policy, action, f"another policy asked for micro-batch {smallest}"))
-            continue
-        if key in seen:
-            resolved.append((policy, action, "the same action was already taken this round"))
-            continue
-        seen.add(key)
-        winner_taken = winner_taken or isinstance(action, SetMicroBatch)
-        resolved.append((policy, action, None))
-    return resolved
 
 
 class Dispatcher:
@@ -49,6 +28,13 @@ class Dispatcher:
         self.policies = list(policies)
         self.knobs = knobs
         self.journal = journal
+        self._relief_asked: tuple[Action, Policy] | None = None  # the relief to carry out, and who asked
+
+    def failed(self, action: Action, why: str) -> None:
+        """A relief that was applied to the knobs could not be carried out: tell the policy that asked."""
+        if self._relief_asked is not None and self._relief_asked[0] is action:
+            _tell(self._relief_asked[1], "failed", action, why)
+            self._relief_asked = None
 
     def fire(self, event: Event, snap: Snapshot) -> list[Action]:
         """Consult the policies subscribed to `event`; return the actions that were applied."""
@@ -65,7 +51,7 @@ class Dispatcher:
                 continue
             proposals.extend((policy, action) for action in actions)
         applied: list[Action] = []
-        for policy, action, suppressed in resolve_conflicts(proposals):
+        for policy, action, suppressed in knob_module.resolve_conflicts(proposals):
             if suppressed is None:
                 outcome = knob_module.apply(action, self.knobs)
                 is_applied, note = outcome.applied, outcome.note
@@ -73,7 +59,11 @@ class Dispatcher:
                 is_applied, note = False, suppressed
             if is_applied:
                 applied.append(action)
+                if isinstance(action, typing.get_args(Relief)):  # carried out later, by the trainer
+                    self._relief_asked = (action, policy)
                 logger.info(f"{policy.name}: {action.reason} ({note})")
+            else:
+                _tell(policy, "suppressed", action, note)
             self.journal.write("action", snap.step, snap.epoch, event=event.value, policy=policy.name,
                                action=action_kind(action), params=action_params(action),
                                reason=action.reason, applied=is_applied, note=note)
@@ -88,3 +78,10 @@ class Dispatcher:
             key = f"{i}:{policy.name}"
             if key in state:
                 policy.load_state_dict(state[key])
+
+
+def _tell(policy: Policy, hook: str, action: Action, why: str) -> None:
+    # Optional hooks (PolicyBase has no-op ones): a plug-in that implements only the Protocol has none.
+    method = getattr(policy, hook, None)
+    if method is not None:
+        method(action, why)

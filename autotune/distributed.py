@@ -1,58 +1,226 @@
-"""Rank agreement under torchrun, so an OOM on one rank never strands the others.
+"""Where this process stands in a job: `Solo` alone, `Ranks` under torchrun.
+
+The loop talks to one of the two and never asks which: `Solo` is the null object (every
+agreement is the process's own proposal, gradients are its own), `Ranks` makes the same
+calls collective. This module owns the DDP wrapper, the flat gradient buffer and every
+collective the trainer makes; it touches the model only to wrap it.
 
 The rule that keeps every rank out of a deadlock: no collective runs while a rank may still
 fail. Each rank runs all micro-batches of its batch with DDP's gradient sync off
-(`no_sync`); then every rank joins one small all-reduce that says whether anyone ran out
-of memory. Only if nobody did are gradients averaged and the optimizer stepped, on every
-rank; otherwise every rank drops its gradients and retries the same batch with the same
-new micro-batch size. A rank that failed in backward therefore never owes the others a
-gradient all-reduce.
+(`no_sync`); then every rank joins one small all-reduce, the `Agreement`, that says whether
+anyone ran out of memory. Only if nobody did are gradients averaged and the optimizer
+stepped, on every rank; otherwise every rank drops its gradients and retries the same batch
+with the same new micro-batch size. A rank that failed in backward therefore never owes the
+others a gradient all-reduce.
 
-The micro-batch size is rank 0's: it travels in the same all-reduce, so a policy that acts
-on rank 0's monitor reaches every rank at the next agreement.
+What the ranks agree on is rank 0's: its micro-batch size and the relief its policies asked
+for travel in the same all-reduce, so every rank changes at the same step. A rank whose
+optimizer step ran out of memory (it cannot go on) says so in the next agreement, or in the
+next checkpoint's gather, and every rank stops with the same error.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import gc
+import inspect
 import os
-from typing import Any, Iterable
+import weakref
+from typing import Any, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from autotune.actions import Relief, relief_from_ints, relief_to_ints
 
 
 @dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What every rank knows after an attempt at a batch (alone: what this process proposed)."""
+
+    failed_size: int | None  # the largest micro-batch that ran out of memory on any rank; None: all done
+    micro_batch_size: int  # rank 0's: the size every rank uses next
+    stop_signal: int = 0  # a SIGTERM/SIGINT any rank received (0: none)
+    checkpoint_due: int = 0  # CheckpointDue: 0 not due, 1 by time, 2 by steps (checkpoint.py)
+    relief: Relief | None = None  # rank 0's pending relief: every rank carries it out at the end of this batch
+    fatal: str | None = None  # a rank cannot go on (its optimizer step ran out of memory): why
+
+
+class Solo:
+    """A process training alone: every agreement is its own proposal; no collective, no wrapper."""
+
+    rank, world, local_rank, is_main = 0, 1, 0, True
+
+    def device_for(self, device: str | torch.device | None, keep_effective_batch: bool) -> str | torch.device | None:
+        return device
+
+    def join(self, device: torch.device) -> None:
+        pass
+
+    def wrap(self, model: nn.Module, device: torch.device) -> None:
+        pass
+
+    def module(self, model: nn.Module) -> nn.Module:
+        """The module to call in forward (alone: the model itself)."""
+        return model
+
+    def no_sync(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def agree(self, mine: Agreement, device: torch.device) -> Agreement:
+        return mine
+
+    def follow_rank0(self, micro_batch_size: int, relief: Relief | None, device: torch.device) -> tuple[int, Relief | None]:
+        """After an OOM: the size to retry at and the relief to try first (alone: this process's own)."""
+        return micro_batch_size, relief
+
+    def offer_relief(self, knobs: Any) -> Relief | None:
+        """The pending relief that goes into the next agreement (alone: none; it is carried out where asked)."""
+        return None
+
+    def relief_now(self, knobs: Any, agreed: Relief | None) -> Relief | None:
+        """The relief to carry out at this safe point: alone, what a policy asked for."""
+        return knobs.take_relief()
+
+    def known_to_all(self, failure: str | None) -> str | None:
+        """A failure every process of the job knows of now: alone, this one's own."""
+        return failure
+
+    def average_gradients(self) -> None:
+        pass
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+
 class Ranks:
-    """This process's place in a torchrun job."""
+    """This process's place in a torchrun job, and the collectives that keep the ranks one model."""
 
-    rank: int
-    world: int
-    local_rank: int
+    def __init__(self, rank: int, world: int, local_rank: int):
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.is_main = rank == 0
+        self.ddp: nn.parallel.DistributedDataParallel | None = None
+        self.bucket: GradientBucket | None = None
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    def __repr__(self) -> str:
+        return f"Ranks(rank={self.rank}, world={self.world}, local_rank={self.local_rank})"
+
+    def device_for(self, device: str | torch.device | None, keep_effective_batch: bool) -> str | torch.device | None:
+        """One GPU per rank: "cuda" (or no device on a CUDA machine) means cuda:LOCAL_RANK."""
+        if not keep_effective_batch:
+            raise ValueError("keep_effective_batch=False is not supported under torchrun yet")
+        if (device is None and torch.cuda.is_available()) or str(device) == "cuda":
+            return f"cuda:{self.local_rank}"
+        return device
+
+    def join(self, device: torch.device) -> None:
+        """Join the process group torchrun describes, unless the caller already did: NCCL on CUDA, gloo on CPU.
+        A group joined here is also left here, at exit."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+            # Left before interpreter teardown, as torch asks of every process. (The abort seen at
+            # exit in two-rank gloo runs was the DDP wrapper's: it is dropped at exit, and that
+            # handler, registered later, runs before this one.)
+            atexit.register(_leave_process_group)
+        atexit.register(_drop_wrapper, weakref.ref(self))
+
+    def wrap(self, model: nn.Module, device: torch.device) -> None:
+        """Wrap the model in DDP and bind its gradients to one flat buffer; again after pruning
+        replaced its parameters (every rank prunes alike, at the same step)."""
+        # DDP broadcasts rank 0's weights and buffers now; its own gradient sync is never
+        # used (always no_sync): gradients are averaged after the ranks agree.
+        # Buffers are synced once at init, never in forward (a forward-time broadcast is a
+        # collective a failing rank could miss). torch >= 2.14 spells it forward_sync_buffers.
+        ddp = nn.parallel.DistributedDataParallel
+        no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters
+                           else {"broadcast_buffers": False})
+        self.ddp = ddp(model, **no_forward_sync, device_ids=[device.index] if device.type == "cuda" else None)
+        self.bucket = GradientBucket(model.parameters())
+
+    def module(self, model: nn.Module) -> nn.Module:
+        """The module to call in forward: the DDP wrapper (held only here, so it can be dropped at exit)."""
+        return self.ddp if self.ddp is not None else model
+
+    def no_sync(self) -> ContextManager[Any]:
+        # DDP must not all-reduce inside backward: a rank may still fail.
+        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+
+    def agree(self, mine: Agreement, device: torch.device) -> Agreement:
+        """One small all-reduce (element-wise maximum) per attempt; every rank must call it."""
+        fatal = mine.fatal is not None
+        values = torch.tensor([mine.failed_size or 0, mine.micro_batch_size if self.is_main else 0, mine.stop_signal,
+                               mine.checkpoint_due, *relief_to_ints(mine.relief if self.is_main else None), fatal],
+                              dtype=torch.int64, device=device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        failed, micro, signum, due, code, ratio, anyone_fatal = (int(v) for v in values.tolist())
+        why = None
+        if anyone_fatal:  # rare: every rank learns what the failing one saw
+            why = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(self.gather(mine.fatal)) if text)
+        relief = mine.relief if self.is_main else relief_from_ints(code, ratio, reason="rank 0's policies asked for it")
+        return Agreement(failed or None, micro, signum, due, relief, why)
+
+    def follow_rank0(self, micro_batch_size: int, relief: Relief | None, device: torch.device) -> tuple[int, Relief | None]:
+        values = torch.tensor([micro_batch_size, *relief_to_ints(relief)], dtype=torch.int64, device=device)
+        dist.broadcast(values, src=0)
+        micro, code, ratio = (int(v) for v in values.tolist())
+        if self.is_main:
+            return micro, relief
+        return micro, relief_from_ints(code, ratio, reason="rank 0's policies asked for it")
+
+    def offer_relief(self, knobs: Any) -> Relief | None:
+        # Taken: rank 0's goes to every rank through the agreement; another rank's is not its to decide.
+        relief = knobs.take_relief()
+        return relief if self.is_main else None
+
+    def relief_now(self, knobs: Any, agreed: Relief | None) -> Relief | None:
+        # What every rank agreed to, so all change their models at the same step.
+        return agreed
+
+    def known_to_all(self, failure: str | None) -> str | None:
+        # The other ranks learn of it at the next agreement or checkpoint gather; until then this
+        # rank makes the same collectives as they do, and trains no more.
+        return None
+
+    def average_gradients(self) -> None:
+        if self.bucket is not None:
+            self.bucket.average(self.world)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.bucket is not None:
+            self.bucket.zero()  # in place: the gradients stay views of the all-reduce buffer
+        else:
+            optimizer.zero_grad(set_to_none=True)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (per-rank RNG states, failure messages)."""
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
 
-def from_environment() -> Ranks | None:
-    """The torchrun job this process is part of, or None when it runs alone (WORLD_SIZE <= 1)."""
+def from_environment() -> Solo | Ranks:
+    """The torchrun job this process is part of, or `Solo` when it runs alone (WORLD_SIZE <= 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return None
+        return Solo()
     return Ranks(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def init_process_group(device: torch.device) -> None:
-    """Join the process group torchrun describes, unless the caller already did: NCCL on CUDA, gloo on CPU.
-    A group joined here is also left here, at exit."""
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-        # Left before interpreter teardown, as torch asks of every process. (The abort seen at
-        # exit in two-rank gloo runs was the DDP wrapper's: the trainer drops it at exit, and
-        # its handler, registered later, runs before this one.)
-        atexit.register(_leave_process_group)
 
 
 def _leave_process_group() -> None:
@@ -60,24 +228,14 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def agree(failed_size: int | None, micro_batch_size: int, flags: list[int], ranks: Ranks,
-          device: torch.device) -> tuple[int | None, int, list[int]]:
-    """One small all-reduce per attempt. Every rank learns: the largest micro-batch size that
-    failed on any rank (or None), rank 0's micro-batch size, and the element-wise maximum of
-    `flags` (a stop signal, a checkpoint due, the relief rank 0 offers: other ranks send 0), so
-    all ranks stop, save and change their models at the same step."""
-    mine = torch.tensor([failed_size or 0, micro_batch_size if ranks.is_main else 0, *flags],
-                        dtype=torch.int64, device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    values = [int(v) for v in mine.tolist()]
-    return (values[0] or None), values[1], values[2:]
-
-
-def from_rank0(values: list[int], ranks: Ranks, device: torch.device) -> list[int]:
-    """Rank 0's `values` on every rank (one small broadcast: every rank must call it)."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.broadcast(mine, src=0)
-    return [int(v) for v in mine.tolist()]
+def _drop_wrapper(ranks_ref: weakref.ref) -> None:
+    # At exit, while the interpreter is whole: a DDP wrapper destroyed during interpreter
+    # teardown can abort the process in C++ ("terminate called without an active exception";
+    # about one two-rank gloo run in twelve) after training has finished and everything is saved.
+    ranks = ranks_ref()
+    if ranks is not None and ranks.ddp is not None:
+        ranks.ddp = None
+        gc.collect()
 
 
 class GradientBucket:
@@ -111,10 +269,3 @@ class GradientBucket:
     def zero(self) -> None:
         self.flat.zero_()
         self.bind()
-
-
-def gather(obj: Any, ranks: Ranks) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank (used for per-rank RNG states)."""
-    gathered: list[Any] = [None] * ranks.world
-    dist.all_gather_object(gathered, obj)
-    return gathered

@@ -1,4 +1,5 @@
-"""The run's journal: `run_dir/events.jsonl`, one JSON object per line, append-only.
+"""The run log: the journal (`run_dir/events.jsonl`, one JSON object per line, append-only),
+the steps log, TensorBoard and the progress bar, behind one `RunLog`.
 
 Every line has `time` (unix seconds), `kind`, `step` and `epoch`; the rest depends on the
 kind (`fit_start`, `oom`, `action`, `epoch_end`, `fit_end`, ...). Lines are flushed as
@@ -11,6 +12,8 @@ import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from tqdm.auto import tqdm
 
 
 class Journal:
@@ -81,3 +84,73 @@ class StepLog:
 
     def close(self) -> None:
         self._journal.close()
+
+
+class _ProgressBar(tqdm):
+    # tqdm's monitor thread is started on the first bar; under a hard memory cap a thread
+    # whose stack cannot be mapped makes Thread.start() wait forever. The bar refreshes on
+    # every update anyway, so the monitor is not needed.
+    monitor_interval = 0
+
+
+class RunLog:
+    """Everything a run writes about itself: the journal (events.jsonl), the steps log
+    (steps.jsonl), TensorBoard and the progress bar. On ranks other than 0 it writes nothing.
+    Owns those files and the bar; touches no training state."""
+
+    def __init__(self, run_dir: Path, *, writes: bool, tensorboard: bool | str | Path, progress: bool):
+        if not isinstance(tensorboard, (bool, str, Path)):
+            raise TypeError(f"tensorboard must be True/False or a folder, got {tensorboard!r}")
+        if writes:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(run_dir / "events.jsonl" if writes else None)
+        self.steps = StepLog(run_dir / "steps.jsonl" if writes else None)
+        self.tensorboard = None
+        if tensorboard is not False and writes:
+            from autotune.tensorboard_log import TensorBoardLog
+
+            self.tensorboard = TensorBoardLog(run_dir / "tb" if tensorboard is True else tensorboard)
+            self.journal.listeners.append(self.tensorboard.record)
+        self.show_progress = progress and writes
+        self.bar: tqdm | None = None
+        self._last_shown = 0.0
+
+    def open_bar(self, total: int | None) -> None:
+        self.bar = _ProgressBar(total=total, disable=not self.show_progress, unit="batch", dynamic_ncols=True)
+
+    def step(self, step: int, epoch: int, *, samples: int, samples_seen: int, micro_batch_size: int,
+             step_seconds: float, data_wait_fraction: float, demand: float | None, allocated_bytes: int | None,
+             reserved_bytes: int | None, batch_loss: Any, sample: Callable[[], Any]) -> None:
+        """One step's figures: to steps.jsonl and TensorBoard when due (thinned: a two-day run
+        writes megabytes, and reads the loss off the device rarely), and to the bar."""
+        if self.bar is not None:
+            self.bar.update(1)
+        if not self.steps.due():
+            return
+        self.steps.write(step, epoch, micro_batch_size=micro_batch_size, samples=samples, samples_seen=samples_seen,
+                         step_seconds=round(step_seconds, 6), data_wait_fraction=round(data_wait_fraction, 4),
+                         demand=None if demand is None else round(demand, 4),
+                         allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes)
+        if self.tensorboard is not None:
+            now = sample()
+            self.tensorboard.step(
+                step, loss=batch_loss.item() / max(samples, 1), samples_seen=samples_seen, step_samples=samples,
+                step_seconds=step_seconds, micro_batch_size=micro_batch_size, data_wait_fraction=data_wait_fraction,
+                used_bytes=now.used_bytes, cap_bytes=now.cap_bytes, allocated_bytes=allocated_bytes,
+                reserved_bytes=reserved_bytes, demand=demand)
+
+    def show(self, now: float, **figures: Any) -> None:
+        """Refresh the bar's figures, at most twice a second (each may read the device)."""
+        if self.bar is None or not self.show_progress or now - self._last_shown <= 0.5:
+            return
+        self._last_shown = now
+        self.bar.set_postfix(**{k: v() if callable(v) else v for k, v in figures.items()}, refresh=False)
+
+    def flush(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -1,19 +1,23 @@
-"""The only code that changes training state in response to an action.
+"""The only code that changes what policies control, and the one place conflicts are resolved.
 
-Policies propose; `apply` carries an action out on the trainer's `Knobs` and says what
-happened, so the journal can record it. Add a new action by adding its record to
-actions.py and one `@apply.register` function here.
+Policies propose; `resolve_conflicts` decides which proposals of one round go ahead, and
+`apply` carries an action out on the trainer's `Knobs` and says what happened, so the
+journal can record it. The trainer reads the knobs and changes them only through the
+methods below (rank 0's size under torchrun, a checkpoint's sizes, taking the pending
+relief to carry it out). Add a new action by adding its record to actions.py and one
+`@apply.register` function here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 
-from autotune.actions import (CacheSamples, CheckpointActivations, EmptyCache, PruneChannels, Relief, SetLoaderWorkers,
-                              SetMicroBatch, UseAutocast)
+from autotune.actions import (Action, CacheSamples, CheckpointActivations, EmptyCache, PruneChannels, Relief,
+                              SetLoaderWorkers, SetMicroBatch, UseAutocast, action_kind, action_params)
 from autotune.memory import device_sample, free_cpu_caches, free_memory
 from autotune.units import format_bytes
 
@@ -34,6 +38,50 @@ class Knobs:
     # A memory relief to carry out before the next attempt (the trainer does it: it changes the
     # model or the forward). One per trigger, so each rung's effect is seen before the next.
     relief: Relief | None = None
+
+    def follow(self, micro_batch_size: int) -> None:
+        """Use `micro_batch_size` from now on: rank 0's, agreed by every rank under torchrun."""
+        if micro_batch_size != self.micro_batch_size:
+            _set_micro_batch(SetMicroBatch(micro_batch_size), self)
+
+    def take_relief(self) -> Relief | None:
+        """The pending relief, now taken: to carry out, to agree on, or dropped (a smaller
+        micro-batch goes first: reliefs are the last resort)."""
+        relief, self.relief = self.relief, None
+        return relief
+
+    def restore(self, micro_batch_size: int, num_workers: int) -> bool:
+        """The sizes a checkpoint saved; True if the loader workers changed (it must be rebuilt)."""
+        self.micro_batch_size = micro_batch_size
+        if num_workers == self.num_workers:
+            return False
+        self.num_workers = num_workers
+        return True
+
+
+def resolve_conflicts(proposals: list[tuple[Any, Action]]) -> list[tuple[Any, Action, str | None]]:
+    """Decide which proposals of one round to carry out. Returns (policy, action, why_suppressed or None).
+
+    Two micro-batch sizes in one round: the smaller wins, because the OOM it avoids costs
+    more than the throughput it gives up. Identical actions run once. One relief at a time
+    (`apply` also refuses a second while one is pending), so each rung's effect is seen first.
+    """
+    smallest = min((a.size for _, a in proposals if isinstance(a, SetMicroBatch)), default=None)
+    resolved: list[tuple[Any, Action, str | None]] = []
+    seen: set[tuple[str, tuple]] = set()
+    winner_taken = False
+    for policy, action in proposals:
+        key = (action_kind(action), tuple(sorted(action_params(action).items())))
+        if isinstance(action, SetMicroBatch) and (action.size != smallest or winner_taken):
+            resolved.append((policy, action, f"another policy asked for micro-batch {smallest}"))
+            continue
+        if key in seen:
+            resolved.append((policy, action, "the same action was already taken this round"))
+            continue
+        seen.add(key)
+        winner_taken = winner_taken or isinstance(action, SetMicroBatch)
+        resolved.append((policy, action, None))
+    return resolved
 
 
 @dataclasses.dataclass(frozen=True)

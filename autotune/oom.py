@@ -28,21 +28,54 @@ OOM_MESSAGES: tuple[str, ...] = (
 )
 
 
-def is_oom(exc: BaseException) -> bool:
-    """True when `exc` means the device (or host) ran out of memory.
+_CHAIN_DEPTH = 8  # wrapped errors seen in practice are one or two deep (torch.compile: InternalTorchDynamoError)
+_NOT_SUPPORTED = "cudnn_status_not_supported"
 
-    `torch.OutOfMemoryError` is checked first; then the known messages of CUDA, cuDNN,
-    cuBLAS, the CPU allocator and oneDNN. `MemoryError` (Python objects) counts too.
-    Anything else is not an OOM and must be re-raised untouched by the caller.
-    """
-    if isinstance(exc, OutOfMemory):  # autotune already gave up: let it through
-        return False
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the errors it wraps (`__cause__`, else `__context__`), at most `_CHAIN_DEPTH`, no cycles."""
+    found: list[BaseException] = []
+    while exc is not None and len(found) < _CHAIN_DEPTH and all(exc is not seen for seen in found):
+        found.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _is_oom_itself(exc: BaseException) -> bool:
     if isinstance(exc, (_TORCH_OOM, MemoryError)):
         return True
     if not isinstance(exc, RuntimeError):
         return False
     message = str(exc).lower()
     return any(fragment in message for fragment in OOM_MESSAGES)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True when `exc` means the device (or host) ran out of memory.
+
+    `torch.OutOfMemoryError` and `MemoryError` count; then the known messages of CUDA,
+    cuDNN, cuBLAS, the CPU allocator and oneDNN. An error that wraps one of these counts
+    too (its `__cause__`/`__context__` chain is followed a few links deep): torch.compile
+    reports a failed allocation as `InternalTorchDynamoError` caused by `MemoryError`.
+    Anything else is not an OOM and must be re-raised untouched by the caller.
+    """
+    if isinstance(exc, OutOfMemory):  # autotune already gave up: let it through
+        return False
+    return any(_is_oom_itself(link) for link in _chain(exc))
+
+
+def maybe_not_memory(exc: BaseException) -> bool:
+    """An OOM-like error that may not be about memory at all: cuDNN's NOT_SUPPORTED is raised
+    both when no algorithm's workspace fits and for inputs it cannot handle at any size. Worth
+    halving for; at the smallest size it is re-raised as it is, not answered with reliefs."""
+    return any(_NOT_SUPPORTED in str(link).lower() for link in _chain(exc))
+
+
+def oom_message(exc: BaseException) -> str:
+    """The first line of the error (300 characters at most), or its type when it has no message
+    (`MemoryError()` has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 class OutOfMemory(RuntimeError):

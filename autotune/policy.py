@@ -7,7 +7,7 @@ applies what it asks for, and the journal records every decision with its reason
 Writing one takes a dataclass (its fields are the parameters a TOML preset may set)::
 
     @dataclasses.dataclass
-    class EmptyCacheEveryEpoch:
+    class EmptyCacheEveryEpoch(PolicyBase):
         '''Return cached memory at every epoch end.'''
         name: ClassVar[str] = "empty_cache_every_epoch"
         events: ClassVar[frozenset[Event]] = frozenset({Event.EPOCH_END})
@@ -15,11 +15,11 @@ Writing one takes a dataclass (its fields are the parameters a TOML preset may s
         def decide(self, event, snap):
             return [EmptyCache(reason="epoch end")]
 
-        def state_dict(self):
-            return {}
-
-        def load_state_dict(self, state):
-            pass
+`PolicyBase` gives a policy with no state to keep the checkpoint methods (no-ops) and the
+two notices a policy may want (no-ops too): `suppressed(action, why)`, when an action it
+asked for was not applied this time (another policy's won, or it changed nothing), and
+`failed(action, why)`, when a relief it asked for could not be carried out (it would break
+the model, or it ran out of memory itself): asking again would fail the same way.
 
 Install it as a plug-in through the entry-point group `autotune.policies`, or name it
 in a preset as `use = "package.module:EmptyCacheEveryEpoch"`.
@@ -52,3 +52,20 @@ class Policy(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         ...
+
+
+class PolicyBase:
+    """No-op defaults for the parts of a policy that many do not need (see the module docstring).
+    Not required: any object with the `Policy` members will do."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def suppressed(self, action: Action, why: str) -> None:
+        """An action this policy asked for was not applied this time."""
+
+    def failed(self, action: Action, why: str) -> None:
+        """A relief this policy asked for was applied but could not be carried out."""

@@ -20,7 +20,7 @@ from autotune.actions import CacheSamples
 from autotune.data.cache import CachedDataset, NotCacheable, SampleCache, cache_budget, profile_input, split_for_caching
 from autotune.data.sampler import EpochSampler
 from autotune.detectors import InputDetector
-from autotune.distributed import Ranks
+from autotune.distributed import Ranks, Solo
 from autotune.events import Event
 from autotune.journal import Journal
 from autotune.memory import device_sample
@@ -41,7 +41,7 @@ class InputPipeline:
 
     def __init__(self, dataset: Dataset | DataLoader, *, batch_size: int, shuffle: bool, seed: int,
                  num_workers: int, collate_fn: Callable[[list], Any] | None, device: torch.device,
-                 ranks: Ranks | None):
+                 ranks: Solo | Ranks):
         self.seed = seed
         self.device = device
         self.detector = InputDetector()
@@ -66,7 +66,7 @@ class InputPipeline:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         self.dataset = dataset
         self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed,
-                                    rank=ranks.rank if ranks else 0, world=ranks.world if ranks else 1)
+                                    rank=ranks.rank, world=ranks.world)
         self._batch_size, self._collate_fn = batch_size, collate_fn
         self.num_workers = num_workers
         self.loader = self._build(dataset, num_workers)
@@ -100,23 +100,25 @@ class InputPipeline:
         return batches
 
     # ------------------------------------------------------------------------- watching
-    def on_step(self, timing: StepTiming, samples: int) -> list[Event]:
-        """Feed one step's timing; returns [Event.IO_BOUND] when the loop waits on its data."""
+    def on_step(self, timing: StepTiming, samples: int, journal: Journal, step: int, epoch: int) -> list[Event]:
+        """Feed one step's timing; returns [Event.IO_BOUND] when the loop waits on its data. The
+        first time, the dataset's load/decode is timed apart from its transforms (once per run: it
+        reads a few samples) and journaled, so the policies asked about IO_BOUND see the profile."""
         if self._skip_next:
             self._skip_next = False
             return []
-        return self.detector.on_step(timing, samples)
-
-    def state(self, journal: Journal, step: int, epoch: int, profile: bool = False) -> InputState:
-        """The pipeline now, for a snapshot. With `profile`, first time the dataset's load/decode
-        apart from its transforms (once per run: it reads a few samples)."""
-        if profile and self.profile is None:
+        events = self.detector.on_step(timing, samples)
+        if events and self.profile is None:
             self.profile = self._profile()
             journal.write("input_profile", step, epoch, load_ms=round(self.profile.load_seconds * 1e3, 3),
                           transform_ms=round(self.profile.transform_seconds * 1e3, 3),
                           load_share=round(self.profile.load_share, 3), samples=self.profile.samples,
                           cacheable=self.profile.cacheable, how=self.profile.how,
                           verdict=self._verdict(self.profile))
+        return events
+
+    def state(self) -> InputState:
+        """The pipeline now, for a snapshot (reads figures only)."""
         wait, rate, steps = self.detector.summary()
         return InputState(data_wait_fraction=wait, samples_per_second=rate, steps=steps, num_workers=self.num_workers,
                           cpu_cores=cpu_cores(), loader_owned=self.owned, cache_active=self.cache is not None,

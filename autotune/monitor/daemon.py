@@ -181,9 +181,9 @@ class Daemon:
 
 
 class PrometheusExport:
-    """Gauges in Prometheus base units, served over HTTP by prometheus-client."""
+    """Gauges in Prometheus base units, served over HTTP by prometheus-client once `serve` is called."""
 
-    def __init__(self, listen: tuple[str, int]):
+    def __init__(self) -> None:
         try:
             import prometheus_client as prom
         except ImportError:
@@ -197,8 +197,12 @@ class PrometheusExport:
         self.process = gauge("autotune_process_memory_bytes", "memory of a watched process", ("pid", "device"))
         self.success = gauge("autotune_last_collect_success", "1 if the last collection worked, else 0")
         self.stamp = gauge("autotune_last_collect_timestamp_seconds", "unix time of the last collection")
+        self._prom = prom
+
+    def serve(self, listen: tuple[str, int]) -> None:
+        """Start answering scrapes on `listen` (after the first collection: a scrape never sees empty gauges)."""
         try:
-            self.server, _thread = prom.start_http_server(listen[1], addr=listen[0], registry=self.registry)
+            self.server, _thread = self._prom.start_http_server(listen[1], addr=listen[0], registry=self.registry)
         except OSError as exc:
             raise UsageError(f"--prometheus {listen[0]}:{listen[1]}: cannot listen: {exc}") from None
 
@@ -247,7 +251,8 @@ def run_daemon(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"--out {args.out}: cannot write: {exc.strerror}") from None
         out = SampleLog(args.out, max_bytes=2**62)  # the user's file: no rotation
-    prometheus = PrometheusExport(parse_listen(args.prometheus)) if args.prometheus else None
+    listen = parse_listen(args.prometheus) if args.prometheus else None
+    prometheus = PrometheusExport() if listen else None
     nvml = session()
     devices = select_devices(nvml, args.device)
     view = None if args.no_view else sys.stdout
@@ -259,6 +264,8 @@ def run_daemon(args: argparse.Namespace) -> int:
 
     daemon = Daemon(devices, nvml, args.pid, out, view, prometheus)
     daemon.tick()
+    if prometheus is not None:
+        prometheus.serve(listen)
     if stop_requested.is_set():  # a signal came during start-up: stop after one sample
         print(f"stopped after {daemon.samples} samples")
         return 0

@@ -16,37 +16,19 @@ Parameters:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar
 
-from autotune.actions import Action, UseAutocast
-from autotune.events import Event
-from autotune.relief.trigger import NearCap
+from autotune.actions import UseAutocast
+from autotune.relief.trigger import NearCapRelief
 from autotune.snapshot import Snapshot
 
 
 @dataclasses.dataclass
-class AutocastNearCap:
+class AutocastNearCap(NearCapRelief):
     """Relief rung 1: bf16 (or fp16 + scaler) autocast when memory stays near the cap."""
 
     name: ClassVar[str] = "autocast_near_cap"
-    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM})
+    relief: ClassVar[str] = "autocast"
 
-    high: float = 0.9
-    persist_steps: int = 5
-    settle_steps: int = 20
-    floor_micro_batch: int = 1
-
-    def __post_init__(self) -> None:
-        self._trigger = NearCap(self.name, self.high, self.persist_steps, self.settle_steps, self.floor_micro_batch)
-
-    def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
-        if "autocast" in snap.reliefs:
-            return []
-        reason = self._trigger.due(event, snap)
-        return [UseAutocast(reason=reason)] if reason else []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"streak": self._trigger.streak}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._trigger.streak = state.get("streak", 0)
+    def make(self, reason: str, snap: Snapshot) -> UseAutocast:
+        return UseAutocast(reason=reason)

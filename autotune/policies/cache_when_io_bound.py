@@ -21,17 +21,18 @@ Parameters:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
 from autotune.actions import Action, CacheSamples
 from autotune.events import Event
+from autotune.policy import PolicyBase
 from autotune.snapshot import Snapshot
 from autotune.units import parse_bytes
 from autotune.validate import check_fraction, check_int
 
 
 @dataclasses.dataclass
-class CacheWhenIOBound:
+class CacheWhenIOBound(PolicyBase):
     """Cache decoded samples (before random transforms) when the loop is input-bound by decoding."""
 
     name: ClassVar[str] = "cache_when_io_bound"
@@ -63,9 +64,3 @@ class CacheWhenIOBound:
                              reason=f"{state.data_wait_fraction:.0%} of step time waiting for data; load/decode is "
                                     f"{profile.load_share:.0%} of a sample ({profile.load_seconds * 1e3:.2f} ms of "
                                     f"{(profile.load_seconds + profile.transform_seconds) * 1e3:.2f} ms)")]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass

@@ -16,37 +16,19 @@ Parameters:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar
 
-from autotune.actions import Action, CheckpointActivations
-from autotune.events import Event
-from autotune.relief.trigger import NearCap
+from autotune.actions import CheckpointActivations
+from autotune.relief.trigger import NearCapRelief
 from autotune.snapshot import Snapshot
 
 
 @dataclasses.dataclass
-class CheckpointNearCap:
+class CheckpointNearCap(NearCapRelief):
     """Relief rung 2: activation checkpointing of repeated blocks when memory stays near the cap."""
 
     name: ClassVar[str] = "checkpoint_near_cap"
-    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM})
+    relief: ClassVar[str] = "checkpointing"
 
-    high: float = 0.9
-    persist_steps: int = 5
-    settle_steps: int = 20
-    floor_micro_batch: int = 1
-
-    def __post_init__(self) -> None:
-        self._trigger = NearCap(self.name, self.high, self.persist_steps, self.settle_steps, self.floor_micro_batch)
-
-    def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
-        if "checkpointing" in snap.reliefs:
-            return []
-        reason = self._trigger.due(event, snap)
-        return [CheckpointActivations(reason=reason)] if reason else []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"streak": self._trigger.streak}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._trigger.streak = state.get("streak", 0)
+    def make(self, reason: str, snap: Snapshot) -> CheckpointActivations:
+        return CheckpointActivations(reason=reason)

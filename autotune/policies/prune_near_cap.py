@@ -9,7 +9,8 @@ Parameters, gradients, optimizer state and activations all shrink; the optimizer
 rebuilt with the state of the kept channels, the LR scheduler re-bound, and a checkpoint
 written before. Again on the next trigger, until `max_ratio` of the channels are gone.
 The pruning is first tried on a memory-free (meta) copy: if it would break the model (e.g.
-a residual stream that starts at the raw input), nothing is pruned and the ladder ends.
+a residual stream that starts at the raw input), or if pruning itself runs out of memory,
+the model is left as it was and this policy asks no more.
 Not `torch.nn.utils.prune`: its masks make a step need *more* memory.
 
 Parameters:
@@ -24,48 +25,38 @@ Parameters:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar
 
-from autotune.actions import Action, PruneChannels
-from autotune.events import Event
-from autotune.relief.trigger import NearCap
+from autotune.actions import PruneChannels
+from autotune.relief.trigger import NearCapRelief
 from autotune.snapshot import Snapshot
 from autotune.validate import check_fraction
 
 
 @dataclasses.dataclass
-class PruneNearCap:
+class PruneNearCap(NearCapRelief):
     """Relief rung 3: remove channels in bounded steps when memory stays near the cap."""
 
     name: ClassVar[str] = "prune_near_cap"
-    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM})
+    relief: ClassVar[str] = "pruning"
 
     step_ratio: float = 0.1
     max_ratio: float = 0.5
-    high: float = 0.9
-    persist_steps: int = 5
-    settle_steps: int = 20
-    floor_micro_batch: int = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_fraction(self.name, "step_ratio", self.step_ratio)
         check_fraction(self.name, "max_ratio", self.max_ratio)
         if self.step_ratio >= 1:
             raise ValueError(f"{self.name}: step_ratio must be below 1, got {self.step_ratio!r}")
-        self._trigger = NearCap(self.name, self.high, self.persist_steps, self.settle_steps, self.floor_micro_batch)
 
-    def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
-        done = 1 - (1 - self.step_ratio) ** snap.reliefs.count("pruning")  # channels removed so far
-        if done + 1e-9 >= self.max_ratio or "pruning_unsafe" in snap.reliefs:
-            return []
-        reason = self._trigger.due(event, snap)
-        if not reason:
-            return []
+    def _done(self, snap: Snapshot) -> float:
+        return 1 - (1 - self.step_ratio) ** snap.reliefs.count("pruning")  # channels removed so far
+
+    def wanted(self, snap: Snapshot) -> bool:
+        return self._done(snap) + 1e-9 < self.max_ratio  # again on the next trigger, up to max_ratio
+
+    def make(self, reason: str, snap: Snapshot) -> PruneChannels:
+        done = self._done(snap)
         ratio = min(self.step_ratio, 1 - (1 - self.max_ratio) / (1 - done))  # never past max_ratio in all
-        return [PruneChannels(ratio=round(ratio, 4), reason=f"{reason}; {done:.0%} of channels pruned so far")]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"streak": self._trigger.streak}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._trigger.streak = state.get("streak", 0)
+        return PruneChannels(ratio=round(ratio, 4), reason=f"{reason}; {done:.0%} of channels pruned so far")

@@ -24,12 +24,13 @@ from typing import Any, ClassVar, Sequence
 
 from autotune.actions import Action, SetLoaderWorkers
 from autotune.events import Event
+from autotune.policy import PolicyBase
 from autotune.snapshot import Snapshot
 from autotune.validate import check_int
 
 
 @dataclasses.dataclass
-class TuneWorkers:
+class TuneWorkers(PolicyBase):
     """Raise DataLoader workers while input-bound with idle cores; revert a change that did not help."""
 
     name: ClassVar[str] = "tune_workers"
@@ -80,6 +81,10 @@ class TuneWorkers:
         self.ceiling = trial["from"]
         return [SetLoaderWorkers(trial["from"], reason=f"{trial['to']} workers gave {after:.1f} samples/s vs "
                                                        f"{before:.1f} with {trial['from']}: going back")]
+
+    def suppressed(self, action: Action, why: str) -> None:
+        if isinstance(action, SetLoaderWorkers) and self.trial is not None and action.num_workers == self.trial["to"]:
+            self.trial = None  # the count never changed: there is nothing to judge, and it may try again
 
     def state_dict(self) -> dict[str, Any]:
         return {"ceiling": self.ceiling}

@@ -63,7 +63,7 @@ def test_duration_ends_it(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--device", "0"], "--device 0: no GPU found"),
+    (["--device", "99"], "--device 99: no "),  # "no GPU found" here, "no such GPU; found: ..." on a GPU host
     (["--interval", "0"], "--interval 0.0 is outside 0.05-10.0 s"),
     (["--interval", "fast"], "--interval 'fast' is not a number"),
     (["--out", "/proc/no/such.jsonl"], "--out /proc/no/such.jsonl: cannot write"),
@@ -119,6 +119,12 @@ def test_device_selection_by_index_and_uuid(monkeypatch):
         select_devices(nvml, "7")
 
 
+def test_a_device_asked_for_on_a_host_without_gpus_is_one_clear_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml.make([], library_missing=True))
+    with pytest.raises(UsageError, match="--device 0: no GPU found"):
+        select_devices(NVML(), "0")
+
+
 def test_gpu_readings_view_and_metrics(monkeypatch):
     nvml = gpus(monkeypatch)
     view = io.StringIO()
@@ -127,7 +133,8 @@ def test_gpu_readings_view_and_metrics(monkeypatch):
     readings = daemon.sample()
     assert [(r.uuid, r.used_bytes, r.processes) for r in readings] == [(A, 2**30, {4242: 3 * 2**30}), (B, 5 * 2**30, {4242: None})]
     assert "[0] Fake H200" in view.getvalue() and "pid 4242: 3.0 GiB" in view.getvalue()
-    export = PrometheusExport(("127.0.0.1", free_port()))
+    export = PrometheusExport()
+    export.serve(("127.0.0.1", free_port()))
     try:
         export.update(readings)
         assert export.registry.get_sample_value("autotune_gpu_memory_used_bytes", {"uuid": B, "index": "1"}) == 5 * 2**30

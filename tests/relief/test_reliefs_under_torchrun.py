@@ -56,7 +56,7 @@ result = trainer.fit(epochs=2)
 torch.save(trainer.model.state_dict(), os.path.join(run_dir, f"rank{rank}.pt"))
 with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"reliefs": trainer.reliefs, "samples": result.samples_seen, "loss": result.loss,
-               "autocast": trainer._autocast is not None}, f)
+               "autocast": trainer.core.autocast is not None}, f)
 '''
 
 

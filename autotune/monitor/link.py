@@ -1,0 +1,86 @@
+"""The trainer's side of the monitor: start and stop the process, read its newest sample
+between steps, keep it alive, and turn samples and allocator figures into events.
+
+Owns the monitor process, the recent-sample window and the memory detector. Touches no
+training state; what it sees goes out as events (MEMORY_HIGH, MEMORY_PRESSURE) and samples.
+Imports torch (through autotune.memory): the monitor process itself (process.py) does not.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from autotune.detectors import MemoryDetector
+from autotune.events import Event
+from autotune.journal import Journal
+from autotune.memory import cuda_uuid, device_sample
+from autotune.monitor.process import MonitorProcess
+from autotune.snapshot import AllocatorStats, DeviceSample
+
+
+class MonitorLink:
+    """The monitor process of one trainer (none on ranks other than 0, or with `enabled=False`)."""
+
+    def __init__(self, run_dir: Path, device: torch.device, *, enabled: bool, interval: float,
+                 cap_bytes: int | None, journal: Journal):
+        self.run_dir, self.device = run_dir, device
+        self.enabled, self.interval, self.cap_bytes = enabled, interval, cap_bytes
+        self.journal = journal
+        self.process: MonitorProcess | None = None
+        self.detector = MemoryDetector()
+        self.window: collections.deque[DeviceSample] = collections.deque(maxlen=20)
+
+    def start(self, step: int, epoch: int) -> None:
+        if not self.enabled or self.process is not None:
+            return
+        self.process = MonitorProcess(self.run_dir, interval=self.interval, gpu_uuid=cuda_uuid(self.device),
+                                      cap_bytes=self.cap_bytes)
+        self.process.start()
+        self.journal.write("monitor_start", step, epoch, pid=self.process.pid, interval=self.interval)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    def watch(self, allocator: AllocatorStats | None, step: int, epoch: int) -> list[Event]:
+        """Between steps: take the monitor's newest sample (microseconds, never blocks), keep the
+        monitor alive, and return what the detectors see."""
+        events = []
+        if self.process is not None:
+            got = self.process.latest()
+            if got is not None:
+                sample = got[0]
+                if sample.used_bytes is None and self.device.type == "cuda":
+                    # NVML not available here: CUDA's own figure, read in-process, stands in.
+                    sample = device_sample(self.device, self.cap_bytes)
+                self.window.append(sample)
+                events += self.detector.on_sample(sample)
+            elif not self.process.alive():
+                self._died(step, epoch)
+        events += self.detector.on_step(allocator, self.window[-1] if self.window else None)
+        return events
+
+    def _died(self, step: int, epoch: int) -> None:
+        # Training goes on without it; the journal and the log say so.
+        code = self.process.returncode
+        restarted = self.process.restart()
+        self.journal.write("monitor_restart" if restarted else "monitor_gave_up", step, epoch,
+                           returncode=code, restarts=self.process.restarts, pid=self.process.pid)
+        if restarted:
+            logger.warning(f"the monitor process exited (code {code}); restarted it ({self.process.restarts}/"
+                           f"{self.process.max_restarts})")
+        else:
+            logger.error(f"the monitor process exited (code {code}) and its restarts are spent; training "
+                         "goes on without memory samples")
+            self.stop()
+
+    def latest(self, fresh: bool = False) -> DeviceSample:
+        """The newest sample; read in-process where the moment matters (an OOM) or when no monitor runs."""
+        if fresh or not self.window:
+            return device_sample(self.device, self.cap_bytes)
+        return self.window[-1]

@@ -1,0 +1,26 @@
+"""Where a run is: the counters every part reads and a checkpoint saves."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class Progress:
+    """The run's counters. The step core advances `step` and `samples_seen` (when an optimizer
+    step completes); the trainer advances the rest."""
+
+    step: int = 0  # optimizer steps, across fit() calls
+    epoch: int = 0  # epochs completed
+    position: int = 0  # samples of the current epoch already trained (where a resume restarts)
+    batches_done: int = 0  # batches of the current epoch already trained
+    samples_seen: int = 0  # each sample counted once per epoch, when its optimizer step completed
+    ooms: int = 0  # out-of-memory errors survived
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, state[field.name])

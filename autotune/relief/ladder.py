@@ -1,0 +1,220 @@
+"""Carrying out memory reliefs between attempts, replaying them on resume, watching their effect.
+
+A relief changes the model or the kernels it runs: bf16 autocast, activation checkpointing,
+structured pruning. Policies ask for one (`knobs.relief`); the trainer hands it here at a
+safe point (between attempts: after BATCH_END, or after an OOM at the smallest micro-batch).
+
+Owns: the reliefs applied so far and their order, the model's captured example inputs (for
+tracing it when pruning), the pruning history (to prune a fresh model the same way on
+resume), the effect watch. May touch: the model's structure and forward, the step core's
+precision, optimizer and scheduler (pruning rebuilds them), the DDP wrapper (re-wrapped).
+
+A relief that itself runs out of memory (Torch-Pruning's importance estimate allocates, say)
+leaves the model as it was: pruning replaces parameters and edits layer attributes, so the
+ladder keeps a structural record of every module before it prunes (references to the same
+tensors, no copies) and puts it back if anything fails. It is journaled as `relief_failed`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from loguru import logger
+from torch import nn
+
+from autotune.actions import RELIEF_NAMES, PruneChannels, Relief
+from autotune.batching import map_tensors
+from autotune.distributed import Ranks, Solo
+from autotune.journal import Journal
+from autotune.memory import free_memory
+from autotune.oom import is_oom, oom_message
+from autotune.relief.checkpointing import checkpoint_blocks
+from autotune.relief.pruning import (UnsafePruning, adopt_unrecorded, prune_channels, rebind_scheduler,
+                                     rebuild_optimizer, replay_pruning)
+from autotune.step import StepCore, to_device
+
+
+class ReliefFailed(Exception):
+    """A relief could not be carried out; the model is as it was before it was tried."""
+
+
+class _InputCatcher:
+    """A forward pre-hook keeping the model's first inputs (two samples, copied: a view would
+    keep the whole batch alive), for tracing the model if it is ever pruned. Copies of the
+    model (Torch-Pruning's, the meta dry run) share it rather than copy what holds it."""
+
+    def __init__(self) -> None:
+        self.example: tuple[tuple, dict] | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.example is None and not _on_meta(args):
+            self.example = (_first_rows_copied(args), _first_rows_copied(kwargs))
+
+    def __deepcopy__(self, memo: dict) -> "_InputCatcher":
+        return self
+
+
+def _first_rows_copied(obj: Any, rows: int = 2) -> Any:
+    return map_tensors(lambda t: (t[:rows] if t.dim() else t).detach().clone(), obj)
+
+
+def _on_meta(obj: Any) -> bool:
+    found: list[bool] = []
+    map_tensors(lambda t: found.append(t.device.type == "meta"), obj)
+    return any(found)
+
+
+def _call_with(model: nn.Module, example: tuple[tuple, dict]) -> Any:
+    args, kwargs = example
+    return model(*args, **kwargs)
+
+
+def _structure(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict, dict]]:
+    """Every module's attributes, parameters and buffers as they are now: references, no copies."""
+    return [(m, {k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")},
+             dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+
+
+def _put_back(structure: list[tuple[nn.Module, dict[str, Any], dict, dict]]) -> None:
+    for module, attributes, parameters, buffers in structure:
+        for key in [k for k in vars(module) if k not in ("_parameters", "_buffers", "_modules")]:
+            if key not in attributes:
+                delattr(module, key)
+        vars(module).update(attributes)
+        module._parameters.clear()
+        module._parameters.update(parameters)
+        module._buffers.clear()
+        module._buffers.update(buffers)
+
+
+class ReliefLadder:
+    """The reliefs of one trainer's model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, core: StepCore, ranks: Solo | Ranks, journal: Journal):
+        self.model, self.core, self.ranks, self.journal = model, core, ranks, journal
+        self.applied: list[str] = []  # "autocast", "checkpointing", "pruning", in order
+        self.last_step: int | None = None  # the step the last relief was applied at
+        self.pruned_fraction = 0.0  # share of the model's parameters removed so far
+        # Under torchrun: rank 0's relief, agreed by every rank, carried out at the next safe point.
+        self.agreed: Relief | None = None
+        self._inputs = _InputCatcher()
+        model.register_forward_pre_hook(self._inputs, with_kwargs=True)
+        self._watch: dict[str, Any] | None = None
+        self._history: list[dict[str, Any]] = []  # each prune: the traced example and Torch-Pruning's history
+
+    def take_agreed(self) -> Relief | None:
+        """The agreed relief, now taken to carry out (or dropped)."""
+        relief, self.agreed = self.agreed, None
+        return relief
+
+    def apply(self, action: Relief | None, step: int, epoch: int, demand: float | None, *,
+              checkpoint: Callable[[str], Any]) -> bool:
+        """Carry out `action` now (between attempts); True if it was applied. `checkpoint(reason)`
+        writes one (before pruning). A relief that fails (it would break the model, or it ran out
+        of memory itself) leaves the model as it was, is journaled as `relief_failed` and raises
+        `ReliefFailed`."""
+        if action is None:
+            return False
+        kind = RELIEF_NAMES[type(action)]
+        why = None
+        try:
+            details = self._carry_out(action, checkpoint)
+        except UnsafePruning as exc:
+            why = str(exc)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            why = f"out of memory while applying it: {oom_message(exc)}"
+        if why is not None:  # outside `except`: what the failed try allocated can be freed now
+            free_memory(self.core.device)
+            self.journal.write("relief_failed", step, epoch, relief=kind, reason=why)
+            logger.warning(f"memory relief {kind} not applied: {why}")
+            raise ReliefFailed(f"{kind}: {why}")
+        self.applied.append(kind)
+        self.last_step = step
+        self._watch = {"relief": kind, "from_step": step, "demands": []}
+        self.journal.write("relief", step, epoch, relief=kind, demand_before=demand, **details)
+        logger.warning(f"memory relief: {kind} ({action.reason})")
+        free_memory(self.core.device)
+        return True
+
+    def _carry_out(self, action: Relief, checkpoint: Callable[[str], Any]) -> dict[str, Any]:
+        if isinstance(action, PruneChannels):
+            return self._prune(action.ratio, checkpoint)
+        if RELIEF_NAMES[type(action)] == "autocast":
+            plan = self.core.enable_autocast()
+            if plan is None:
+                return {"note": f"no autocast on {self.core.device.type}"}
+            return {"dtype": str(plan.dtype).replace("torch.", ""), "grad_scaler": plan.needs_scaler}
+        return {"blocks": checkpoint_blocks(self.model)}
+
+    def _prune(self, ratio: float, checkpoint: Callable[[str], Any]) -> dict[str, Any]:
+        if self._inputs.example is None:
+            raise UnsafePruning("the model has not run yet: there is no input to trace it with")
+        checkpoint("before_pruning")  # the unpruned model can be restored from here
+        structure = _structure(self.model)
+        try:
+            # Traced with the model's own captured inputs, called as the training step called it.
+            example = to_device(self._inputs.example, self.core.device)
+            result = prune_channels(self.model, example, ratio, forward_fn=_call_with)
+            optimizer = rebuild_optimizer(self.core.optimizer, result)
+        except BaseException:
+            _put_back(structure)  # half-pruned layers back to what they were; the optimizer was not touched
+            raise
+        del structure
+        self._history.append({"example": map_tensors(torch.clone, example), "history": result.history})
+        self.core.optimizer = optimizer
+        adopted = adopt_unrecorded(optimizer, self.model)
+        if adopted:
+            logger.warning(f"{adopted} pruned parameter(s) start with fresh optimizer state (not carried over)")
+        rebind_scheduler(self.core.scheduler, optimizer)
+        self.ranks.wrap(self.model, self.core.device)  # new parameters: a new DDP wrapper and gradient buffer
+        self.pruned_fraction = 1 - (1 - self.pruned_fraction) * (1 - result.removed_fraction)
+        return {"channel_ratio": ratio, "parameters_before": result.parameters_before,
+                "parameters_after": result.parameters_after, "kept_whole": result.ignored,
+                "parameters_removed_in_all": round(self.pruned_fraction, 4)}
+
+    def effect(self, demand: float | None, step: int, epoch: int) -> None:
+        """A few steps after a relief, journal what the steps demand now."""
+        watch = self._watch
+        if watch is None or demand is None:
+            return
+        watch["demands"].append(demand)
+        if len(watch["demands"]) >= 3:
+            self.journal.write("relief_effect", step, epoch, relief=watch["relief"],
+                               applied_at_step=watch["from_step"], demand_after=max(watch["demands"]))
+            self._watch = None
+
+    # ------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"applied": list(self.applied), "pruning": self._history, "pruned_fraction": self.pruned_fraction,
+                "grad_scaler": self.core.scaler.state_dict() if self.core.scaler is not None else None}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Make this (fresh) trainer's model and forward what they were when the checkpoint was
+        written: the reliefs again, in order, and a pruned model pruned the same way."""
+        applied = [kind for kind in saved.get("applied", []) if kind != "pruning_unsafe"]  # written before 0.2
+        if self.applied == applied:
+            return  # this trainer is in that state already (resumed in the same process)
+        if self.applied:
+            raise ValueError(f"this trainer's model already has the reliefs {self.applied}, the checkpoint "
+                             f"{applied}: resume into a fresh trainer built like the original one")
+        prunes = iter(saved.get("pruning", []))
+        for kind in applied:
+            if kind == "autocast":
+                self.core.enable_autocast()
+            elif kind == "checkpointing":
+                checkpoint_blocks(self.model)
+            elif kind == "pruning":
+                entry = next(prunes)
+                example = to_device(entry["example"], self.core.device)
+                result = replay_pruning(self.model, example, entry["history"], forward_fn=_call_with)
+                self.ranks.wrap(self.model, self.core.device)
+                self.core.optimizer = rebuild_optimizer(self.core.optimizer, result)  # its state is loaded after
+                rebind_scheduler(self.core.scheduler, self.core.optimizer)
+                self._history.append(entry)
+            self.applied.append(kind)
+        self.pruned_fraction = saved.get("pruned_fraction", 0.0)
+        if self.core.scaler is not None and saved.get("grad_scaler"):
+            self.core.scaler.load_state_dict(saved["grad_scaler"])  # fp16: the loss scale it had reached
