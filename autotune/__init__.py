@@ -26,7 +26,7 @@ _EXPORTS = {
     "CacheSamples": "autotune.actions", "SetLoaderWorkers": "autotune.actions",
     "Event": "autotune.events",
     "OutOfMemory": "autotune.oom", "is_oom": "autotune.oom",
-    "Policy": "autotune.policy",
+    "Policy": "autotune.policy", "PolicyBase": "autotune.policy",
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
     "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
     "AutoTrainer": "autotune.trainer", "FitResult": "autotune.trainer",
@@ -45,6 +45,6 @@ if TYPE_CHECKING:
     from autotune.actions import Action, CacheSamples, EmptyCache, SetLoaderWorkers, SetMicroBatch
     from autotune.events import Event
     from autotune.oom import OutOfMemory, is_oom
-    from autotune.policy import Policy
+    from autotune.policy import Policy, PolicyBase
     from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
     from autotune.trainer import AutoTrainer, FitResult

@@ -12,6 +12,7 @@ import enum
 import os
 import random
 import re
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +20,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from loguru import logger
+
+from autotune.preemption import Preempted
 
 _NAME = re.compile(r"^step-(\d{9,})\.pt$")
 
@@ -165,9 +168,28 @@ class Checkpointer:
                            **journal_fields)
         return path
 
-    def load_latest(self, map_location: str | torch.device) -> tuple[dict[str, Any], Path] | None:
-        """The newest checkpoint that loads, or None."""
-        return self.store.load_latest(map_location=map_location)
+    def resume(self, load: Callable[[dict[str, Any]], None], progress: Any, device: torch.device) -> None:
+        """`load` the newest checkpoint that loads; none: say so, and the run starts fresh."""
+        found = self.store.load_latest(map_location=device)
+        if found is None:
+            logger.info(f"no checkpoint in {self.folder}: starting fresh")
+            self.journal.write("resume", progress.step, progress.epoch, found=False)
+            return
+        state, path = found
+        load(state)
+        logger.info(f"resumed from {path}: step {progress.step}, epoch {progress.epoch}, {progress.position} "
+                    "samples into it")
+        self.journal.write("resume", progress.step, progress.epoch, found=True, path=str(path),
+                           position=progress.position, samples_seen=progress.samples_seen)
+
+    def preempted(self, signum: int, path: Path | None, progress: Any) -> Preempted:
+        """The error that ends a run stopped by a signal, after its checkpoint (`path`) was written."""
+        name = signal.Signals(signum).name
+        message = (f"stopped by {name} at step {progress.step} (epoch {progress.epoch}, {progress.position} samples "
+                   f"into it); checkpoint {path}; continue with fit(..., resume=True)")
+        self.journal.write("preempted", progress.step, progress.epoch, signal=name, checkpoint=str(path))
+        logger.warning(message)
+        return Preempted(signum, message)
 
     @property
     def folder(self) -> Path:

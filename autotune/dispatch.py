@@ -2,7 +2,8 @@
 
 Every decision goes to the journal as an `action` line, applied or suppressed, with the
 policy's reason and what applying it did. A policy learns of its own suppressed actions
-(`suppressed`), and of a relief it asked for that could not be carried out (`failed`).
+(`action_suppressed`), and of a relief it asked for that could not be carried out
+(`relief_failed`).
 Conflicts are resolved in knobs.py, next to the code that applies actions.
 """
 
@@ -30,10 +31,10 @@ class Dispatcher:
         self.journal = journal
         self._relief_asked: tuple[Action, Policy] | None = None  # the relief to carry out, and who asked
 
-    def failed(self, action: Action, why: str) -> None:
+    def relief_failed(self, action: Action, why: str) -> None:
         """A relief that was applied to the knobs could not be carried out: tell the policy that asked."""
         if self._relief_asked is not None and self._relief_asked[0] is action:
-            _tell(self._relief_asked[1], "failed", action, why)
+            _tell(self._relief_asked[1], "relief_failed", action, why)
             self._relief_asked = None
 
     def fire(self, event: Event, snap: Snapshot) -> list[Action]:
@@ -63,7 +64,7 @@ class Dispatcher:
                     self._relief_asked = (action, policy)
                 logger.info(f"{policy.name}: {action.reason} ({note})")
             else:
-                _tell(policy, "suppressed", action, note)
+                _tell(policy, "action_suppressed", action, note)
             self.journal.write("action", snap.step, snap.epoch, event=event.value, policy=policy.name,
                                action=action_kind(action), params=action_params(action),
                                reason=action.reason, applied=is_applied, note=note)

@@ -1,25 +1,8 @@
-"""The events the training loop emits, and where each one fires.
+"""The events the training loop emits. A policy subscribes to some of them and is asked to
+decide when one fires.
 
-A policy subscribes to some of these and is asked to decide when one fires::
-
-    fit():                                          FIT_START
-      for epoch:                                    EPOCH_START
-        for batch in loader:                        (time blocked in next() = data wait)
-          while True:                               # retry the same batch until it fits
-            try:
-              for micro in split(batch, micro_batch_size):
-                loss = step(model, micro) * len(micro) / len(batch)
-                loss.backward()
-              optimizer.step(); zero_grad()
-              break
-            except OOM: note it (no reference to the exception is kept)
-            clean up outside `except`: zero_grad(set_to_none), gc, empty_cache
-                                                    OOM  -> e.g. SetMicroBatch(n // 2)
-            at the smallest micro-batch and still OOM: raise autotune.OutOfMemory
-                                                    BATCH_END (timing, memory, retries)
-          monitor samples -> detectors              MEMORY_HIGH | MEMORY_PRESSURE | IO_BOUND
-                                                    EPOCH_END
-                                                    FIT_END
+Where each one fires is drawn once, as the loop itself, in the docstring of
+`autotune/trainer.py` (one copy, so the picture and the loop cannot drift apart).
 """
 
 from __future__ import annotations
@@ -28,7 +11,7 @@ import enum
 
 
 class Event(str, enum.Enum):
-    """A point in the training loop where policies are consulted (see the module docstring)."""
+    """A point in the training loop where policies are consulted (see autotune/trainer.py)."""
 
     FIT_START = "fit_start"
     EPOCH_START = "epoch_start"

@@ -105,6 +105,7 @@ def allocator_stats(device: torch.device, reset_peak: bool = True) -> AllocatorS
         allocated_bytes=stats.get("allocated_bytes.all.current", 0),
         reserved_bytes=stats.get("reserved_bytes.all.current", 0),
         peak_bytes=stats.get("allocated_bytes.all.peak", 0),
+        reserved_peak_bytes=stats.get("reserved_bytes.all.peak", 0),
         num_alloc_retries=stats.get("num_alloc_retries", 0),
         num_ooms=stats.get("num_ooms", 0),
         inactive_split_bytes=stats.get("inactive_split_bytes.all.current", 0),
@@ -171,3 +172,58 @@ def _status_bytes(field: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+class StepDemand:
+    """What a step demands: its peak memory less what was in use when the room was measured,
+    over the room the cap left then (weights, libraries and the cap as they were). Near 1: the
+    step barely fits. None where the step peak cannot be measured."""
+
+    def __init__(self, device: torch.device, cap_bytes: int | None):
+        self.device, self.cap_bytes = device, cap_bytes
+        self.peak = StepPeak(device)
+        self.room: tuple[int, int] | None = None  # (memory in use, room left under the cap)
+        self.last: float | None = None  # the last step's demand
+
+    def measure_room(self) -> None:
+        """Measure the room now: at the start of a fit, and after a relief changed what stays resident."""
+        sample = device_sample(self.device, self.cap_bytes)
+        in_use = self.peak.current()
+        if sample.cap_bytes is None or sample.used_bytes is None or in_use is None:
+            self.room = None
+        else:
+            self.room = (in_use, sample.cap_bytes - sample.used_bytes)
+
+    def start(self) -> None:
+        self.peak.start()
+
+    def finish(self) -> float | None:
+        """The demand of the step since `start` (also kept as `last`)."""
+        peak = self.peak.peak()
+        if peak is None or self.room is None or self.room[1] <= 0:
+            self.last = None
+        else:
+            self.last = max(0, peak - self.room[0]) / self.room[1]
+        return self.last
+
+
+def memory_text(device: torch.device, cap_bytes: int | None) -> str:
+    """Memory in use (and free under the cap) for a progress bar."""
+    sample = device_sample(device, cap_bytes)
+    if sample.cap_bytes and sample.used_bytes is not None:
+        return f"{format_bytes(sample.used_bytes)} ({format_bytes(sample.cap_bytes - sample.used_bytes)} free)"
+    return format_bytes(sample.used_bytes)
+
+
+def warm_up_oom_path(device: torch.device, cap_bytes: int | None) -> None:
+    """Under a hard memory cap anything may fail to allocate, including a lazy import or a
+    first-time library lookup. Run the OOM path's helpers once, while there is memory, so the
+    path itself needs next to nothing later."""
+    from autotune.oom import is_oom, maybe_not_memory, oom_message
+
+    warm_up = RuntimeError("warm-up")
+    is_oom(warm_up), maybe_not_memory(warm_up), oom_message(warm_up)
+    load_libc()
+    load_mkl()
+    describe_memory(device)
+    memory_text(device, cap_bytes)

@@ -22,6 +22,7 @@ OOM_MESSAGES: tuple[str, ...] = (
     "cublas_status_alloc_failed",
     "defaultcpuallocator: can't allocate memory",  # CPU allocator under RLIMIT_AS / cgroup
     "posix_memalign failed",  # CPU allocator, another code path
+    "std::bad_alloc",  # a C++ allocation that failed, passed on as a RuntimeError (or MemoryError)
     "could not create a primitive",  # oneDNN (mkldnn) convolution under memory pressure
     "hip out of memory",  # ROCm
     "mps backend out of memory",  # Apple

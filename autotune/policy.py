@@ -16,9 +16,9 @@ Writing one takes a dataclass (its fields are the parameters a TOML preset may s
             return [EmptyCache(reason="epoch end")]
 
 `PolicyBase` gives a policy with no state to keep the checkpoint methods (no-ops) and the
-two notices a policy may want (no-ops too): `suppressed(action, why)`, when an action it
-asked for was not applied this time (another policy's won, or it changed nothing), and
-`failed(action, why)`, when a relief it asked for could not be carried out (it would break
+two notices a policy may want (no-ops too): `action_suppressed(action, why)`, when an
+action it asked for was not applied this time (another policy's won, or it changed nothing),
+and `relief_failed(action, why)`, when a relief it asked for could not be carried out (it would break
 the model, or it ran out of memory itself): asking again would fail the same way.
 
 Install it as a plug-in through the entry-point group `autotune.policies`, or name it
@@ -64,8 +64,8 @@ class PolicyBase:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
-    def suppressed(self, action: Action, why: str) -> None:
+    def action_suppressed(self, action: Action, why: str) -> None:
         """An action this policy asked for was not applied this time."""
 
-    def failed(self, action: Action, why: str) -> None:
+    def relief_failed(self, action: Action, why: str) -> None:
         """A relief this policy asked for was applied but could not be carried out."""

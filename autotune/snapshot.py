@@ -39,6 +39,7 @@ class AllocatorStats:
     allocated_bytes: int = 0
     reserved_bytes: int = 0
     peak_bytes: int = 0  # highest allocated during the step; reset every step
+    reserved_peak_bytes: int = 0  # highest reserved during the step (what the cap binds); reset every step
     num_alloc_retries: int = 0
     num_ooms: int = 0
     inactive_split_bytes: int = 0

@@ -63,18 +63,17 @@ from autotune.distributed import Agreement, from_environment
 from autotune.events import Event
 from autotune.journal import RunLog
 from autotune.knobs import Knobs
-from autotune.memory import StepPeak, allocator_stats, describe_memory, device_sample, free_memory, load_libc, load_mkl
+from autotune.memory import StepDemand, allocator_stats, describe_memory, free_memory, memory_text, warm_up_oom_path
 from autotune.monitor.link import MonitorLink
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL
-from autotune.oom import OutOfMemory, is_oom, maybe_not_memory, oom_message
+from autotune.oom import OutOfMemory
 from autotune.policy import Policy
-from autotune.preemption import Preempted, StopRequests
+from autotune.preemption import StopRequests
 from autotune.presets import resolve_policies
 from autotune.progress import Progress
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
 from autotune.snapshot import Snapshot, StepTiming
 from autotune.step import Attempt, LossFn, StepCore, StepFn
-from autotune.units import format_bytes
 from autotune.validate import check_int
 
 
@@ -221,9 +220,7 @@ class AutoTrainer:
         self.monitor_link = MonitorLink(self.run_dir, self.device, enabled=monitor and self.is_main,
                                         interval=monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
                                         journal=self.journal)
-        self._peak = StepPeak(self.device)
-        self._room: tuple[int, int] | None = None  # (memory in use, room under the cap) when the fit started
-        self._step_demand: float | None = None
+        self.demand = StepDemand(self.device, self.knobs.memory_cap_bytes)
         self._last_good_micro: int | None = None
         self._allocator = None
         self._agreed: Agreement | None = None  # the last attempt's agreement: stop, checkpoint due
@@ -249,9 +246,10 @@ class AutoTrainer:
         check_int("", "epochs", epochs, 1)
         check_int("", "max_steps", max_steps, 1, optional=True)
         if resume:
-            self._resume()
-        self._warm_up_oom_path()
-        self._room = self._measure_room()
+            self.checkpointer.resume(self.load_state_dict, self.progress, self.device)
+        warm_up_oom_path(self.device, self.knobs.memory_cap_bytes)
+        self.core.zero_grad()
+        self.demand.measure_room()
         started = time.perf_counter()
         self.checkpointer.restart_clock(self.step)
         self.journal.write("fit_start", self.step, self.epoch, device=str(self.device),
@@ -314,22 +312,22 @@ class AutoTrainer:
                 break
             step_start = time.perf_counter()
             n = batch_len(batch)
-            self._peak.start()
+            self.demand.start()
             retries, batch_loss = self._train_batch(batch, n)
             self._last_good_micro = self.knobs.micro_batch_size
-            self._step_demand = self._demand()
+            self.demand.finish()
             step_end = time.perf_counter()
             loss_sum += batch_loss
             loss_samples += n
             self.progress.position += n
             self.progress.batches_done += 1
-            # One memory_stats() call a step (CUDA); its peak was reset by self._peak.start().
+            # One memory_stats() call a step (CUDA); its peak was reset by self.demand.start().
             self._allocator = allocator_stats(self.device, reset_peak=False)
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
                                 retries=retries)
             self._log_step(timing, n, batch_loss)
             self._fire(Event.BATCH_END, timing=timing)
-            self.ladder.effect(self._step_demand, self.step, self.epoch)
+            self.ladder.effect(self.demand.last, self.step, self.epoch)
             self._carry_out(self.ranks.relief_now(self.knobs, self.ladder.take_agreed()))
             for event in self.monitor_link.watch(self._allocator, self.step, self.epoch):
                 self._fire(event, force=True)
@@ -339,9 +337,12 @@ class AutoTrainer:
                 del batches  # its workers exit before the new loader's start
                 batches = self._rebuild_loader()
             self.log.show(step_end, loss=lambda: f"{loss_sum.item() / max(loss_samples, 1):.4f}",
-                          micro=self.knobs.micro_batch_size, mem=self._memory_text)
+                          micro=self.knobs.micro_batch_size,
+                          mem=lambda: memory_text(self.device, self.knobs.memory_cap_bytes))
             if self._agreed.stop_signal:  # agreed by all ranks under torchrun
-                self._preempt(self._agreed.stop_signal)
+                signum = self._agreed.stop_signal
+                raise self.checkpointer.preempted(signum, self._checkpoint(f"signal {signal.Signals(signum).name}"),
+                                                  self.progress)
             if self._agreed.checkpoint_due:
                 self._checkpoint("every" if self._agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
             if max_steps is not None and self.step >= max_steps:
@@ -445,14 +446,14 @@ class AutoTrainer:
 
     def _carry_out(self, relief: Relief | None) -> bool:
         try:
-            applied = self.ladder.apply(relief, self.step, self.epoch, self._step_demand, checkpoint=self._checkpoint)
+            applied = self.ladder.apply(relief, self.step, self.epoch, self.demand.last, checkpoint=self._checkpoint)
         except ReliefFailed as exc:
-            self.dispatcher.failed(relief, str(exc))  # the policy that asked learns not to ask again
+            self.dispatcher.relief_failed(relief, str(exc))  # the policy that asked learns not to ask again
             return False
         if applied:
             # What stays resident changed (pruning shrinks weights and optimizer state): demand
             # is measured from here on against the room there is now.
-            self._room = self._measure_room()
+            self.demand.measure_room()
         return applied
 
     # ----------------------------------------------------------------------------- helpers
@@ -465,7 +466,7 @@ class AutoTrainer:
             step=self.step, epoch=self.epoch, batch_size=self.knobs.batch_size,
             micro_batch_size=self.knobs.micro_batch_size, device=str(self.device),
             keep_effective_batch=self.keep_effective_batch, failed_micro_batch=failed_micro_batch,
-            last_good_micro_batch=self._last_good_micro, step_demand=self._step_demand, ooms=self.ooms,
+            last_good_micro_batch=self._last_good_micro, step_demand=self.demand.last, ooms=self.ooms,
             sample=self.monitor_link.latest(fresh=event is Event.OOM), window=tuple(self.monitor_link.window),
             allocator=self._allocator, timing=timing, input=self.input.state(), reliefs=tuple(self.ladder.applied),
             last_relief_step=self.ladder.last_step, pruned_fraction=self.ladder.pruned_fraction))
@@ -474,7 +475,7 @@ class AutoTrainer:
         allocator = self._allocator
         self.log.step(self.step, self.epoch, samples=samples, samples_seen=self.samples_seen,
                       micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
-                      data_wait_fraction=timing.data_wait_fraction, demand=self._step_demand,
+                      data_wait_fraction=timing.data_wait_fraction, demand=self.demand.last,
                       allocated_bytes=allocator.allocated_bytes if allocator else None,
                       reserved_bytes=allocator.reserved_bytes if allocator else None,
                       batch_loss=batch_loss, sample=self.monitor_link.latest)
@@ -484,39 +485,6 @@ class AutoTrainer:
         host_cap = self.knobs.memory_cap_bytes if self.device.type == "cpu" else None
         return self.input.rebuild(self.knobs.num_workers, self.knobs.sample_cache, self.journal, self.step,
                                   self.epoch, self.position, host_cap_bytes=host_cap)
-
-    def _warm_up_oom_path(self) -> None:
-        # Under a hard memory cap anything may fail to allocate, including a lazy import
-        # or a first-time library lookup. Run the OOM path's helpers once now, while
-        # there is memory, so the path itself needs next to nothing later.
-        warm_up = RuntimeError("warm-up")
-        is_oom(warm_up), maybe_not_memory(warm_up), oom_message(warm_up)
-        load_libc()
-        load_mkl()
-        describe_memory(self.device)
-        self._memory_text()
-        self.core.zero_grad()
-
-    def _measure_room(self) -> tuple[int, int] | None:
-        """(memory in use, room left under the cap) now: weights, libraries and the cap. A
-        step's demand is measured against it."""
-        sample = device_sample(self.device, self.knobs.memory_cap_bytes)
-        in_use = self._peak.current()
-        if sample.cap_bytes is None or sample.used_bytes is None or in_use is None:
-            return None
-        return in_use, sample.cap_bytes - sample.used_bytes
-
-    def _demand(self) -> float | None:
-        peak = self._peak.peak()
-        if peak is None or self._room is None or self._room[1] <= 0:
-            return None
-        return max(0, peak - self._room[0]) / self._room[1]
-
-    def _memory_text(self) -> str:
-        sample = device_sample(self.device, self.knobs.memory_cap_bytes)
-        if sample.cap_bytes and sample.used_bytes is not None:
-            return f"{format_bytes(sample.used_bytes)} ({format_bytes(sample.cap_bytes - sample.used_bytes)} free)"
-        return format_bytes(sample.used_bytes)
 
     def _planned_batches(self, epochs: int, max_steps: int | None) -> int | None:
         try:
@@ -565,24 +533,3 @@ class AutoTrainer:
                                           position=self.position, samples_seen=self.samples_seen)
         except RankFailed as exc:  # another rank's optimizer step ran out of memory
             self._give_up_on_the_step(str(exc))
-
-    def _resume(self) -> None:
-        found = self.checkpointer.load_latest(map_location=self.device)
-        if found is None:
-            logger.info(f"no checkpoint in {self.checkpointer.folder}: starting fresh")
-            self.journal.write("resume", self.step, self.epoch, found=False)
-            return
-        state, path = found
-        self.load_state_dict(state)
-        logger.info(f"resumed from {path}: step {self.step}, epoch {self.epoch}, {self.position} samples into it")
-        self.journal.write("resume", self.step, self.epoch, found=True, path=str(path), position=self.position,
-                           samples_seen=self.samples_seen)
-
-    def _preempt(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        path = self._checkpoint(f"signal {name}")
-        message = (f"stopped by {name} at step {self.step} (epoch {self.epoch}, {self.position} samples into it); "
-                   f"checkpoint {path}; continue with fit(..., resume=True)")
-        self.journal.write("preempted", self.step, self.epoch, signal=name, checkpoint=str(path))
-        logger.warning(message)
-        raise Preempted(signum, message)

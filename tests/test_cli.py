@@ -1,4 +1,5 @@
 import importlib.util
+import pytest
 import subprocess
 import sys
 
@@ -29,6 +30,7 @@ def test_a_bad_preset_is_one_clear_line_not_a_traceback(tmp_path):
     assert f"{path}:3: policy #1 (halve_on_oom): unknown key 'min_micro'" in proc.stderr  # file:line
 
 
+@pytest.mark.slow
 def test_demo_survives_its_ooms_and_says_so(tmp_path):
     # A small version of `make demo`: ResNet-18 under its own RLIMIT_AS, starting too big.
     run_dir = tmp_path / "demo"

@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each example runs in its own interpreter
+
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 

@@ -42,6 +42,7 @@ def train(tmp_path, name, inject):
     return trainer.fit(epochs=3), model
 
 
+@pytest.mark.slow
 def test_fifty_injected_ooms_change_nothing(tmp_path):
     clean, clean_model = train(tmp_path, "clean", 0.0)
     faulty, faulty_model = train(tmp_path, "faulty", 0.5)

@@ -46,3 +46,59 @@ def test_a_real_cpu_oom_is_recognised(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert result["raised"] and result["oom"], result
     assert "can't allocate memory" in result["message"]
+
+
+def _raised(error: BaseException, cause: BaseException | None = None) -> BaseException:
+    # A real raise, so __cause__ / __context__ are set by Python as they are in the wild.
+    try:
+        if cause is None:
+            raise error
+        try:
+            raise cause
+        except BaseException as inner:
+            raise error from inner
+    except BaseException as caught:
+        return caught
+
+
+def test_an_oom_wrapped_by_torch_compile_is_oom():
+    from torch._dynamo.exc import InternalTorchDynamoError
+
+    wrapped = _raised(InternalTorchDynamoError("MemoryError: std::bad_alloc"), MemoryError("std::bad_alloc"))
+    assert is_oom(wrapped)
+    # also when the wrapper only carries it as context (raised while handling it)
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("backend compiler failed")
+    except RuntimeError as exc:
+        assert is_oom(exc)
+    assert not is_oom(_raised(InternalTorchDynamoError("guard failure"), KeyError("x")))
+
+
+def test_the_chain_is_followed_a_bounded_way_and_cycles_end():
+    error = MemoryError()
+    for _ in range(20):  # deeper than anything real: not followed all the way
+        error = _raised(ValueError("wrapped"), error)
+    assert not is_oom(error)
+    a, b = ValueError("a"), ValueError("b")
+    a.__cause__, b.__cause__ = b, a
+    assert not is_oom(a)  # a cycle ends the walk
+
+
+def test_a_cpp_bad_alloc_is_oom_and_an_empty_message_has_a_name():
+    from autotune.oom import oom_message
+
+    assert is_oom(RuntimeError("std::bad_alloc"))
+    assert oom_message(MemoryError()) == "MemoryError"
+    assert oom_message(RuntimeError("CUDA out of memory.\nmore")) == "CUDA out of memory."
+
+
+def test_cudnn_not_supported_may_not_be_memory():
+    from autotune.oom import maybe_not_memory
+
+    error = RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
+                         "non-contiguous input.")
+    assert is_oom(error) and maybe_not_memory(error)
+    assert not maybe_not_memory(RuntimeError("CUDA out of memory"))

@@ -12,6 +12,8 @@ import torch
 
 from tests.conftest import journal, run_python
 
+pytestmark = pytest.mark.slow  # about 23 interpreters: runs killed at many points, then resumed
+
 TRAIN = """
 import os, signal, time, torch
 from torch import nn
@@ -175,6 +177,7 @@ def test_a_second_sigint_aborts_at_once(tmp_path):
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
+    assert proc.poll() is None, "the first SIGINT must only ask for a stop after the step, not end the process"
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=30)
     assert "KeyboardInterrupt" in stderr

@@ -205,3 +205,45 @@ def test_memory_cap_becomes_the_soft_cap_on_cpu(tmp_path):
 
 def test_auto_micro_batch_starts_at_the_batch(tmp_path):
     assert trainer(tmp_path, batch_size=16, micro_batch_size="auto").knobs.micro_batch_size == 16
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"batch_size": True}, {"micro_batch_size": True}, {"num_workers": True}, {"checkpoint_every": True},
+    {"checkpoint_interval": True}, {"keep_checkpoints": True}, {"monitor_interval": True}, {"seed": True},
+    {"checkpoint_every": 2.5},
+])
+def test_a_bool_or_a_float_where_a_count_is_asked_for_is_refused(tmp_path, kwargs):
+    (name, value), = kwargs.items()
+    with pytest.raises(ValueError, match=f"{name} must be .*got {value!r}"):
+        trainer(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_steps": True}, {"epochs": True}, {"max_steps": 0}, {"epochs": 1.0}])
+def test_fit_refuses_a_bool_or_a_non_integer_count(tmp_path, kwargs):
+    (name, value), = kwargs.items()
+    with pytest.raises(ValueError, match=f"{name} must be an integer >= 1.*got {value!r}"):
+        trainer(tmp_path, monitor=False).fit(**kwargs)
+
+
+def test_checkpoint_every_n_steps_writes_at_n_2n_3n(tmp_path):
+    t = trainer(tmp_path, batch_size=4, checkpoint_every=4, checkpoint_interval=None, monitor=False)
+    t.fit(max_steps=12)
+    every = [r["step"] for r in journal(tmp_path / "run") if r["kind"] == "checkpoint" and r["reason"] == "every"]
+    assert every == [4, 8, 12]
+
+
+def test_a_dropped_trainer_is_freed_at_once(tmp_path):
+    # No reference cycles between the trainer and its parts: a trainer (with its optimizer state)
+    # that a script drops must not wait for the garbage collector, which fit() freezes.
+    import gc
+    import weakref
+
+    t = trainer(tmp_path, monitor=False)
+    t.fit(max_steps=2)
+    gone = weakref.ref(t.optimizer)
+    gc.disable()
+    try:
+        del t
+        assert gone() is None
+    finally:
+        gc.enable()

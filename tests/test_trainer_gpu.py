@@ -1,11 +1,16 @@
 """CUDA only (run by `make gpu-check`): a real CUDA OOM under a per-process memory fraction, recovered."""
 
+import dataclasses
+from typing import ClassVar
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from autotune import AutoTrainer
+from autotune import AutoTrainer, Event
+from autotune.policy import PolicyBase
+from autotune.presets import resolve_policies
 from tests.conftest import journal
 
 pytestmark = pytest.mark.gpu
@@ -50,12 +55,27 @@ def test_memory_cap_is_enforced_and_recovered_from(tmp_path):
     model = nn.Sequential(nn.Linear(256, 32768), nn.ReLU(), nn.Linear(32768, 8))
     torch.cuda.empty_cache()
     cap = torch.cuda.memory_allocated(device) + 1 * 2**30  # activations at 4096 x 32768 floats need ~1.5 GiB
+    peaks = RecordReservedPeaks()
     try:
         trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=4096, device=device,
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.01), memory_cap=cap,
-                              run_dir=tmp_path / "run", progress=False)
+                              run_dir=tmp_path / "run", progress=False, policies=[*resolve_policies("default"), peaks])
         result = trainer.fit(epochs=1)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     assert result.ooms >= 1 and result.micro_batch_size < 4096 and result.samples_seen == 4096
-    assert torch.cuda.max_memory_reserved(device) <= cap + 64 * 2**20
+    # every step's peak, not only the last one's (the trainer resets the allocator's peak each step)
+    assert len(peaks.seen) == result.steps and max(peaks.seen) <= cap + 64 * 2**20, peaks.seen
+
+
+@dataclasses.dataclass
+class RecordReservedPeaks(PolicyBase):
+    """Keeps each step's reserved-memory peak (CUDA allocator); never acts."""
+
+    name: ClassVar[str] = "record_reserved_peaks"
+    events: ClassVar[frozenset] = frozenset({Event.BATCH_END})
+    seen: list = dataclasses.field(default_factory=list)
+
+    def decide(self, event, snap):
+        self.seen.append(snap.allocator.reserved_peak_bytes)
+        return []

@@ -8,9 +8,12 @@ layers, so a run that hit OOMs must end with the same weights as one that did no
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import journal, run_python
+
+pytestmark = pytest.mark.slow  # every test trains in subprocesses under RLIMIT_AS
 
 TRAIN = """
 import torch

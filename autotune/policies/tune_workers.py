@@ -82,7 +82,7 @@ class TuneWorkers(PolicyBase):
         return [SetLoaderWorkers(trial["from"], reason=f"{trial['to']} workers gave {after:.1f} samples/s vs "
                                                        f"{before:.1f} with {trial['from']}: going back")]
 
-    def suppressed(self, action: Action, why: str) -> None:
+    def action_suppressed(self, action: Action, why: str) -> None:
         if isinstance(action, SetLoaderWorkers) and self.trial is not None and action.num_workers == self.trial["to"]:
             self.trial = None  # the count never changed: there is nothing to judge, and it may try again
 

@@ -11,7 +11,7 @@ and at least `settle_steps` steps after the previous relief, so its effect is me
 
 A relief policy is this skeleton plus what differs: `relief` (its name in `Snapshot.reliefs`),
 `make(reason, snap)` (the action), and `wanted(snap)` where "not applied yet" is not the rule.
-A relief that could not be carried out (`failed`) is not asked for again in this run.
+A relief that could not be carried out (`relief_failed`) is not asked for again in this run.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class NearCapRelief(PolicyBase):
         return (f"{self.persist_steps} steps in a row at micro-batch {snap.micro_batch_size} demanded >= "
                 f"{self.high:.0%} of the room under the cap (last {demand:.0%})")
 
-    def failed(self, action: Action, why: str) -> None:
+    def relief_failed(self, action: Action, why: str) -> None:
         self.gave_up = why  # e.g. pruning would break this model: the ladder ends here
 
     def state_dict(self) -> dict[str, Any]:

@@ -111,6 +111,7 @@ def test_training_survives_a_killed_monitor_and_restarts_it(tmp_path):
     assert trainer.monitor is None and gone(state["killed"])
 
 
+@pytest.mark.slow
 def test_memory_high_reaches_a_policy(tmp_path):
     # Under RLIMIT_AS with 64 MiB of headroom the process sits at ~98% of its cap.
     from tests.conftest import journal, run_python

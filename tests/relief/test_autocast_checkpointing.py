@@ -59,6 +59,7 @@ def demand(tmp_path, relief):
     return result
 
 
+@pytest.mark.slow
 def test_checkpointing_and_autocast_each_lower_the_step_demand(tmp_path):
     plain, checkpointed, autocast = (demand(tmp_path, r) for r in (None, "checkpointing", "autocast"))
     assert checkpointed["demand"] < 0.6 * plain["demand"], (plain, checkpointed)

@@ -44,7 +44,7 @@ near = dict(persist_steps=2, settle_steps=3, floor_micro_batch=B)  # the micro-b
 run = trainer([AutocastNearCap(**near), CheckpointNearCap(**near), PruneNearCap(step_ratio=0.3, max_ratio=0.6, **near)],
               cap=cap)
 result = run.fit(epochs=1)
-save({"reliefs": run.reliefs, "demand": run._step_demand, "samples": result.samples_seen,
+save({"reliefs": run.reliefs, "demand": run.demand.last, "samples": result.samples_seen,
       "loss": result.loss, "parameters": sum(p.numel() for p in model.parameters())})
 """
 

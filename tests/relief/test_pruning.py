@@ -121,6 +121,7 @@ optimizer = rebuild_optimizer(optimizer, prune_channels(model, x, 0.5))
     "nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10)), torch.randn(32, 3, 64, 64))",
     "(torchvision.models.resnet18(num_classes=10), torch.randn(16, 3, 64, 64))",
 ], ids=["mlp", "cnn", "resnet18"])
+@pytest.mark.slow
 def test_pruning_lowers_the_measured_step_peak(tmp_path, build):
     script = PEAK.format(build=build)
     script += "after = measure()\nsave({'before': before, 'after': after})\n"

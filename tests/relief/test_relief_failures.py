@@ -1,0 +1,64 @@
+"""A relief that cannot be carried out leaves the model as it was and ends in a clear error.
+
+Real OOMs under RLIMIT_AS: nothing fits even at micro-batch 1 (the gradients alone are more
+than the cap leaves), so the default preset climbs its ladder; pruning's own importance
+estimate then runs out of memory too. The user must get `autotune.OutOfMemory` with the
+figures, the journal a `relief_failed`, and the model its shapes and weights.
+"""
+
+import pytest
+import json
+
+import pytest
+
+from tests.conftest import journal, run_python
+
+pytestmark = pytest.mark.slow  # a subprocess under RLIMIT_AS
+
+SCRIPT = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from autotune import AutoTrainer, OutOfMemory
+from autotune.limits import cap_address_space, lift_address_space_cap
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4096, 8192), nn.ReLU(), nn.Linear(8192, 10))
+data = TensorDataset(torch.randn(64, 4096), torch.randint(0, 10, (64,)))
+trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=8, device="cpu",
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.01), progress=False, monitor=False,
+                      checkpoint_interval=None, run_dir=RUN_DIR)
+trainer.fit(max_steps=1)  # one warm-up step, as a new user would have run
+before = {k: v.clone() for k, v in model.state_dict().items()}
+cap_address_space(60 * 2**20)
+try:
+    trainer.fit(max_steps=4)
+    error = None
+except OutOfMemory as exc:
+    error = "OutOfMemory: " + str(exc)
+except Exception as exc:
+    error = type(exc).__name__ + ": " + str(exc)
+lift_address_space_cap()
+after = model.state_dict()
+save({"error": error, "same_keys": sorted(before) == sorted(after),
+      "same_weights": all(k in after and after[k].shape == v.shape and torch.equal(after[k], v) for k, v in before.items()),
+      "shapes": [list(p.shape) for p in model.parameters()], "step": trainer.step})
+"""
+
+
+def test_a_relief_that_runs_out_of_memory_ends_in_out_of_memory_with_the_model_untouched(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, result = run_python(f"RUN_DIR = {str(run_dir)!r}\n" + SCRIPT, tmp_path, timeout=240)
+    assert proc.returncode == 0 and result is not None, proc.stderr[-3000:]
+    assert result["error"] and result["error"].startswith("OutOfMemory: out of memory on cpu even at micro-batch 1"), \
+        result["error"]
+    assert "RLIMIT_AS" in result["error"]  # the memory figures
+    assert result["shapes"] == [[8192, 4096], [8192], [10, 8192], [10]]
+    assert result["same_keys"] and result["same_weights"], result
+    records = journal(run_dir)
+    failed = [r for r in records if r["kind"] == "relief_failed"]
+    assert failed, json.dumps([r["kind"] for r in records])
+    assert any(r["relief"] == "pruning" and "out of memory" in r["reason"] for r in failed), failed
+    assert [r for r in records if r["kind"] == "out_of_memory"]  # journaled before the error
+    assert records[-1]["kind"] == "fit_failed" and "OutOfMemory" in records[-1]["error"]
