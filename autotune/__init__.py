@@ -29,7 +29,7 @@ _EXPORTS = {
     "Policy": "autotune.policy", "PolicyBase": "autotune.policy",
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
     "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
-    "AutoTrainer": "autotune.trainer", "FitResult": "autotune.trainer",
+    "AutoTrainer": "autotune.trainer", "FitResult": "autotune.progress",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -47,4 +47,5 @@ if TYPE_CHECKING:
     from autotune.oom import OutOfMemory, is_oom
     from autotune.policy import Policy, PolicyBase
     from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
-    from autotune.trainer import AutoTrainer, FitResult
+    from autotune.progress import FitResult
+    from autotune.trainer import AutoTrainer

@@ -51,6 +51,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def rank_rng_state(state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """This rank's random state in a checkpoint: every rank's is saved under torchrun; a run
+    alone takes rank 0's."""
+    if "rng_ranks" not in state or world == 1:
+        return state["rng"]
+    if len(state["rng_ranks"]) != world:
+        raise ValueError(f"the checkpoint was made by {len(state['rng_ranks'])} ranks, this job has {world}")
+    return state["rng_ranks"][rank]
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

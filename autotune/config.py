@@ -14,6 +14,7 @@ import psutil
 import torch
 from torch import nn
 
+from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL
 from autotune.units import format_bytes, parse_bytes
 from autotune.validate import check_int, check_positive, check_range, is_number
 
@@ -142,11 +143,11 @@ def check_sample_layout(sample: Any) -> None:
 
 
 def check_run_limits(*, checkpoint_every: Any, checkpoint_interval: Any, keep_checkpoints: Any, seed: Any,
-                     monitor: bool, monitor_interval: Any, min_interval: float, max_interval: float) -> None:
+                     monitor: bool, monitor_interval: Any) -> None:
     """The counts and durations of `AutoTrainer`'s arguments (batch sizes are checked with the data)."""
     check_int("", "checkpoint_every", checkpoint_every, 1, optional=True)
     check_positive("", "checkpoint_interval", checkpoint_interval, optional=True)
     check_int("", "keep_checkpoints", keep_checkpoints, 1)
     check_int("", "seed", seed, 0)
     if monitor:
-        check_range("", "monitor_interval", monitor_interval, min_interval, max_interval, " s")
+        check_range("", "monitor_interval", monitor_interval, MIN_INTERVAL, MAX_INTERVAL, " s")

@@ -1,8 +1,9 @@
-"""Where a run is: the counters every part reads and a checkpoint saves."""
+"""Where a run is: the counters every part reads and a checkpoint saves; what a fit did."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 
@@ -24,3 +25,22 @@ class Progress:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for field in dataclasses.fields(self):
             setattr(self, field.name, state[field.name])
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What `AutoTrainer.fit` did."""
+
+    samples_seen: int  # each sample counted once per epoch, when its optimizer step completed
+    steps: int  # optimizer steps
+    epochs: int  # epochs completed
+    batch_size: int  # samples per optimizer step at the end
+    micro_batch_size: int  # samples per forward/backward at the end
+    ooms: int  # out-of-memory errors survived
+    loss: float | None  # mean training loss over the last epoch's completed steps
+    wall_seconds: float
+    run_dir: Path
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples_seen / self.wall_seconds if self.wall_seconds > 0 else 0.0

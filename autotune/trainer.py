@@ -39,7 +39,6 @@ relief/ladder.py, checkpoint.py, monitor/link.py, journal.py (the run log), data
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import gc
 import signal
@@ -54,7 +53,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autotune.actions import Relief
 from autotune.batching import SplitFn, batch_len
-from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed, rng_state, set_rng_state
+from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed, rank_rng_state, rng_state, set_rng_state
 from autotune.config import (OptimizerFactory, check_run_limits, check_sample_layout, injection_rate, make_optimizer,
                              make_scheduler, resolve_device, resolve_memory_cap, resolve_micro_batch)
 from autotune.data.pipeline import InputPipeline
@@ -65,35 +64,15 @@ from autotune.journal import RunLog
 from autotune.knobs import Knobs
 from autotune.memory import StepDemand, allocator_stats, describe_memory, free_memory, memory_text, warm_up_oom_path
 from autotune.monitor.link import MonitorLink
-from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL
 from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
 from autotune.presets import resolve_policies
-from autotune.progress import Progress
+from autotune.progress import FitResult, Progress
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
 from autotune.snapshot import Snapshot, StepTiming
 from autotune.step import Attempt, LossFn, StepCore, StepFn
 from autotune.validate import check_int
-
-
-@dataclasses.dataclass(frozen=True)
-class FitResult:
-    """What `AutoTrainer.fit` did."""
-
-    samples_seen: int  # each sample counted once per epoch, when its optimizer step completed
-    steps: int  # optimizer steps
-    epochs: int  # epochs completed
-    batch_size: int  # samples per optimizer step at the end
-    micro_batch_size: int  # samples per forward/backward at the end
-    ooms: int  # out-of-memory errors survived
-    loss: float | None  # mean training loss over the last epoch's completed steps
-    wall_seconds: float
-    run_dir: Path
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.samples_seen / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
 
 def _counter(name: str) -> property:
@@ -149,43 +128,24 @@ class AutoTrainer:
             `tensorboard` package.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        dataset: Dataset | DataLoader,
-        *,
-        loss_fn: LossFn | None = None,
-        step_fn: StepFn | None = None,
-        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
-        batch_size: int = 32,
-        micro_batch_size: int | str | None = None,
-        keep_effective_batch: bool = True,
-        device: str | torch.device | None = None,
-        policies: str | Path | Sequence[Policy] = "default",
-        run_dir: str | Path | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        num_workers: int = 0,
-        collate_fn: Callable[[list], Any] | None = None,
-        split_fn: SplitFn | None = None,
-        progress: bool = True,
-        monitor: bool = True,
-        monitor_interval: float = 0.5,
-        scheduler: Any = None,
-        checkpoint_every: int | None = None,
-        checkpoint_interval: float | None = 900.0,
-        keep_checkpoints: int = 3,
-        inject_oom: float | None = None,
-        memory_cap: float | int | str | None = None,
-        tensorboard: bool | str | Path = False,
-    ):
+    def __init__(self, model: nn.Module, dataset: Dataset | DataLoader, *,
+                 loss_fn: LossFn | None = None, step_fn: StepFn | None = None,
+                 optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, scheduler: Any = None,
+                 batch_size: int = 32, micro_batch_size: int | str | None = None, keep_effective_batch: bool = True,
+                 device: str | torch.device | None = None, policies: str | Path | Sequence[Policy] = "default",
+                 memory_cap: float | int | str | None = None, inject_oom: float | None = None,
+                 shuffle: bool = True, seed: int = 0, num_workers: int = 0,
+                 collate_fn: Callable[[list], Any] | None = None, split_fn: SplitFn | None = None,
+                 run_dir: str | Path | None = None, checkpoint_every: int | None = None,
+                 checkpoint_interval: float | None = 900.0, keep_checkpoints: int = 3,
+                 progress: bool = True, monitor: bool = True, monitor_interval: float = 0.5,
+                 tensorboard: bool | str | Path = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("pass exactly one of loss_fn(outputs, targets) or step_fn(model, micro_batch)")
         check_run_limits(checkpoint_every=checkpoint_every, checkpoint_interval=checkpoint_interval,
-                         keep_checkpoints=keep_checkpoints, seed=seed, monitor=monitor,
-                         monitor_interval=monitor_interval, min_interval=MIN_INTERVAL, max_interval=MAX_INTERVAL)
+                         keep_checkpoints=keep_checkpoints, seed=seed, monitor=monitor, monitor_interval=monitor_interval)
         self.ranks = from_environment()
         self.device = resolve_device(self.ranks.device_for(device, keep_effective_batch))
         self.ranks.join(self.device)
@@ -260,7 +220,7 @@ class AutoTrainer:
                     f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
         self.monitor_link.start(self.step, self.epoch)
         self._fire(Event.FIT_START)
-        self.log.open_bar(self._planned_batches(epochs, max_steps))
+        self.log.open_bar(self.input.planned_batches(self.progress, epochs, max_steps, self.keep_effective_batch))
         # A full gc.collect() after an OOM walks every object torch and the user's code
         # created (~0.2 s). Freezing what exists now leaves it only the objects made
         # during training, the failed attempt's among them. Skipped if the caller froze.
@@ -486,15 +446,6 @@ class AutoTrainer:
         return self.input.rebuild(self.knobs.num_workers, self.knobs.sample_cache, self.journal, self.step,
                                   self.epoch, self.position, host_cap_bytes=host_cap)
 
-    def _planned_batches(self, epochs: int, max_steps: int | None) -> int | None:
-        try:
-            total = (epochs - self.epoch) * len(self.input.loader) - self.batches_done
-        except TypeError:
-            return None if max_steps is None else max_steps - self.step
-        if max_steps is not None and self.keep_effective_batch:
-            total = min(total, max_steps - self.step)
-        return max(total, 0)
-
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: weights, optimizer, scheduler, counters,
@@ -518,13 +469,7 @@ class AutoTrainer:
         if self.knobs.restore(state["micro_batch_size"], workers):  # as tuned before the stop
             self.input.set_workers(workers)
         self.dispatcher.load_state_dict(state["policies"])
-        if "rng_ranks" in state and self.ranks.world > 1:
-            if len(state["rng_ranks"]) != self.ranks.world:
-                raise ValueError(f"the checkpoint was made by {len(state['rng_ranks'])} ranks, this job has "
-                                 f"{self.ranks.world}")
-            set_rng_state(state["rng_ranks"][self.ranks.rank])
-        else:
-            set_rng_state(state["rng"])
+        set_rng_state(rank_rng_state(state, self.ranks.rank, self.ranks.world))
 
     def _checkpoint(self, reason: str, report_failure: bool = True) -> Path | None:
         try:

@@ -100,3 +100,47 @@ def test_empty_cache_reports_what_it_returned(tmp_path):
     d.fire(Event.OOM, SNAP)
     (record,) = actions_in(tmp_path)
     assert record["applied"] and record["action"] == "empty_cache" and "returned" in record["note"]
+
+
+@dataclasses.dataclass
+class Listens(Asks):
+    """Test policy that keeps the notices it gets."""
+
+    notices: list = dataclasses.field(default_factory=list)
+
+    def action_suppressed(self, action, why):
+        self.notices.append(("suppressed", action, why))
+
+    def relief_failed(self, action, why):
+        self.notices.append(("failed", action, why))
+
+
+def test_a_policy_learns_that_its_action_was_suppressed_or_its_relief_failed(tmp_path):
+    from autotune.actions import PruneChannels
+
+    small, big = Listens(actions=(SetMicroBatch(16),)), Listens(actions=(SetMicroBatch(48),))
+    prune = Listens(actions=(PruneChannels(ratio=0.1),))
+    d, knobs = dispatcher(tmp_path, small, big, prune)
+    d.fire(Event.OOM, SNAP)
+    assert small.notices == [] and [n[0] for n in big.notices] == ["suppressed"]
+    assert "micro-batch 16" in big.notices[0][2]
+    relief = knobs.take_relief()  # the trainer takes it to carry it out, and it fails
+    d.relief_failed(relief, "pruning would break this model")
+    assert prune.notices == [("failed", relief, "pruning would break this model")]
+    d.relief_failed(relief, "again")  # told once
+    assert len(prune.notices) == 1
+
+
+def test_tune_workers_tries_again_when_its_change_was_suppressed():
+    from autotune.actions import SetLoaderWorkers
+    from autotune.policies import TuneWorkers
+    from autotune.snapshot import InputState
+
+    bound = dataclasses.replace(SNAP, input=InputState(data_wait_fraction=0.5, samples_per_second=100.0, steps=20,
+                                                        num_workers=0, cpu_cores=8, loader_owned=True))
+    policy = TuneWorkers()
+    first = policy.decide(Event.IO_BOUND, bound)
+    assert first == [SetLoaderWorkers(2, reason=first[0].reason)]
+    assert policy.decide(Event.IO_BOUND, bound) == []  # measuring its trial
+    policy.action_suppressed(first[0], "already 2 loader workers")
+    assert policy.decide(Event.IO_BOUND, bound) == first  # no trial runs: it may ask again

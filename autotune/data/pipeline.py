@@ -83,6 +83,16 @@ class InputPipeline:
             generator=torch.Generator().manual_seed(self.seed),  # worker seeds follow `seed`
         )
 
+    def planned_batches(self, progress: Any, epochs: int, max_steps: int | None, keep_effective_batch: bool) -> int | None:
+        """Batches left until `epochs` (or `max_steps`) are done, for a progress bar; None if unknown."""
+        try:
+            total = (epochs - progress.epoch) * len(self.loader) - progress.batches_done
+        except TypeError:  # a loader without a length
+            return None if max_steps is None else max_steps - progress.step
+        if max_steps is not None and keep_effective_batch:
+            total = min(total, max_steps - progress.step)
+        return max(total, 0)
+
     def batches(self, epoch: int, position: int, batches_done: int) -> Iterator[Any]:
         """The batches of `epoch`, from sample `position` on (`batches_done` batches in)."""
         if self.sampler is not None:

@@ -3,7 +3,8 @@
 An example of an autotune policy shipped as a plug-in package. A policy is a dataclass:
 `name`, the `events` it listens to, and `decide`, which gets a frozen Snapshot and returns
 actions. It never touches the model or optimizer; autotune applies the actions and
-journals them. Its dataclass fields are the parameters a TOML preset may set.
+journals them. Its dataclass fields are the parameters a TOML preset may set. `PolicyBase`
+gives it the checkpoint methods (it has no state to keep) and the notices it ignores.
 
 Parameters:
     every: epochs between clean-ups (default 1).
@@ -12,13 +13,14 @@ Parameters:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
-from autotune import Action, EmptyCache, Event, Snapshot
+from autotune import Action, EmptyCache, Event, PolicyBase, Snapshot
+from autotune.validate import check_int
 
 
 @dataclasses.dataclass
-class EmptyCacheEveryEpoch:
+class EmptyCacheEveryEpoch(PolicyBase):
     """Return cached memory at every `every`-th epoch end."""
 
     name: ClassVar[str] = "empty_cache_every_epoch"
@@ -26,16 +28,9 @@ class EmptyCacheEveryEpoch:
     every: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"empty_cache_every_epoch: every must be an integer >= 1, got {self.every!r}")
+        check_int(self.name, "every", self.every, 1)
 
     def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
         if snap.epoch % self.every:
             return []
         return [EmptyCache(reason=f"epoch {snap.epoch} ended")]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        return None
