@@ -1,7 +1,8 @@
 import importlib.util
-import pytest
 import subprocess
 import sys
+
+import pytest
 
 from autotune.cli import main
 from tests.conftest import journal

@@ -6,7 +6,6 @@ estimate then runs out of memory too. The user must get `autotune.OutOfMemory` w
 figures, the journal a `relief_failed`, and the model its shapes and weights.
 """
 
-import pytest
 import json
 
 import pytest
