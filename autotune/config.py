@@ -148,6 +148,6 @@ def check_run_limits(*, checkpoint_every: Any, checkpoint_interval: Any, keep_ch
     check_int("", "checkpoint_every", checkpoint_every, 1, optional=True)
     check_positive("", "checkpoint_interval", checkpoint_interval, optional=True)
     check_int("", "keep_checkpoints", keep_checkpoints, 1)
-    check_int("", "seed", seed, 0)
+    check_int("", "seed", seed, None)  # any integer: torch takes negative seeds too
     if monitor:
         check_range("", "monitor_interval", monitor_interval, MIN_INTERVAL, MAX_INTERVAL, " s")

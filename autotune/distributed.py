@@ -167,16 +167,13 @@ class Ranks:
         why = None
         if anyone_fatal:  # rare: every rank learns what the failing one saw
             why = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(self.gather(mine.fatal)) if text)
-        relief = mine.relief if self.is_main else relief_from_ints(code, ratio, reason="rank 0's policies asked for it")
-        return Agreement(failed or None, micro, signum, due, relief, why)
+        return Agreement(failed or None, micro, signum, due, mine.relief if self.is_main else _rank0s(code, ratio), why)
 
     def follow_rank0(self, micro_batch_size: int, relief: Relief | None, device: torch.device) -> tuple[int, Relief | None]:
         values = torch.tensor([micro_batch_size, *relief_to_ints(relief)], dtype=torch.int64, device=device)
         dist.broadcast(values, src=0)
         micro, code, ratio = (int(v) for v in values.tolist())
-        if self.is_main:
-            return micro, relief
-        return micro, relief_from_ints(code, ratio, reason="rank 0's policies asked for it")
+        return micro, relief if self.is_main else _rank0s(code, ratio)
 
     def offer_relief(self, knobs: Any) -> Relief | None:
         # Taken: rank 0's goes to every rank through the agreement; another rank's is not its to decide.
@@ -221,6 +218,11 @@ def from_environment() -> Solo | Ranks:
     if world <= 1:
         return Solo()
     return Ranks(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _rank0s(code: int, ratio: int) -> Relief | None:
+    """Rank 0's relief as another rank decodes it from an agreement or a broadcast."""
+    return relief_from_ints(code, ratio, reason="rank 0's policies asked for it")
 
 
 def _leave_process_group() -> None:

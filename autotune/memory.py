@@ -16,6 +16,7 @@ import time
 import torch
 
 from autotune.monitor.host import describe_host_memory, host_sample
+from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.snapshot import AllocatorStats, DeviceSample
 from autotune.units import format_bytes
 
@@ -219,8 +220,6 @@ def warm_up_oom_path(device: torch.device, cap_bytes: int | None) -> None:
     """Under a hard memory cap anything may fail to allocate, including a lazy import or a
     first-time library lookup. Run the OOM path's helpers once, while there is memory, so the
     path itself needs next to nothing later."""
-    from autotune.oom import is_oom, maybe_not_memory, oom_message
-
     warm_up = RuntimeError("warm-up")
     is_oom(warm_up), maybe_not_memory(warm_up), oom_message(warm_up)
     load_libc()

@@ -17,12 +17,14 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_int(owner: str, name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
-    """Raise ValueError unless `value` is an int (not a bool) >= `minimum` (or None, with `optional`)."""
+def check_int(owner: str, name: str, value: Any, minimum: int | None, *, optional: bool = False) -> None:
+    """Raise ValueError unless `value` is an int (not a bool) >= `minimum` (any int for None; None
+    itself with `optional`)."""
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{_where(owner, name)} must be an integer >= {minimum}{' or None' if optional else ''}, "
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{_where(owner, name)} must be an integer{bound}{' or None' if optional else ''}, "
                          f"got {value!r}")
 
 

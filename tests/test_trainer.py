@@ -247,3 +247,7 @@ def test_a_dropped_trainer_is_freed_at_once(tmp_path):
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_negative_seed_is_still_a_seed(tmp_path):
+    assert trainer(tmp_path, seed=-3, monitor=False).fit(max_steps=1).steps == 1
