@@ -30,6 +30,7 @@ _EXPORTS = {
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
     "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
     "AutoTrainer": "autotune.trainer", "FitResult": "autotune.progress",
+    "PerSample": "autotune.batching", "Fields": "autotune.batching",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -43,6 +44,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from autotune.actions import Action, CacheSamples, EmptyCache, SetLoaderWorkers, SetMicroBatch
+    from autotune.batching import Fields, PerSample
     from autotune.events import Event
     from autotune.oom import OutOfMemory, is_oom
     from autotune.policy import Policy, PolicyBase

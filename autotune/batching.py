@@ -1,14 +1,28 @@
-"""Split a batch into micro-batches along the first dimension.
+"""Split a batch into micro-batches by sample, and count what a batch holds.
 
-Handles tensors, numpy arrays, tuples (named ones too), lists, dicts and any nesting of
-them. A list or tuple of plain values (strings, numbers) is treated as one value per
-sample and sliced like a tensor; default_collate produces exactly that for strings.
+What each part of a batch is, read the same way for counting and for splitting:
+
+- a tensor or numpy array: samples along its first dimension (slices are views: no copy);
+- a mapping (dict, `UserDict`, Hugging Face `BatchEncoding`, ...) or a namedtuple: fields,
+  each split the same way; the result keeps the mapping's type;
+- a list or tuple of plain values (strings, numbers): one value per sample;
+- any other list or tuple is a *sequence of fields* when every item holds the batch's
+  number of samples (`(inputs, targets)`, `[input_ids, attention_mask]`), and otherwise a
+  *sequence of samples*, one item each, when it has that many items and its items are
+  alike (the same type; tensors of one dtype and rank): torchvision's detection collate
+  `tuple(zip(*batch))` gives a tuple of images of different sizes and a tuple of per-image
+  target dicts. The batch's number of samples comes from the parts that read only one way;
+  where both readings fit, a sequence is read as fields.
+- `PerSample([...])` and `Fields((...))` say which one a sequence is where the data cannot
+  (a tuple of 3 same-size images in a batch of 3 reads as fields otherwise).
+
 Anything else needs a user `split_fn(batch, size) -> list of micro-batches`.
-Tensor slices are views: splitting copies no data.
 """
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
@@ -16,6 +30,18 @@ import torch
 SplitFn = Callable[[Any, int], "list[Any]"]
 
 _PLAIN = (str, bytes, int, float, bool, type(None))
+
+
+class PerSample(list):
+    """A list whose items are one sample each: split by item, never read as fields.
+
+    `collate_fn=lambda b: tuple(PerSample(part) for part in zip(*b))` marks a detection batch.
+    """
+
+
+class Fields(tuple):
+    """A tuple whose items are fields, each holding every sample of the batch in its first
+    dimension: split item by item, never read as a sequence of samples."""
 
 
 def _is_value_list(obj: Any) -> bool:
@@ -26,64 +52,149 @@ def _sliceable(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor) or type(obj).__module__ == "numpy" and hasattr(obj, "shape")
 
 
-def batch_len(batch: Any) -> int:
-    """Number of samples in `batch`. Raises TypeError naming what it could not measure,
-    ValueError when parts of the batch disagree."""
-    lengths = set()
-    _collect_lengths(batch, lengths, path="batch")
-    if not lengths:
-        raise TypeError(f"cannot tell the number of samples in a batch of type {type(batch).__name__}; pass split_fn=")
-    if len(lengths) > 1:
-        raise ValueError(f"batch parts disagree on the number of samples: {sorted(lengths)}")
-    return lengths.pop()
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def _collect_lengths(obj: Any, lengths: set[int], path: str) -> None:
+def _alike(items: Any) -> bool:
+    """Whether a sequence's items could be samples of one dataset."""
+    first = items[0]
+    if not all(type(x) is type(first) for x in items):
+        return False
+    if _sliceable(first):
+        return all(x.ndim == first.ndim and x.dtype == first.dtype for x in items)
+    if isinstance(first, Mapping):
+        return all(x.keys() == first.keys() for x in items)
+    return True
+
+
+def _counts(obj: Any, path: str) -> set[int]:
+    """Every sample count `obj` can be read as (one for most parts; two for a sequence that
+    reads both as fields and as samples). Raises naming the part that cannot be counted."""
     if _sliceable(obj):
         if obj.ndim == 0:
             raise ValueError(f"{path} is a 0-d tensor: it has no sample dimension to split")
-        lengths.add(obj.shape[0])
-    elif _is_value_list(obj):
-        lengths.add(len(obj))
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            _collect_lengths(value, lengths, f"{path}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            _collect_lengths(value, lengths, f"{path}[{i}]")
-    elif isinstance(obj, _PLAIN):
+        return {obj.shape[0]}
+    if isinstance(obj, PerSample) or _is_value_list(obj):
+        return {len(obj)}
+    if isinstance(obj, Mapping):
+        return _agreed({f"{path}[{k!r}]": v for k, v in obj.items()}, path, strict=True)
+    if isinstance(obj, Fields) or _is_namedtuple(obj):
+        return _agreed({f"{path}[{i}]": v for i, v in enumerate(obj)}, path, strict=True)
+    if isinstance(obj, (list, tuple)):
+        if not obj:
+            raise ValueError(f"{path} is an empty {type(obj).__name__}: it has no samples to split")
+        fields = _agreed({f"{path}[{i}]": v for i, v in enumerate(obj)}, path, strict=False)
+        return fields | ({len(obj)} if _alike(obj) else set()) if fields else _as_samples(obj, path)
+    if isinstance(obj, _PLAIN):
         raise TypeError(f"{path} is a single {type(obj).__name__}, not one value per sample; pass split_fn=")
-    elif hasattr(obj, "__len__"):  # a user type that split_fn knows how to split
-        lengths.add(len(obj))
-    else:
-        raise TypeError(f"cannot split {path} of type {type(obj).__name__} into micro-batches; pass split_fn=")
+    if hasattr(obj, "__len__"):  # a user type that split_fn knows how to split
+        return {len(obj)}
+    raise TypeError(f"cannot split {path} of type {type(obj).__name__} into micro-batches; pass split_fn=")
+
+
+def _as_samples(obj: list | tuple, path: str) -> set[int]:
+    if not _alike(obj):
+        counts = {}
+        for i, v in enumerate(obj):
+            try:
+                counts[f"{path}[{i}]"] = sorted(_counts(v, f"{path}[{i}]"))
+            except (TypeError, ValueError) as exc:
+                counts[f"{path}[{i}]"] = str(exc)
+        raise ValueError(f"batch parts disagree on the number of samples: {counts}; mark per-sample "
+                         "sequences with autotune.PerSample or pass split_fn=")
+    return {len(obj)}
+
+
+def _agreed(parts: dict[str, Any], path: str, strict: bool) -> set[int]:
+    """The counts every part can be read as. `strict`: an empty answer is an error."""
+    common: set[int] | None = None
+    seen: dict[str, list[int]] = {}
+    for name, value in parts.items():
+        try:
+            counts = _counts(value, name)
+        except (TypeError, ValueError):
+            if strict:
+                raise
+            return set()
+        seen[name] = sorted(counts)
+        common = counts if common is None else common & counts
+    if not common and strict:
+        raise ValueError(f"batch parts disagree on the number of samples: {seen}")
+    return common or set()
+
+
+def batch_len(batch: Any) -> int:
+    """Number of samples in `batch`. Raises TypeError naming what it could not measure,
+    ValueError when parts of the batch disagree."""
+    counts = _counts(batch, "batch")
+    if len(counts) == 1:
+        return next(iter(counts))
+    # A sequence that reads both ways, at the top: fields, as `(inputs, targets)` is.
+    fields = _agreed({f"batch[{i}]": v for i, v in enumerate(batch)}, "batch", strict=False)
+    if len(fields) == 1:
+        return next(iter(fields))
+    raise ValueError(f"cannot tell the number of samples in this batch (it reads as any of {sorted(counts)}); "
+                     "mark its parts with autotune.PerSample / autotune.Fields or pass split_fn=")
+
+
+def _rebuild_mapping(original: Mapping, items: dict) -> Any:
+    """A mapping of `original`'s type holding `items` (HF BatchEncoding, UserDict, defaultdict...)."""
+    kind = type(original)
+    if kind is dict:
+        return items
+    if isinstance(original, collections.defaultdict):
+        return kind(original.default_factory, items)
+    try:
+        return kind(items)
+    except TypeError as exc:
+        raise TypeError(f"cannot rebuild a {kind.__name__} from its split parts ({exc}); pass split_fn=") from None
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """`obj` with `fn` applied to every tensor in it (tuples, namedtuples, lists, dicts nested
-    any way); everything else as it is."""
+    """`obj` with `fn` applied to every tensor in it (tuples, namedtuples, lists, mappings
+    nested any way, each keeping its type); everything else as it is."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+    if isinstance(obj, Mapping):
+        return _rebuild_mapping(obj, {k: map_tensors(fn, v) for k, v in obj.items()})
+    if _is_namedtuple(obj):
         return type(obj)(*(map_tensors(fn, v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(fn, v) for v in obj)
     return obj
 
 
-def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    """Samples `start:stop` of `batch`, keeping its structure."""
-    if _sliceable(batch) or _is_value_list(batch):
-        return batch[start:stop]
-    if isinstance(batch, dict):
-        return type(batch)((key, slice_batch(value, start, stop)) for key, value in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(slice_batch(value, start, stop) for value in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(slice_batch(value, start, stop) for value in batch)
-    raise TypeError(f"cannot split a batch part of type {type(batch).__name__} into micro-batches; pass split_fn=")
+def slice_batch(batch: Any, start: int, stop: int, n: int | None = None) -> Any:
+    """Samples `start:stop` of `batch` (of `n` samples: counted if not given), keeping its structure."""
+    n = batch_len(batch) if n is None else n
+    return _slice(batch, start, stop, n)
+
+
+def _slice(part: Any, start: int, stop: int, n: int) -> Any:
+    if _sliceable(part) or _is_value_list(part) or isinstance(part, PerSample):
+        return part[start:stop] if not isinstance(part, PerSample) else PerSample(part[start:stop])
+    if isinstance(part, Mapping):
+        return _rebuild_mapping(part, {k: _slice(v, start, stop, n) for k, v in part.items()})
+    if _is_namedtuple(part):
+        return type(part)(*(_slice(v, start, stop, n) for v in part))
+    if isinstance(part, Fields):
+        return Fields(_slice(v, start, stop, n) for v in part)
+    if isinstance(part, (list, tuple)):
+        if _reads_as_fields(part, n):
+            return type(part)(_slice(v, start, stop, n) for v in part)
+        return part[start:stop]  # one item per sample
+    raise TypeError(f"cannot split a batch part of type {type(part).__name__} into micro-batches; pass split_fn=")
+
+
+def _reads_as_fields(part: list | tuple, n: int) -> bool:
+    for item in part:
+        try:
+            if n not in _counts(item, "item"):
+                return False
+        except (TypeError, ValueError):
+            return False
+    return True
 
 
 def micro_batches(batch: Any, size: int, start: int = 0, split_fn: SplitFn | None = None) -> Iterator[tuple[Any, int]]:
@@ -104,14 +215,17 @@ def micro_batches(batch: Any, size: int, start: int = 0, split_fn: SplitFn | Non
             offset += n
         return
     total = batch_len(batch)
+    if start == 0 and size >= total:
+        yield batch, total  # the whole batch: as it came, nothing rebuilt
+        return
     for lo in range(start, total, size):
         hi = min(lo + size, total)
-        yield slice_batch(batch, lo, hi), hi - lo
+        yield _slice(batch, lo, hi, total), hi - lo
 
 
 def check_splittable(batch: Any, split_fn: SplitFn | None = None) -> int:
     """Validate that `batch` can be split (before training starts) and return its length."""
     n = batch_len(batch)
     if split_fn is None and n > 1:
-        slice_batch(batch, 0, 1)
+        slice_batch(batch, 0, 1, n)
     return n

@@ -178,9 +178,19 @@ class Checkpointer:
                            **journal_fields)
         return path
 
-    def resume(self, load: Callable[[dict[str, Any]], None], progress: Any, device: torch.device) -> None:
-        """`load` the newest checkpoint that loads; none: say so, and the run starts fresh."""
-        found = self.store.load_latest(map_location=device)
+    def resume(self, load: Callable[[dict[str, Any]], None], progress: Any, device: torch.device,
+               path: Path | None = None) -> None:
+        """`load` the checkpoint at `path`, or (None) the newest that loads; none: say so, and the
+        run starts fresh. A named file that does not load is an error naming it."""
+        if path is not None:
+            if not path.is_file():
+                raise FileNotFoundError(f"resume={str(path)!r}: no such checkpoint file")
+            try:
+                found = torch.load(path, map_location=device, weights_only=True), path
+            except Exception as exc:
+                raise ValueError(f"resume={str(path)!r} is not a checkpoint that loads: {type(exc).__name__}: {exc}") from None
+        else:
+            found = self.store.load_latest(map_location=device)
         if found is None:
             logger.info(f"no checkpoint in {self.folder}: starting fresh")
             self.journal.write("resume", progress.step, progress.epoch, found=False)

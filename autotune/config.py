@@ -8,6 +8,7 @@ effect is the CUDA allocator fraction that `resolve_memory_cap` sets (the cap mu
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 import psutil
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL
+from autotune.step import PRECISIONS
 from autotune.units import format_bytes, parse_bytes
 from autotune.validate import check_int, check_positive, check_range, is_number
 
@@ -151,3 +153,36 @@ def check_run_limits(*, checkpoint_every: Any, checkpoint_interval: Any, keep_ch
     check_int("", "seed", seed, None)  # any integer: torch takes negative seeds too
     if monitor:
         check_range("", "monitor_interval", monitor_interval, MIN_INTERVAL, MAX_INTERVAL, " s")
+
+
+def check_step_options(*, precision: Any, clip_grad_norm: Any, clip_grad_value: Any, scheduler_interval: Any,
+                       scheduler: Any) -> None:
+    """Precision, clipping and the scheduler's interval."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: pass one of {', '.join(map(repr, PRECISIONS))}")
+    check_positive("", "clip_grad_norm", clip_grad_norm, optional=True)
+    check_positive("", "clip_grad_value", clip_grad_value, optional=True)
+    if scheduler_interval not in ("step", "epoch"):
+        raise ValueError(f"scheduler_interval={scheduler_interval!r}: pass 'step' or 'epoch'")
+
+
+def check_evaluation(*, eval_dataset: Any, eval_every: Any, eval_batch_size: Any, metrics: Any,
+                     scheduler_metric: Any, plateau: bool) -> None:
+    """The evaluation arguments, and the metric a ReduceLROnPlateau watches."""
+    if eval_every is not None and eval_every != "epoch":
+        check_int("", "eval_every", eval_every, 1)
+    if eval_dataset is None and eval_every is not None:
+        raise ValueError(f"eval_every={eval_every!r} needs eval_dataset=")
+    check_int("", "eval_batch_size", eval_batch_size, 1, optional=True)
+    if metrics is not None:
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"metrics must map names to functions, got {type(metrics).__name__}")
+        for name, fn in metrics.items():
+            if not isinstance(name, str) or not callable(fn) or name == "loss":
+                raise ValueError(f"metrics[{name!r}]: each name must be a string other than 'loss' "
+                                 "(always reported), each value a function")
+    names = {"loss", *(metrics or {})} if eval_dataset is not None else {"train_loss"}
+    if scheduler_metric is not None and scheduler_metric not in names | {"train_loss"}:
+        raise ValueError(f"scheduler_metric={scheduler_metric!r} is not one of {sorted(names | {'train_loss'})}")
+    if scheduler_metric is not None and not plateau:
+        raise ValueError("scheduler_metric= is for a ReduceLROnPlateau scheduler, which steps on a metric")

@@ -92,11 +92,21 @@ class Solo:
     def average_gradients(self) -> None:
         pass
 
+    def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
+        """Weighted by items: the micro-batches were weighted n_items/ref; make it n_items/total."""
+        torch._foreach_mul_(grads, ref / items if not isinstance(items, torch.Tensor) else ref / items.clamp_min(1))
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
     def gather(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def any(self, flag: bool, device: torch.device) -> bool:
+        return flag
 
     def broadcast_object(self, obj: Any) -> Any:
         return obj
@@ -193,11 +203,27 @@ class Ranks:
         if self.bucket is not None:
             self.bucket.average(self.world)
 
+    def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
+        # Each rank's gradient back to its raw sum over items, summed over ranks with the items
+        # themselves in the same all-reduce, then divided by every rank's items together.
+        self.bucket.sum_over_items(ref, items)
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         if self.bucket is not None:
             self.bucket.zero()  # in place: the gradients stay views of the all-reduce buffer
         else:
             optimizer.zero_grad(set_to_none=True)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over ranks (evaluation's figures), on every rank."""
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values
+
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """Whether any rank's `flag` is set (a callback asked to stop), on every rank."""
+        value = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank (per-rank RNG states, failure messages)."""
@@ -248,7 +274,8 @@ class GradientBucket:
         self.params = [p for p in parameters if p.requires_grad]
         total = sum(p.numel() for p in self.params)
         first = self.params[0] if self.params else None
-        self.flat = torch.zeros(total, dtype=first.dtype if first is not None else torch.float32,
+        # One slot more than the gradients: a batch's item count rides in the same all-reduce.
+        self.flat = torch.zeros(total + 1, dtype=first.dtype if first is not None else torch.float32,
                                 device=first.device if first is not None else "cpu")
         self.bind()
 
@@ -267,6 +294,14 @@ class GradientBucket:
         self.bind()
         dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
         self.flat /= world
+
+    def sum_over_items(self, ref: Any, items: Any) -> None:
+        self.bind()
+        grads, count = self.flat[:-1], self.flat[-1:]
+        grads.mul_(ref)
+        count.fill_(items) if not isinstance(items, torch.Tensor) else count.copy_(items.reshape(1))
+        dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
+        grads.div_(count.clamp_min(1))
 
     def zero(self) -> None:
         self.flat.zero_()

@@ -120,21 +120,22 @@ class RunLog:
 
     def step(self, step: int, epoch: int, *, samples: int, samples_seen: int, micro_batch_size: int,
              step_seconds: float, data_wait_fraction: float, demand: float | None, allocated_bytes: int | None,
-             reserved_bytes: int | None, batch_loss: Any, sample: Callable[[], Any]) -> None:
+             reserved_bytes: int | None, batch_loss: Any, sample: Callable[[], Any], grad_norm: Any = None) -> None:
         """One step's figures: to steps.jsonl and TensorBoard when due (thinned: a two-day run
         writes megabytes, and reads the loss off the device rarely), and to the bar."""
         if self.bar is not None:
             self.bar.update(1)
         if not self.steps.due():
             return
+        norm = {} if grad_norm is None else {"grad_norm": round(float(grad_norm), 6)}  # read off the device: thinned
         self.steps.write(step, epoch, micro_batch_size=micro_batch_size, samples=samples, samples_seen=samples_seen,
                          step_seconds=round(step_seconds, 6), data_wait_fraction=round(data_wait_fraction, 4),
                          demand=None if demand is None else round(demand, 4),
-                         allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes)
+                         allocated_bytes=allocated_bytes, reserved_bytes=reserved_bytes, **norm)
         if self.tensorboard is not None:
             now = sample()
             self.tensorboard.step(
-                step, loss=batch_loss.item() / max(samples, 1), samples_seen=samples_seen, step_samples=samples,
+                step, loss=float(batch_loss), samples_seen=samples_seen, step_samples=samples, **norm,
                 step_seconds=step_seconds, micro_batch_size=micro_batch_size, data_wait_fraction=data_wait_fraction,
                 used_bytes=now.used_bytes, cap_bytes=now.cap_bytes, allocated_bytes=allocated_bytes,
                 reserved_bytes=reserved_bytes, demand=demand)
@@ -149,6 +150,15 @@ class RunLog:
     def flush(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.flush()
+
+    def close(self) -> None:
+        """Close every file (the trainer's `close()`); a closed log writes nothing more."""
+        self.close_bar()
+        self.journal.close()
+        self.steps.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
 
     def close_bar(self) -> None:
         if self.bar is not None:

@@ -40,6 +40,8 @@ class FitResult:
     loss: float | None  # mean training loss over the last epoch's completed steps
     wall_seconds: float
     run_dir: Path
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last evaluation's ("loss", ...)
+    stopped: str | None = None  # why a callback's request_stop ended the fit early
 
     @property
     def samples_per_second(self) -> float:

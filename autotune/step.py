@@ -3,16 +3,26 @@
     attempt(batch, from sample `done`, micro-batch size):
       for micro in split(batch, size):
         (fault injection: a fake OOM in forward or before backward)
-        loss = step_fn(model, micro)            # under autocast once that relief is on
-        backward(loss * len(micro) / len(batch)) # through the gradient scaler with fp16
+        loss = step_fn(model, micro)            # under autocast with precision bf16/fp16
+        (loss, n_items) = loss                  # when step_fn reports its items (tokens, say)
+        backward(loss * weight)                 # weight: len(micro)/len(batch), or n_items/ref;
+                                                # through the gradient scaler with fp16
         keep_effective_batch=False: optimizer step per micro-batch
       except OOM: note the size, the message, whether it was injected; keep no reference
-    optimizer_step(): scaler.step or optimizer.step; zero_grad; scheduler.step; counters
+    (the ranks reduce the gradients: averaged by samples, or summed and divided by all items)
+    optimizer_step(): unscale (fp16); clip the whole batch's gradient; step; zero_grad;
+      the scheduler when it steps per optimizer step; counters
 
-Owns: forward and backward, the loss weights, precision (autocast plan, gradient scaler),
-fault injection, the optimizer and the LR scheduler. May touch: the model's gradients,
-`Progress.step` and `Progress.samples_seen`. Does not decide anything: the micro-batch
-size comes in, what failed goes out; OOM recovery is the trainer's.
+Item weighting: a micro-batch's loss is its mean over its own items, so weighting it by
+samples is not the batch's mean when micro-batches hold different numbers of items (padded
+sequences). Each micro-batch is weighted by n_items/ref (ref: the first micro-batch's items
+scaled to the whole batch, so the weights stay near samples' and a batch in one piece is
+weighted exactly 1), and the accumulated gradient is then multiplied by ref/total items.
+
+Owns: forward and backward, the loss weights, precision (autocast, gradient scaler), gradient
+clipping, fault injection, the optimizer and the LR scheduler. May touch: the model's
+gradients, `Progress.step` and `Progress.samples_seen`. Does not decide anything: the
+micro-batch size comes in, what failed goes out; OOM recovery is the trainer's.
 """
 
 from __future__ import annotations
@@ -29,15 +39,29 @@ from autotune.batching import SplitFn, map_tensors, micro_batches
 from autotune.distributed import Ranks, Solo
 from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.progress import Progress
-from autotune.relief.autocast import AutocastPlan, autocast_plan
+from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-StepFn = Callable[[nn.Module, Any], torch.Tensor]
+StepFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to `device`."""
     return map_tensors(lambda t: t.to(device, non_blocking=True), obj)
+
+
+def loss_and_items(out: Any) -> tuple[torch.Tensor, Any]:
+    """A step's result as `(mean loss, n_items or None)`; a clear error for anything else."""
+    if isinstance(out, torch.Tensor):
+        return out, None
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor):
+        items = out[1]
+        if isinstance(items, bool) or not isinstance(items, (int, torch.Tensor)):
+            raise TypeError(f"step_fn returned (loss, {type(items).__name__}): n_items must be an int or a "
+                            "0-d tensor (the number of items the loss is the mean over)")
+        return out[0], items
+    raise TypeError(f"step_fn must return a loss tensor or (loss, n_items), got {type(out).__name__}")
 
 
 @dataclasses.dataclass
@@ -46,7 +70,10 @@ class Attempt:
 
     failed_size: int | None  # the micro-batch size that ran out of memory, or None
     done: int  # samples of the batch in completed optimizer steps (keep_effective_batch=False)
-    loss_sum: torch.Tensor  # summed (not mean) loss of the samples kept
+    loss_sum: torch.Tensor  # summed (not mean) loss of what was kept, over `weight`
+    weight: Any = 0  # what loss_sum is summed over: samples, or items (an int or a tensor)
+    items: Any = None  # the batch's items, when step_fn reports them (None: weighted by samples)
+    ref: Any = None  # the items each micro-batch's weight was taken against (see the module docstring)
     message: str = ""  # the OOM's first line
     injected: bool = False
     # cuDNN's NOT_SUPPORTED may not be about memory: kept (without its traceback, which pins the
@@ -60,16 +87,32 @@ class StepCore:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
                  loss_fn: LossFn | None, step_fn: StepFn | None, split_fn: SplitFn | None, device: torch.device,
-                 ranks: Solo | Ranks, progress: Progress, keep_effective_batch: bool, inject_oom: float, seed: int):
+                 ranks: Solo | Ranks, progress: Progress, keep_effective_batch: bool, inject_oom: float, seed: int,
+                 precision: str = "fp32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
+                 scheduler_interval: str = "step", compile: bool = False):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loss_fn, self.step_fn, self.split_fn = loss_fn, step_fn, split_fn
         self.device, self.ranks, self.progress = device, ranks, progress
         self.keep_effective_batch = keep_effective_batch
         self.inject_oom = inject_oom
         self._injector = random.Random(seed + 0x5EED + ranks.rank)  # own stream per rank
-        self.autocast: AutocastPlan | None = None
-        self.scaler: torch.amp.GradScaler | None = None
+        self.precision = precision
+        self.autocast: AutocastPlan | None = precision_plan(precision, device)
+        self.scaler: torch.amp.GradScaler | None = (torch.amp.GradScaler(device.type)
+                                                    if self.autocast is not None and self.autocast.needs_scaler else None)
+        self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
+        self.scheduler_interval = scheduler_interval
+        # torch.compile: ours (compile=True) over what forward calls, or the user's own compiled
+        # model; either way the batch dimension is marked dynamic (micro-batch changes).
+        self.compiled: nn.Module | None = torch.compile(ranks.module(model)) if compile else None
+        self.compiled_model = compile or is_compiled(model)
+        self.grad_norm: torch.Tensor | None = None  # the last step's gradient norm before clipping
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
+
+    @property
+    def plateau(self) -> bool:
+        """Whether the scheduler steps on a metric (ReduceLROnPlateau), not on a count."""
+        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     # ------------------------------------------------------------------------- the attempt
     def attempt(self, batch: Any, n: int, done: int, micro_batch_size: int) -> Attempt:
@@ -85,21 +128,28 @@ class StepCore:
                     inject = self._draw_injection(size)
                     if inject == "forward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
-                    loss = self._loss(to_device(micro, self.device))
+                    loss, items = loss_and_items(self.loss(to_device(micro, self.device)))
                     if inject == "backward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune before backward, p={self.inject_oom})")
-                    if self.keep_effective_batch:
-                        # Weight by the micro-batch's share so the accumulated gradient is the
-                        # gradient of the mean loss over the whole batch.
-                        self._backward(loss * (m / n))
-                    else:
+                    weight = m if items is None else items
+                    if not self.keep_effective_batch:
                         self._backward(loss)
                         self.optimizer_step(m)
                         if self.failure is not None:
                             return result
                         result.done += m
                         result.started = time.perf_counter()  # this chunk is stepped: kept
-                    result.loss_sum += loss.detach() * m
+                    elif items is None:
+                        # Weight by the micro-batch's share so the accumulated gradient is the
+                        # gradient of the mean loss over the whole batch.
+                        self._backward(loss * (m / n))
+                    else:
+                        if result.ref is None:
+                            result.ref = _at_least_one(items * (n / m) if m != n else items)
+                        self._backward(loss * (items / result.ref))
+                        result.items = items if result.items is None else result.items + items
+                    result.loss_sum += loss.detach() * weight
+                    result.weight = result.weight + weight
                     del loss
         except Exception as exc:
             if not is_oom(exc):
@@ -112,6 +162,7 @@ class StepCore:
                 result.not_supported = exc.with_traceback(None)
             if self.keep_effective_batch:
                 result.loss_sum.zero_()
+                result.weight, result.items, result.ref = 0, None, None
         return result
 
     def _draw_injection(self, size: int) -> str | None:
@@ -121,14 +172,19 @@ class StepCore:
             return None
         return "forward" if self._injector.random() < 0.5 else "backward"
 
-    def _loss(self, micro: Any) -> torch.Tensor:
+    def loss(self, micro: Any, module: nn.Module | None = None) -> Any:
+        """The user's step on one micro-batch (already on the device), under the autocast in
+        use: a loss or (loss, n_items). `module`: what to call (default: the training wrapper)."""
         if self.autocast is not None:
             with self.autocast.context():
-                return self._forward(micro)
-        return self._forward(micro)
+                return self._forward(micro, module)
+        return self._forward(micro, module)
 
-    def _forward(self, micro: Any) -> torch.Tensor:
-        module = self.ranks.module(self.model)
+    def _forward(self, micro: Any, module: nn.Module | None) -> Any:
+        if module is None:
+            module = self.compiled if self.compiled is not None else self.ranks.module(self.model)
+        if self.compiled_model:
+            map_tensors(_mark_batch_dynamic, micro)
         if self.step_fn is not None:
             return self.step_fn(module, micro)
         if not (isinstance(micro, (tuple, list)) and len(micro) == 2):
@@ -142,14 +198,18 @@ class StepCore:
 
     # ------------------------------------------------------------------------- the step
     def optimizer_step(self, n_samples: int) -> None:
-        """Step the optimizer on the accumulated gradients of `n_samples` samples (per rank).
+        """Step the optimizer on the accumulated gradients of `n_samples` samples (per rank):
+        unscaled (fp16) and clipped first, as one batch's gradient.
 
         An OOM inside optimizer.step() may leave some parameters updated and others not, and
         a smaller micro-batch cannot help it: it is not retried. It is kept in `failure` for
         the trainer (under torchrun every rank must learn of it before anyone stops)."""
         try:
+            if self.scaler is not None and (self.clip_grad_norm is not None or self.clip_grad_value is not None):
+                self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
+            self._clip()
             if self.scaler is not None:
-                self.scaler.step(self.optimizer)  # unscales; skips the step on inf/nan gradients
+                self.scaler.step(self.optimizer)  # skips the step on inf/nan gradients
                 self.scaler.update()
             else:
                 self.optimizer.step()
@@ -159,31 +219,96 @@ class StepCore:
             self.failure = f"out of memory in optimizer.step() at step {self.progress.step}: {oom_message(exc)}"
             return
         self.zero_grad()
-        if self.scheduler is not None:
+        if self.scheduler is not None and self.scheduler_interval == "step" and not self.plateau:
             self.scheduler.step()
         self.progress.step += 1
         self.progress.samples_seen += n_samples * self.ranks.world
+
+    def _clip(self) -> None:
+        if self.clip_grad_norm is None and self.clip_grad_value is None:
+            return
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self.clip_grad_norm is not None:
+            self.grad_norm = nn.utils.clip_grad_norm_(params, self.clip_grad_norm)  # the norm before clipping
+        if self.clip_grad_value is not None:
+            nn.utils.clip_grad_value_(params, self.clip_grad_value)
+
+    def step_scheduler(self, metric: float | None) -> None:
+        """The scheduler's step at an epoch end (scheduler_interval="epoch") or, for
+        ReduceLROnPlateau, on the metric it watches."""
+        if self.scheduler is None:
+            return
+        if self.plateau:
+            if metric is not None:
+                self.scheduler.step(metric)
+        else:
+            self.scheduler.step()
+
+    def reduce_gradients(self, attempt: Attempt) -> None:
+        """Each rank's accumulated gradients made the batch's: averaged over ranks (weighted by
+        samples), or divided by every rank's items together (weighted by items)."""
+        if attempt.items is None:
+            self.ranks.average_gradients()
+        else:
+            grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+            self.ranks.divide_by_items(grads, attempt.ref, attempt.items)
 
     def zero_grad(self) -> None:
         self.ranks.zero_grad(self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer, the scheduler and the injector's random stream (for exact resume)."""
+        """The optimizer, the scheduler, the gradient scaler and the injector's random stream."""
         version, keys, gauss = self._injector.getstate()
         return {"optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "injector": [version, list(keys), gauss]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])  # fp16: the loss scale it had reached
         version, keys, gauss = state["injector"]
         self._injector.setstate((version, tuple(keys), gauss))
 
+    def model_changed(self) -> None:
+        """A relief changed the model's modules: a compiled forward is compiled again."""
+        if self.compiled is not None:
+            self.compiled = torch.compile(self.ranks.module(self.model))
+        elif self.compiled_model:
+            torch._dynamo.reset()  # the user's compiled model: its cached graphs ran the old modules
+
     def enable_autocast(self) -> AutocastPlan | None:
-        """Run forward passes under autocast from now on (a relief); None where the device has none."""
+        """Run forward passes under autocast from now on (a relief); None where the device has none.
+        With a precision the user chose, nothing changes (see `relief/ladder.py`)."""
+        if self.precision != "fp32":
+            return self.autocast
         plan = autocast_plan(self.device)
         scaler = torch.amp.GradScaler(self.device.type) if plan is not None and plan.needs_scaler else None
         self.autocast, self.scaler = plan, scaler
         return plan
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether `model` is what `torch.compile(module)` returned."""
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def compile_count() -> int:
+    """Frames torch.compile has compiled in this process so far (a recompile is one more)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+def _mark_batch_dynamic(t: torch.Tensor) -> None:
+    # One graph for every micro-batch size (sizes 0 and 1 are still specialised by torch).
+    if t.ndim:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def _at_least_one(items: Any) -> Any:
+    # A weight against zero items would divide by zero; a batch with no items has no gradient anyway.
+    return items.clamp_min(1) if isinstance(items, torch.Tensor) else max(items, 1)

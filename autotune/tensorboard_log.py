@@ -68,8 +68,9 @@ class TensorBoardLog:
 
     def step(self, step: int, *, loss: float | None, samples_seen: int, step_samples: int, step_seconds: float,
              micro_batch_size: int, data_wait_fraction: float, used_bytes: int | None, cap_bytes: int | None,
-             allocated_bytes: int | None, reserved_bytes: int | None, demand: float | None) -> None:
-        """The figures of one completed optimizer step."""
+             allocated_bytes: int | None, reserved_bytes: int | None, demand: float | None,
+             grad_norm: float | None = None) -> None:
+        """The figures of one completed optimizer step (`grad_norm`: before clipping)."""
         now = time.monotonic()
         if self._last is not None and now > self._last[1] and samples_seen > self._last[0]:
             rate = (samples_seen - self._last[0]) / (now - self._last[1])  # since the last point: data waits included
@@ -84,7 +85,7 @@ class TensorBoardLog:
                            ("memory/cap_gib", None if cap_bytes is None else cap_bytes / _GIB),
                            ("memory/allocated_gib", None if allocated_bytes is None else allocated_bytes / _GIB),
                            ("memory/reserved_gib", None if reserved_bytes is None else reserved_bytes / _GIB),
-                           ("memory/step_demand", demand)):
+                           ("memory/step_demand", demand), ("train/grad_norm", grad_norm)):
             if value is not None:
                 add(tag, value, step)
 
@@ -96,6 +97,10 @@ class TensorBoardLog:
             self._writer.add_scalar("autotune/ooms", record["ooms"], step)
         elif kind == "epoch_end" and isinstance(record.get("loss"), (int, float)):
             self._writer.add_scalar("train/epoch_loss", record["loss"], step)
+        elif kind == "evaluate" and isinstance(record.get("metrics"), dict):
+            for name, value in record["metrics"].items():
+                if isinstance(value, (int, float)):
+                    self._writer.add_scalar(f"eval/{name}", value, step)
         elif kind == "sample_cache" and isinstance(record.get("hit_rate"), (int, float)):
             self._writer.add_scalar("input/sample_cache_hit_rate", record["hit_rate"], step)
         line = describe(record)

@@ -44,7 +44,7 @@ import gc
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from loguru import logger
@@ -53,12 +53,15 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autotune.actions import Relief
 from autotune.batching import SplitFn, batch_len
+from autotune.callbacks import Callbacks
 from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed, rank_rng_state, rng_state, set_rng_state
-from autotune.config import (OptimizerFactory, check_run_limits, check_sample_layout, injection_rate, make_optimizer,
-                             make_scheduler, resolve_device, resolve_memory_cap, resolve_micro_batch)
+from autotune.config import (OptimizerFactory, check_evaluation, check_run_limits, check_sample_layout,
+                             check_step_options, injection_rate, make_optimizer, make_scheduler, resolve_device,
+                             resolve_memory_cap, resolve_micro_batch)
 from autotune.data.pipeline import InputPipeline
 from autotune.dispatch import Dispatcher
 from autotune.distributed import Agreement, from_environment
+from autotune.evaluation import Evaluator, Metric
 from autotune.events import Event
 from autotune.journal import RunLog
 from autotune.knobs import Knobs
@@ -71,8 +74,13 @@ from autotune.presets import resolve_policies
 from autotune.progress import FitResult, Progress
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
 from autotune.snapshot import Snapshot, StepTiming
-from autotune.step import Attempt, LossFn, StepCore, StepFn
+from autotune.step import Attempt, LossFn, StepCore, StepFn, compile_count
 from autotune.validate import check_int
+
+
+def _is_zero(weight: Any) -> bool:
+    # Only a plain count can be told zero without reading the device; a tensor never is (items >= 1 by then).
+    return not isinstance(weight, torch.Tensor) and weight == 0
 
 
 def _counter(name: str) -> property:
@@ -87,7 +95,10 @@ class AutoTrainer:
         dataset: a map-style `Dataset` (batched here, with `batch_size`), or a `DataLoader`
             (its `batch_size` is the batch).
         loss_fn: `loss_fn(outputs, targets) -> mean loss`; batches are `(inputs, targets)`.
-        step_fn: instead of `loss_fn`, `step_fn(model, micro_batch) -> mean loss` for any layout.
+        step_fn: instead of `loss_fn`, `step_fn(model, micro_batch) -> mean loss` for any layout,
+            or `-> (mean loss, n_items)`: the loss is the mean over n_items items (label tokens,
+            say) and micro-batches are weighted by items, so a batch's step is the same at any
+            micro-batch size.
         optimizer: an optimizer over the model's parameters, or a factory `params -> Optimizer`;
             default AdamW(lr=1e-3).
         batch_size: samples per optimizer step.
@@ -109,7 +120,23 @@ class AutoTrainer:
             it into MEMORY_HIGH / MEMORY_PRESSURE events; False turns it off.
         monitor_interval: seconds between memory samples (0.05 to 10).
         scheduler: an LR scheduler over `optimizer` (or a factory optimizer -> scheduler),
-            stepped once per optimizer step and saved in checkpoints.
+            saved in checkpoints; stepped per `scheduler_interval` ("step": each optimizer
+            step, "epoch": each epoch end). A ReduceLROnPlateau steps on `scheduler_metric`
+            (default: the evaluation loss, or the epoch's training loss without `eval_dataset`).
+        precision: "fp32", or "bf16" / "fp16" (autocast; fp16 with a gradient scaler, saved in
+            checkpoints). With either, the autocast relief changes nothing.
+        clip_grad_norm, clip_grad_value: clip the whole batch's gradient once per optimizer
+            step (after every micro-batch, the ranks' average and unscaling); the norm before
+            clipping goes to steps.jsonl and TensorBoard.
+        eval_dataset, eval_every, eval_batch_size, metrics: evaluate every `eval_every` steps
+            or each "epoch" (the default with an eval_dataset), `eval_batch_size` samples a
+            batch (default `batch_size`) with an eval micro-batch of its own; `metrics` maps
+            names to `fn(outputs, targets)` (loss_fn) or `fn(outputs, micro_batch)` (step_fn),
+            each the mean over the micro-batch or `(mean, n_items)`. See `evaluate`.
+        callbacks: objects with any of on_fit_start, on_step_end, on_evaluate, on_epoch_end,
+            on_fit_end (see callbacks.py); their state_dict() goes into checkpoints.
+        compile: `torch.compile` the model (the batch dimension marked dynamic, so micro-batch
+            changes do not recompile each time). A model the user compiled is trained as it is.
         checkpoint_every: write a checkpoint every this many optimizer steps (at steps N, 2N, ...).
         checkpoint_interval: and/or every this many seconds (default 900; None: off). A
             checkpoint is also written at the end of `fit`, on SIGTERM/SIGINT, and before
@@ -139,13 +166,21 @@ class AutoTrainer:
                  run_dir: str | Path | None = None, checkpoint_every: int | None = None,
                  checkpoint_interval: float | None = 900.0, keep_checkpoints: int = 3,
                  progress: bool = True, monitor: bool = True, monitor_interval: float = 0.5,
-                 tensorboard: bool | str | Path = False):
+                 tensorboard: bool | str | Path = False, precision: str = "fp32",
+                 clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
+                 scheduler_interval: str = "step", scheduler_metric: str | None = None,
+                 eval_dataset: Dataset | DataLoader | None = None, eval_every: int | str | None = None,
+                 eval_batch_size: int | None = None, metrics: Mapping[str, Metric] | None = None,
+                 callbacks: Sequence[Any] | None = None, compile: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("pass exactly one of loss_fn(outputs, targets) or step_fn(model, micro_batch)")
         check_run_limits(checkpoint_every=checkpoint_every, checkpoint_interval=checkpoint_interval,
                          keep_checkpoints=keep_checkpoints, seed=seed, monitor=monitor, monitor_interval=monitor_interval)
+        check_step_options(precision=precision, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
+                           scheduler_interval=scheduler_interval, scheduler=scheduler)
+        self.callbacks = Callbacks(callbacks)
         self.ranks = from_environment()
         self.device = resolve_device(self.ranks.device_for(device, keep_effective_batch))
         self.ranks.join(self.device)
@@ -173,7 +208,17 @@ class AutoTrainer:
         self.core = StepCore(self.model, optimizer, make_scheduler(scheduler, optimizer), loss_fn=loss_fn,
                              step_fn=step_fn, split_fn=split_fn, device=self.device, ranks=self.ranks,
                              progress=self.progress, keep_effective_batch=keep_effective_batch,
-                             inject_oom=injection_rate(inject_oom), seed=seed)
+                             inject_oom=injection_rate(inject_oom), seed=seed, precision=precision,
+                             clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
+                             scheduler_interval=scheduler_interval, compile=compile)
+        check_evaluation(eval_dataset=eval_dataset, eval_every=eval_every, eval_batch_size=eval_batch_size,
+                         metrics=metrics, scheduler_metric=scheduler_metric, plateau=self.core.plateau)
+        self.eval_dataset = eval_dataset
+        self.eval_every = eval_every if eval_every is not None or eval_dataset is None else "epoch"
+        self.scheduler_metric = scheduler_metric
+        self.evaluator = Evaluator(self.core, batch_size=eval_batch_size or batch_size, collate_fn=collate_fn,
+                                   metrics=metrics, journal=self.journal)
+        self.metrics: dict[str, float] = {}  # the last evaluation's
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=keep_checkpoints, every=checkpoint_every,
                                          interval=checkpoint_interval, ranks=self.ranks, journal=self.journal)
         self.ladder = ReliefLadder(self.model, self.core, self.ranks, self.journal)
@@ -185,6 +230,9 @@ class AutoTrainer:
         self._allocator = None
         self._agreed: Agreement | None = None  # the last attempt's agreement: stop, checkpoint due
         self._loader_version = self.knobs.loader_version
+        self._stop_request: str | None = None  # request_stop's reason
+        self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"  # close() gives it back
+        self._closed = False
 
     step, epoch, position, batches_done, ooms, samples_seen = map(
         _counter, ("step", "epoch", "position", "batches_done", "ooms", "samples_seen"))
@@ -196,17 +244,23 @@ class AutoTrainer:
                                                           "changes workers or caching)")
 
     # ----------------------------------------------------------------------------- the loop
-    def fit(self, epochs: int = 1, max_steps: int | None = None, resume: bool = False) -> FitResult:
-        """Train until `epochs` epochs (or `max_steps` optimizer steps) are done in all.
+    def fit(self, epochs: int = 1, max_steps: int | None = None, resume: bool | str | Path = False) -> FitResult:
+        """Train until `epochs` epochs (or `max_steps` optimizer steps) are done in all, or a
+        callback calls `request_stop`.
 
         With `resume=True`, first continue from the newest valid checkpoint in `run_dir`
-        (none: start fresh, and say so). A deterministic run that is killed and resumed
-        ends with the same weights and `samples_seen` as one that was not.
+        (none: start fresh, and say so); with a path, from that checkpoint file. A
+        deterministic run that is killed and resumed ends with the same weights and
+        `samples_seen` as one that was not.
         """
         check_int("", "epochs", epochs, 1)
         check_int("", "max_steps", max_steps, 1, optional=True)
-        if resume:
-            self.checkpointer.resume(self.load_state_dict, self.progress, self.device)
+        if self._closed:
+            raise RuntimeError("this AutoTrainer was closed: build a new one to train again")
+        if resume is not False:
+            path = None if resume is True else Path(resume)
+            self.checkpointer.resume(self.load_state_dict, self.progress, self.device, path=path)
+        self._stop_request = None
         warm_up_oom_path(self.device, self.knobs.memory_cap_bytes)
         self.core.zero_grad()
         self.demand.measure_room()
@@ -219,7 +273,9 @@ class AutoTrainer:
         logger.info(f"training on {self.device}: batch {self.knobs.batch_size}, micro-batch "
                     f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
         self.monitor_link.start(self.step, self.epoch)
+        compiles = compile_count()
         self._fire(Event.FIT_START)
+        self.callbacks.fire("on_fit_start", self)
         self.log.open_bar(self.input.planned_batches(self.progress, epochs, max_steps, self.keep_effective_batch))
         # A full gc.collect() after an OOM walks every object torch and the user's code
         # created (~0.2 s). Freezing what exists now leaves it only the objects made
@@ -230,9 +286,10 @@ class AutoTrainer:
         epoch_loss = None
         try:
             with StopRequests() as self._stop:
-                while self.epoch < epochs and (max_steps is None or self.step < max_steps):
+                while self.epoch < epochs and (max_steps is None or self.step < max_steps) \
+                        and self._stop_request is None:
                     epoch_loss = self._train_epoch(max_steps)
-            self._checkpoint("end")
+            self._checkpoint("end" if self._stop_request is None else "stop_requested")
         except BaseException as exc:
             # On the record before it propagates, so a crashed run's journal says why it ended.
             self.journal.write("fit_failed", self.step, self.epoch, error=f"{type(exc).__name__}: {exc}"[:500],
@@ -249,19 +306,66 @@ class AutoTrainer:
                                                                                  self.knobs.batch_size)
         result = FitResult(samples_seen=self.samples_seen, steps=self.step, epochs=self.epoch, batch_size=step_size,
                            micro_batch_size=self.knobs.micro_batch_size, ooms=self.ooms, loss=epoch_loss,
-                           wall_seconds=wall, run_dir=self.run_dir)
+                           wall_seconds=wall, run_dir=self.run_dir, metrics=dict(self.metrics),
+                           stopped=self._stop_request)
+        compiled = {"compiles": compile_count() - compiles} if self.core.compiled_model else {}
         self.journal.write("fit_end", self.step, self.epoch, samples_seen=result.samples_seen, ooms=self.ooms,
                            batch_size=result.batch_size, micro_batch_size=result.micro_batch_size,
-                           wall_seconds=wall, loss=epoch_loss)
+                           wall_seconds=wall, loss=epoch_loss, metrics=result.metrics, stopped=result.stopped,
+                           **compiled)
         self.log.flush()
         self._fire(Event.FIT_END)
+        self.callbacks.fire("on_fit_end", self, result)
         return result
+
+    def evaluate(self, dataset: Dataset | DataLoader | None = None) -> dict[str, float]:
+        """The mean loss (`"loss"`) and every metric over `dataset` (default: `eval_dataset`),
+        in eval mode under `torch.no_grad()`, averaged over items where the step reports them.
+        Evaluation has a micro-batch of its own: an OOM halves it and runs the same samples
+        again (none is lost), and the training micro-batch stays as it is."""
+        dataset = self.eval_dataset if dataset is None else dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs a dataset: pass one, or eval_dataset= to AutoTrainer")
+        try:
+            metrics = self.evaluator.run(dataset, self.step, self.epoch)
+        except OutOfMemory:
+            self._checkpoint("out_of_memory")  # the training so far survives the error
+            raise
+        self.metrics = metrics
+        logger.info("evaluation at step {}: {}", self.step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        self.callbacks.fire("on_evaluate", self, metrics)
+        if self.core.plateau and self.eval_dataset is not None and (self.scheduler_metric or "loss") != "train_loss":
+            self.core.step_scheduler(metrics[self.scheduler_metric or "loss"])
+        return metrics
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """End the fit after the current step, with a checkpoint (early stopping, from a callback).
+        `FitResult.stopped` says why; a later `fit` call goes on from there."""
+        self._stop_request = str(reason)
+
+    def close(self) -> None:
+        """Leave the user's model as it was given (the trainer's hook off it), give back the CUDA
+        memory fraction, and close the journal, steps log and TensorBoard. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.ladder.close()
+        self.monitor_link.stop()
+        if self._memory_fraction_set:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        self.log.close()
+
+    def __enter__(self) -> "AutoTrainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _train_epoch(self, max_steps: int | None) -> float | None:
         self._fire(Event.EPOCH_START)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)  # summed on the device: no sync per step
-        loss_samples = 0
+        loss_weight: Any = 0  # samples, or items where the step reports them
         batches = self.input.batches(self.epoch, self.position, self.batches_done)
         finished_epoch = True
         while True:
@@ -273,19 +377,19 @@ class AutoTrainer:
             step_start = time.perf_counter()
             n = batch_len(batch)
             self.demand.start()
-            retries, batch_loss = self._train_batch(batch, n)
+            retries, batch_loss, weight = self._train_batch(batch, n)
             self._last_good_micro = self.knobs.micro_batch_size
             self.demand.finish()
             step_end = time.perf_counter()
             loss_sum += batch_loss
-            loss_samples += n
+            loss_weight = loss_weight + weight
             self.progress.position += n
             self.progress.batches_done += 1
             # One memory_stats() call a step (CUDA); its peak was reset by self.demand.start().
             self._allocator = allocator_stats(self.device, reset_peak=False)
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
                                 retries=retries)
-            self._log_step(timing, n, batch_loss)
+            self._log_step(timing, n, batch_loss / weight if not _is_zero(weight) else batch_loss)
             self._fire(Event.BATCH_END, timing=timing)
             self.ladder.effect(self.demand.last, self.step, self.epoch)
             self._carry_out(self.ranks.relief_now(self.knobs, self.ladder.take_agreed()))
@@ -296,7 +400,7 @@ class AutoTrainer:
             if self.knobs.loader_version != self._loader_version:  # a policy changed workers or caching
                 del batches  # its workers exit before the new loader's start
                 batches = self._rebuild_loader()
-            self.log.show(step_end, loss=lambda: f"{loss_sum.item() / max(loss_samples, 1):.4f}",
+            self.log.show(step_end, loss=lambda: f"{float(loss_sum / loss_weight) if not _is_zero(loss_weight) else 0:.4f}",
                           micro=self.knobs.micro_batch_size,
                           mem=lambda: memory_text(self.device, self.knobs.memory_cap_bytes))
             if self._agreed.stop_signal:  # agreed by all ranks under torchrun
@@ -305,10 +409,16 @@ class AutoTrainer:
                                                   self.progress)
             if self._agreed.checkpoint_due:
                 self._checkpoint("every" if self._agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
+            self.callbacks.fire("on_step_end", self)
+            if isinstance(self.eval_every, int) and self.step % self.eval_every == 0:
+                self.evaluate()
+            if self._stop_requested():
+                finished_epoch = False
+                break
             if max_steps is not None and self.step >= max_steps:
                 finished_epoch = False
                 break
-        epoch_loss = loss_sum.item() / loss_samples if loss_samples else None
+        epoch_loss = float(loss_sum / loss_weight) if not _is_zero(loss_weight) else None
         if finished_epoch:
             self.progress.epoch += 1
             self.progress.position = self.progress.batches_done = 0
@@ -316,20 +426,43 @@ class AutoTrainer:
                                loss=epoch_loss, micro_batch_size=self.knobs.micro_batch_size)
             self.input.epoch_end(self.journal, self.step, self.epoch - 1)
             self._fire(Event.EPOCH_END)
+            if self.eval_every == "epoch":
+                self.evaluate()
+            if self.core.scheduler_interval == "epoch" and not self.core.plateau:
+                self.core.step_scheduler(None)
+            elif self.core.plateau and (self.eval_dataset is None or self.scheduler_metric == "train_loss"):
+                self.core.step_scheduler(epoch_loss)
+            self.callbacks.fire("on_epoch_end", self)
+            self._stop_requested()
         return epoch_loss
 
-    def _train_batch(self, batch: Any, n: int) -> tuple[int, torch.Tensor]:
+    def _stop_requested(self) -> bool:
+        # Under torchrun a stop any rank's callback asked for stops every rank at the same step
+        # (one small all-reduce a step, only when there are callbacks).
+        if self.callbacks and self.ranks.world > 1:
+            if self.ranks.any(self._stop_request is not None, self.device) and self._stop_request is None:
+                self._stop_request = "another rank's callback asked to stop"
+        if self._stop_request is not None:
+            self.journal.write("stop_requested", self.step, self.epoch, reason=self._stop_request)
+            logger.info(f"stopping at step {self.step}: {self._stop_request}")
+            return True
+        return False
+
+    def _train_batch(self, batch: Any, n: int) -> tuple[int, torch.Tensor, Any]:
         """Train on one batch until every sample of it is in a completed optimizer step.
 
-        Returns the number of OOMs survived on it and its summed (not mean) loss.
+        Returns the number of OOMs survived on it, its summed (not mean) loss and what that is
+        summed over (samples, or the step's items).
         """
         done = 0  # samples whose optimizer step has completed
         tried: list[int] = []
         loss_sum = torch.zeros((), device=self.device)
+        weight: Any = 0
         while done < n:
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size)
             done = attempt.done
             loss_sum += attempt.loss_sum  # with keep_effective_batch=False: the chunks already stepped
+            weight = weight + attempt.weight
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
             # rank that ran out of memory. A checkpoint is due by the step this batch ends at.
             agreed = self._agreed = self.ranks.agree(Agreement(
@@ -343,7 +476,7 @@ class AutoTrainer:
                 self._give_up_on_the_step(agreed.fatal)
             if agreed.failed_size is None:
                 if self.keep_effective_batch:
-                    self.ranks.average_gradients()
+                    self.core.reduce_gradients(attempt)
                     self.core.optimizer_step(n)
                     done = n
                 failure = self.ranks.known_to_all(self.core.failure)
@@ -354,7 +487,7 @@ class AutoTrainer:
             # the tensors they pinned (activations, partial gradients) can be freed.
             tried.append(agreed.failed_size)
             self._recover_from_oom(agreed.failed_size, tried, attempt)
-        return len(tried), loss_sum
+        return len(tried), loss_sum, weight
 
     def _recover_from_oom(self, failed_size: int, tried: list[int], attempt: Attempt) -> None:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""
@@ -438,7 +571,7 @@ class AutoTrainer:
                       data_wait_fraction=timing.data_wait_fraction, demand=self.demand.last,
                       allocated_bytes=allocator.allocated_bytes if allocator else None,
                       reserved_bytes=allocator.reserved_bytes if allocator else None,
-                      batch_loss=batch_loss, sample=self.monitor_link.latest)
+                      batch_loss=batch_loss, sample=self.monitor_link.latest, grad_norm=self.core.grad_norm)
 
     def _rebuild_loader(self) -> Iterator[Any]:
         self._loader_version = self.knobs.loader_version
@@ -453,7 +586,8 @@ class AutoTrainer:
         return {"format": 1, "model": self.model.state_dict(), **self.core.state_dict(), **self.progress.state_dict(),
                 "batch_size": self.knobs.batch_size, "micro_batch_size": self.knobs.micro_batch_size,
                 "num_workers": self.knobs.num_workers, "reliefs": self.ladder.state_dict(),
-                "policies": self.dispatcher.state_dict(), "rng": rng_state()}
+                "policies": self.dispatcher.state_dict(), "evaluation": self.evaluator.state_dict(),
+                "callbacks": self.callbacks.state_dict(), "rng": rng_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
@@ -469,6 +603,9 @@ class AutoTrainer:
         if self.knobs.restore(state["micro_batch_size"], workers):  # as tuned before the stop
             self.input.set_workers(workers)
         self.dispatcher.load_state_dict(state["policies"])
+        if state.get("evaluation"):
+            self.evaluator.load_state_dict(state["evaluation"])
+        self.callbacks.load_state_dict(state.get("callbacks", {}))
         set_rng_state(rank_rng_state(state, self.ranks.rank, self.ranks.world))
 
     def _checkpoint(self, reason: str, report_failure: bool = True) -> Path | None:

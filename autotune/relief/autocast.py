@@ -33,3 +33,11 @@ def autocast_plan(device: torch.device) -> AutocastPlan | None:
     if device.type == "cpu":
         return AutocastPlan("cpu", torch.bfloat16, needs_scaler=False)
     return None
+
+
+def precision_plan(precision: str, device: torch.device) -> AutocastPlan | None:
+    """The autocast for a precision the user chose: None for "fp32"; "fp16" needs a gradient scaler."""
+    if precision == "fp32":
+        return None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return AutocastPlan(device.type, dtype, needs_scaler=dtype is torch.float16)

@@ -99,9 +99,14 @@ class ReliefLadder:
         # Under torchrun: rank 0's relief, agreed by every rank, carried out at the next safe point.
         self.agreed: Relief | None = None
         self._inputs = _InputCatcher()
-        model.register_forward_pre_hook(self._inputs, with_kwargs=True)
+        self._hook = model.register_forward_pre_hook(self._inputs, with_kwargs=True)
         self._watch: dict[str, Any] | None = None
         self._history: list[dict[str, Any]] = []  # each prune: the traced example and Torch-Pruning's history
+
+    def close(self) -> None:
+        """Take the input catcher off the model (the reliefs applied stay)."""
+        self._hook.remove()
+        self._inputs.example = None
 
     def take_agreed(self) -> Relief | None:
         """The agreed relief, now taken to carry out (or dropped)."""
@@ -132,6 +137,8 @@ class ReliefLadder:
             logger.warning(f"memory relief {kind} not applied: {why}")
             raise ReliefFailed(f"{kind}: {why}")
         self.applied.append(kind)
+        if kind != "autocast":
+            self.core.model_changed()  # a compiled forward must see the new modules
         self.last_step = step
         self._watch = {"relief": kind, "from_step": step, "demands": []}
         self.journal.write("relief", step, epoch, relief=kind, demand_before=demand, **details)
@@ -143,6 +150,8 @@ class ReliefLadder:
         if isinstance(action, PruneChannels):
             return self._prune(action.ratio, checkpoint)
         if RELIEF_NAMES[type(action)] == "autocast":
+            if self.core.precision != "fp32":
+                return {"note": f"precision={self.core.precision!r} was chosen for this run: autocast changes nothing"}
             plan = self.core.enable_autocast()
             if plan is None:
                 return {"note": f"no autocast on {self.core.device.type}"}
@@ -188,8 +197,8 @@ class ReliefLadder:
 
     # ------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"applied": list(self.applied), "pruning": self._history, "pruned_fraction": self.pruned_fraction,
-                "grad_scaler": self.core.scaler.state_dict() if self.core.scaler is not None else None}
+        # The gradient scaler's state is the step core's (step.py).
+        return {"applied": list(self.applied), "pruning": self._history, "pruned_fraction": self.pruned_fraction}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Make this (fresh) trainer's model and forward what they were when the checkpoint was
@@ -216,5 +225,7 @@ class ReliefLadder:
                 self._history.append(entry)
             self.applied.append(kind)
         self.pruned_fraction = saved.get("pruned_fraction", 0.0)
+        if any(kind != "autocast" for kind in applied):
+            self.core.model_changed()
         if self.core.scaler is not None and saved.get("grad_scaler"):
             self.core.scaler.load_state_dict(saved["grad_scaler"])  # fp16: the loss scale it had reached

@@ -1,0 +1,152 @@
+"""Evaluation: the loss and metrics over a dataset, in eval mode, under `torch.no_grad()`,
+with a micro-batch of its own that survives out-of-memory errors.
+
+    for batch in loader (each rank its share of the samples, in order):
+      for micro in split(batch, eval micro-batch):
+        loss = step(model, micro); metrics(outputs, targets)   # outputs caught by a forward hook
+        OOM: free, halve the eval micro-batch, the same micro-batch again (nothing is lost:
+             a micro-batch's figures are kept only once it has run)
+        calm: after `grow_after` micro-batches, double, but never to a size that failed
+    sum the figures over ranks (one all-reduce), divide by their items
+
+The training micro-batch is never touched: evaluation holds no gradients or optimizer
+state, so what fits here says little about training, and the other way round.
+A metric is `fn(outputs, targets) -> value` (with `loss_fn`; targets: the batch's second
+part) or `fn(outputs, micro_batch) -> value` (with `step_fn`), where `value` is the mean over
+the micro-batch's samples, or `(mean, n_items)` to be weighted by items.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+from loguru import logger
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from autotune.batching import batch_len, micro_batches
+from autotune.memory import describe_memory, free_memory
+from autotune.oom import OutOfMemory, is_oom, oom_message
+from autotune.step import StepCore, loss_and_items, to_device
+
+Metric = Callable[[Any, Any], Any]
+
+
+class Evaluator:
+    """Runs evaluations for one trainer; remembers its micro-batch between them."""
+
+    def __init__(self, core: StepCore, *, batch_size: int, collate_fn: Callable | None,
+                 metrics: Mapping[str, Metric] | None, journal: Any, grow_after: int = 16):
+        self.core, self.journal = core, journal
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        self.metrics = dict(metrics or {})
+        self.micro_batch_size = batch_size
+        self.failed_size: int | None = None  # the smallest size that ran out of memory: never again
+        self.grow_after = grow_after
+        self.ooms = 0
+
+    def loader(self, dataset: Dataset | DataLoader) -> DataLoader:
+        if isinstance(dataset, DataLoader):
+            return dataset
+        ranks = self.core.ranks
+        if ranks.world > 1:  # each rank its share, in order; the sums meet at the end
+            dataset = Subset(dataset, range(ranks.rank, len(dataset), ranks.world))
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate_fn)
+
+    def run(self, dataset: Dataset | DataLoader, step: int, epoch: int) -> dict[str, float]:
+        """The mean loss (`"loss"`) and every metric over `dataset`."""
+        model = self.core.model
+        was_training = model.training
+        started, ooms_before, samples = time.perf_counter(), self.ooms, 0
+        outputs: list[Any] = [None]
+        hook = model.register_forward_hook(lambda _m, _i, out: outputs.__setitem__(0, out)) if self.metrics else None
+        names = ["loss", *self.metrics]
+        sums = torch.zeros(2 * len(names), dtype=torch.float64, device=self.core.device)  # value, weight pairs
+        model.eval()
+        try:
+            with torch.no_grad():
+                for batch in self.loader(dataset):
+                    samples += self._batch(batch, sums, outputs, step, epoch)
+        finally:
+            outputs[0] = None
+            if hook is not None:
+                hook.remove()
+            model.train(was_training)
+        sums = self.core.ranks.sum(sums)
+        values = sums.tolist()
+        result = {name: values[2 * i] / values[2 * i + 1] if values[2 * i + 1] else float("nan")
+                  for i, name in enumerate(names)}
+        self.journal.write("evaluate", step, epoch, metrics=result, samples=samples * self.core.ranks.world,
+                           micro_batch_size=self.micro_batch_size, ooms=self.ooms - ooms_before,
+                           seconds=round(time.perf_counter() - started, 4))
+        return result
+
+    def _batch(self, batch: Any, sums: torch.Tensor, outputs: list, step: int, epoch: int) -> int:
+        n = batch_len(batch)
+        done, calm = 0, 0
+        while done < n:
+            size, failed = self.micro_batch_size, None
+            try:
+                for micro, m in micro_batches(batch, size, start=done, split_fn=self.core.split_fn):
+                    self._accumulate(to_device(micro, self.core.device), m, sums, outputs)
+                    done += m
+                    calm += 1
+                    if calm >= self.grow_after and self._grow():
+                        calm = 0
+                        break  # the rest of the batch at the larger size
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                failed = oom_message(exc)
+            if failed is not None:  # outside `except`: the failed micro-batch's tensors can go
+                outputs[0] = None
+                free_memory(self.core.device)
+                self._shrink(size, failed, step, epoch)
+                calm = 0
+        return n
+
+    def _accumulate(self, micro: Any, m: int, sums: torch.Tensor, outputs: list) -> None:
+        loss, items = loss_and_items(self.core.loss(micro, module=self.core.model))
+        figures = [(loss, m if items is None else items)]
+        targets = micro[1] if self.core.step_fn is None else micro
+        for name, metric in self.metrics.items():
+            value = metric(outputs[0], targets)
+            if isinstance(value, tuple):
+                value, weight = value
+            else:
+                weight = m
+            figures.append((value, weight))
+        # Only now, with every figure of the micro-batch in hand: an OOM above loses nothing.
+        for i, (value, weight) in enumerate(figures):
+            value = torch.as_tensor(value, dtype=torch.float64, device=sums.device)
+            weight = torch.as_tensor(weight, dtype=torch.float64, device=sums.device)
+            sums[2 * i] += value.detach() * weight
+            sums[2 * i + 1] += weight
+        outputs[0] = None
+
+    def _shrink(self, size: int, message: str, step: int, epoch: int) -> None:
+        self.ooms += 1
+        self.failed_size = size if self.failed_size is None else min(self.failed_size, size)
+        self.journal.write("eval_oom", step, epoch, micro_batch_size=size, message=message)
+        if size <= 1:
+            memory = describe_memory(self.core.device)
+            raise OutOfMemory(f"out of memory in evaluation on {self.core.device} even at micro-batch 1. "
+                              f"Memory: {memory}. Last error: {message}")
+        self.micro_batch_size = size // 2
+        logger.warning(f"out of memory in evaluation at micro-batch {size}; the same samples at {size // 2}")
+
+    def _grow(self) -> bool:
+        bigger = min(self.micro_batch_size * 2, self.batch_size)
+        if bigger <= self.micro_batch_size or (self.failed_size is not None and bigger >= self.failed_size):
+            return False
+        self.micro_batch_size = bigger
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": self.micro_batch_size, "failed_size": self.failed_size, "ooms": self.ooms}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro_batch_size = min(state["micro_batch_size"], self.batch_size)
+        self.failed_size, self.ooms = state["failed_size"], state["ooms"]
