@@ -1,6 +1,8 @@
 """The step core's failure paths, through AutoTrainer: errors that are OOMs in disguise, an OOM
 in optimizer.step(), and cuDNN's NOT_SUPPORTED that may not be about memory at all."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -116,3 +118,149 @@ def test_cudnn_not_supported_above_a_floor_of_its_own_is_the_original_error_too(
     with pytest.raises(RuntimeError, match="CUDNN_STATUS_NOT_SUPPORTED") as info:
         run.fit(epochs=1)
     assert not isinstance(info.value, OutOfMemory) and run.reliefs == []
+
+
+# ----------------------------------------------------------------------------- what the step learns
+def hungry_above(limit):
+    """A step whose memory need exceeds any machine's above `limit` samples: a real allocator refusal."""
+    def step(model, micro):
+        if len(micro[0]) > limit:
+            torch.empty(1 << 55, dtype=torch.uint8)  # DefaultCPUAllocator: can't allocate memory
+        return plain(model, micro)
+    return step
+
+
+def weights(net):
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def assert_same(a, b, rtol=1e-5, atol=1e-7):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+def max_relative_difference(a, b):
+    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def causal_lm():
+    pytest.importorskip("transformers")
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("hf_causal_lm", Path(__file__).parents[1] / "examples" / "hf_causal_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_causal_lm(example, tmp_path, micro, step_fn, name):
+    model, train, _, collator = example.build(samples=64, vocab_size=512)
+    run = AutoTrainer(model, train, step_fn=step_fn, collate_fn=collator, batch_size=16, micro_batch_size=micro,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.5), device="cpu", progress=False, monitor=False,
+                      policies=[], run_dir=tmp_path / name, shuffle=False)
+    run.fit(epochs=1)
+    return weights(model)
+
+
+def test_token_weighted_steps_are_the_same_at_micro_batch_4_and_16(tmp_path, causal_lm):
+    # The HF example's model, its collator (a BatchEncoding) and its (loss, n_items) step.
+    at_4 = train_causal_lm(causal_lm, tmp_path, 4, causal_lm.step, "items4")
+    at_16 = train_causal_lm(causal_lm, tmp_path, 16, causal_lm.step, "items16")
+    assert_same(at_4, at_16)
+    # Weighted by samples instead (the loss alone), the same two runs learn different weights.
+    loss_only = lambda model, batch: causal_lm.step(model, batch)[0]  # noqa: E731
+    by_samples = train_causal_lm(causal_lm, tmp_path, 4, loss_only, "samples4")
+    assert max_relative_difference(by_samples, at_16) > 1e-3
+
+
+def hand_loop(clip_norm=None, clip_value=None, epochs=1, precision=None):
+    """What the trainer must equal: the whole batch at once, clipped once, stepped."""
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(data(), batch_size=8, shuffle=False)
+    norms = []
+    for _ in range(epochs):
+        for x, y in loader:
+            plain(net, (x, y)).backward()
+            if clip_norm is not None:
+                norms.append(nn.utils.clip_grad_norm_(net.parameters(), clip_norm).item())
+            if clip_value is not None:
+                nn.utils.clip_grad_value_(net.parameters(), clip_value)
+            opt.step()
+            opt.zero_grad()
+    return weights(net), norms
+
+
+@pytest.mark.parametrize("clip", [{"clip_grad_norm": 0.3}, {"clip_grad_value": 0.02}])
+def test_clipping_with_accumulation_and_ooms_equals_a_loop_that_clips_the_whole_batch(tmp_path, clip):
+    run, net = trainer(tmp_path, hungry_above(2), shuffle=False, policies="default", **clip)
+    result = run.fit(epochs=1)
+    expected, norms = hand_loop(clip.get("clip_grad_norm"), clip.get("clip_grad_value"))
+    assert result.ooms >= 1 and result.micro_batch_size <= 2
+    assert_same(weights(net), expected, rtol=1e-5, atol=1e-6)
+    unclipped, _ = hand_loop()
+    assert max_relative_difference(expected, unclipped) > 1e-3  # the clipping did something
+    if norms:
+        steps = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
+        assert [s["grad_norm"] for s in steps] == pytest.approx(norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_runs_resume_exactly(tmp_path, precision):
+    def make(name):
+        return trainer(tmp_path, plain, name, precision=precision, clip_grad_norm=1.0, shuffle=True, seed=3,
+                       optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+
+    whole, whole_net = make("whole")
+    whole.fit(epochs=2)
+    first, _ = make("halves")
+    first.fit(epochs=2, max_steps=5)
+    state = torch.load(next((tmp_path / "halves" / "checkpoints").glob("*.pt")), weights_only=True)
+    if precision == "fp16":
+        assert state["grad_scaler"]["scale"] > 0  # the loss scale reached travels in the checkpoint
+    second, second_net = make("halves")
+    second.fit(epochs=2, resume=True)
+    assert_same(weights(second_net), weights(whole_net), rtol=0, atol=0)
+    assert whole.core.autocast.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def test_the_autocast_relief_says_it_changes_nothing_when_a_precision_was_chosen(tmp_path):
+    from autotune.actions import UseAutocast
+
+    run, _ = trainer(tmp_path, plain, precision="bf16")
+    assert run._carry_out(UseAutocast(reason="test"))
+    (relief,) = [r for r in journal(tmp_path / "run") if r["kind"] == "relief"]
+    assert "changes nothing" in relief["note"] and run.core.autocast.dtype == torch.bfloat16
+
+
+def test_schedules_by_epoch_and_on_a_plateau(tmp_path):
+    by_epoch, _ = trainer(tmp_path, plain, "epoch", scheduler_interval="epoch",
+                          scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    by_epoch.fit(epochs=3)
+    assert by_epoch.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    # An improvement must beat the best by 10: none after the first evaluation, so the next one cuts the lr.
+    plateau = lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(  # noqa: E731
+        o, patience=0, factor=0.1, threshold=10, threshold_mode="abs")
+    on_eval, _ = trainer(tmp_path, plain, "plateau", scheduler=plateau, eval_dataset=data(16), eval_every=2)
+    on_eval.fit(epochs=1)  # 4 steps: evaluations at 2 and 4
+    assert on_eval.optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="scheduler_metric"):
+        trainer(tmp_path, plain, "bad", scheduler=plateau, eval_dataset=data(16), scheduler_metric="accuracy")
+
+
+@pytest.mark.parametrize("bad, match", [({"precision": "fp8"}, "precision='fp8'"),
+                                        ({"clip_grad_norm": 0}, "clip_grad_norm"),
+                                        ({"scheduler_interval": "batch"}, "scheduler_interval"),
+                                        ({"eval_every": 5}, "eval_every=5 needs eval_dataset"),
+                                        ({"metrics": {"loss": len}, "eval_dataset": []}, "other than 'loss'")])
+def test_bad_step_options_are_named(tmp_path, bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        trainer(tmp_path, plain, **bad)
+
+
+def test_a_step_that_returns_something_else_is_a_clear_error(tmp_path):
+    run, _ = trainer(tmp_path, lambda model, micro: (plain(model, micro), "many"))
+    with pytest.raises(TypeError, match="n_items must be an int"):
+        run.fit(epochs=1)
