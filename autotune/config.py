@@ -156,8 +156,10 @@ def check_run_limits(*, checkpoint_every: Any, checkpoint_interval: Any, keep_ch
 
 
 def check_step_options(*, precision: Any, clip_grad_norm: Any, clip_grad_value: Any, scheduler_interval: Any,
-                       scheduler: Any) -> None:
-    """Precision, clipping and the scheduler's interval."""
+                       compile: Any) -> None:
+    """Precision, clipping, the scheduler's interval and torch.compile's options."""
+    if not isinstance(compile, (bool, dict)):
+        raise TypeError(f"compile={compile!r}: pass True/False or a dict of torch.compile options")
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: pass one of {', '.join(map(repr, PRECISIONS))}")
     check_positive("", "clip_grad_norm", clip_grad_norm, optional=True)

@@ -89,7 +89,7 @@ class StepCore:
                  loss_fn: LossFn | None, step_fn: StepFn | None, split_fn: SplitFn | None, device: torch.device,
                  ranks: Solo | Ranks, progress: Progress, keep_effective_batch: bool, inject_oom: float, seed: int,
                  precision: str = "fp32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
-                 scheduler_interval: str = "step", compile: bool = False):
+                 scheduler_interval: str = "step", compile: bool | dict[str, Any] = False):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loss_fn, self.step_fn, self.split_fn = loss_fn, step_fn, split_fn
         self.device, self.ranks, self.progress = device, ranks, progress
@@ -104,8 +104,10 @@ class StepCore:
         self.scheduler_interval = scheduler_interval
         # torch.compile: ours (compile=True) over what forward calls, or the user's own compiled
         # model; either way the batch dimension is marked dynamic (micro-batch changes).
-        self.compiled: nn.Module | None = torch.compile(ranks.module(model)) if compile else None
-        self.compiled_model = compile or is_compiled(model)
+        self.compile_options = (compile if isinstance(compile, dict) else {}) if compile is not False else None
+        self.compiled: nn.Module | None = (torch.compile(ranks.module(model), **self.compile_options)
+                                           if self.compile_options is not None else None)
+        self.compiled_model = self.compiled is not None or is_compiled(model)
         self.grad_norm: torch.Tensor | None = None  # the last step's gradient norm before clipping
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
 
@@ -276,7 +278,7 @@ class StepCore:
     def model_changed(self) -> None:
         """A relief changed the model's modules: a compiled forward is compiled again."""
         if self.compiled is not None:
-            self.compiled = torch.compile(self.ranks.module(self.model))
+            self.compiled = torch.compile(self.ranks.module(self.model), **self.compile_options)
         elif self.compiled_model:
             torch._dynamo.reset()  # the user's compiled model: its cached graphs ran the old modules
 

@@ -136,7 +136,8 @@ class AutoTrainer:
         callbacks: objects with any of on_fit_start, on_step_end, on_evaluate, on_epoch_end,
             on_fit_end (see callbacks.py); their state_dict() goes into checkpoints.
         compile: `torch.compile` the model (the batch dimension marked dynamic, so micro-batch
-            changes do not recompile each time). A model the user compiled is trained as it is.
+            changes do not recompile each time); a dict is passed to torch.compile as options
+            (`{"backend": "aot_eager"}`). A model the user compiled is trained as it is.
         checkpoint_every: write a checkpoint every this many optimizer steps (at steps N, 2N, ...).
         checkpoint_interval: and/or every this many seconds (default 900; None: off). A
             checkpoint is also written at the end of `fit`, on SIGTERM/SIGINT, and before
@@ -171,7 +172,7 @@ class AutoTrainer:
                  scheduler_interval: str = "step", scheduler_metric: str | None = None,
                  eval_dataset: Dataset | DataLoader | None = None, eval_every: int | str | None = None,
                  eval_batch_size: int | None = None, metrics: Mapping[str, Metric] | None = None,
-                 callbacks: Sequence[Any] | None = None, compile: bool = False):
+                 callbacks: Sequence[Any] | None = None, compile: bool | dict[str, Any] = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if (loss_fn is None) == (step_fn is None):
@@ -179,7 +180,7 @@ class AutoTrainer:
         check_run_limits(checkpoint_every=checkpoint_every, checkpoint_interval=checkpoint_interval,
                          keep_checkpoints=keep_checkpoints, seed=seed, monitor=monitor, monitor_interval=monitor_interval)
         check_step_options(precision=precision, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                           scheduler_interval=scheduler_interval, scheduler=scheduler)
+                           scheduler_interval=scheduler_interval, compile=compile)
         self.callbacks = Callbacks(callbacks)
         self.ranks = from_environment()
         self.device = resolve_device(self.ranks.device_for(device, keep_effective_batch))

@@ -251,3 +251,67 @@ def test_a_dropped_trainer_is_freed_at_once(tmp_path):
 
 def test_a_negative_seed_is_still_a_seed(tmp_path):
     assert trainer(tmp_path, seed=-3, monitor=False).fit(max_steps=1).steps == 1
+
+
+def test_a_detection_style_batch_is_split_by_sample(tmp_path):
+    # torchvision's detection references collate with tuple(zip(*batch)): images of different
+    # sizes and per-image target dicts. A tiny "detector" pools each image and regresses a box.
+    class Images(Dataset):
+        def __len__(self):
+            return 24
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            image = torch.rand(3, 8 + i % 5, 10 - i % 3, generator=g)
+            boxes = torch.rand(1 + i % 3, 4, generator=g)
+            return image, {"boxes": boxes, "labels": torch.ones(len(boxes), dtype=torch.int64)}
+
+    def step(model, micro):
+        images, targets = micro
+        if len(images) > 2:
+            torch.empty(1 << 55, dtype=torch.uint8)  # a real allocator refusal above 2 images
+        losses = [nn.functional.mse_loss(model(img.mean((1, 2))).expand_as(t["boxes"]), t["boxes"])
+                  for img, t in zip(images, targets)]
+        return torch.stack(losses).mean()
+
+    def run(name, micro=None):
+        torch.manual_seed(0)
+        net = nn.Linear(3, 4)
+        trainer = AutoTrainer(net, Images(), step_fn=step, collate_fn=lambda batch: tuple(zip(*batch)),
+                              batch_size=8, micro_batch_size=micro, device="cpu", progress=False, monitor=False,
+                              optimizer=sgd, run_dir=tmp_path / name, shuffle=False)
+        return trainer.fit(epochs=1), net
+
+    result, net = run("ooms")
+    _, reference = run("reference", micro=2)
+    assert result.ooms >= 1 and result.samples_seen == 24
+    for a, b in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_resume_from_a_named_checkpoint_file(tmp_path):
+    run = trainer(tmp_path, checkpoint_every=2, batch_size=8)
+    run.fit(epochs=1, max_steps=6)
+    path = run.run_dir / "checkpoints" / "step-000000004.pt"
+    assert path.exists(), sorted(p.name for p in path.parent.iterdir())
+    whole = trainer(tmp_path / "whole", batch_size=8)
+    whole.fit(epochs=1)
+    again = trainer(tmp_path / "again", batch_size=8)
+    again.fit(epochs=1, resume=path)
+    assert again.samples_seen == whole.samples_seen
+    for a, b in zip(again.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match="step-99.pt"):
+        trainer(tmp_path / "missing").fit(resume=tmp_path / "step-99.pt")
+
+
+def test_close_leaves_the_model_as_given_and_the_journal_closed(tmp_path):
+    net = make_model()
+    with trainer(tmp_path, model=net) as run:
+        run.fit(epochs=1)
+        assert net._forward_pre_hooks  # the input catcher (for pruning), while the trainer lives
+    assert not net._forward_pre_hooks and not net._forward_hooks
+    assert run.log.journal._file is None
+    with pytest.raises(RuntimeError, match="closed"):
+        run.fit(epochs=1)
+    run.close()  # again: nothing to do
