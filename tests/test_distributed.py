@@ -156,3 +156,59 @@ def test_an_oom_in_one_ranks_optimizer_step_stops_every_rank_with_the_same_error
         assert "rank 1: out of memory in optimizer.step()" in outcome["error"], ranks
     records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [r for r in records if r["kind"] == "out_of_memory" and r["phase"] == "optimizer_step"]
+
+
+ITEMS_SCRIPT = r'''
+import os, sys, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from autotune import AutoTrainer
+
+run_dir, micro = sys.argv[1], int(sys.argv[2])
+g = torch.Generator().manual_seed(0)
+x, y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
+tokens = torch.arange(64) % 5 + 1  # 1 to 5 "label tokens" per sample: ranks and micro-batches differ
+torch.save({"x": x, "y": y, "tokens": tokens}, os.path.join(run_dir, "data.pt")) if os.environ["RANK"] == "0" else None
+
+def step(model, micro):
+    xb, yb, nb = micro
+    per_sample = nn.functional.cross_entropy(model(xb), yb, reduction="none")
+    return (per_sample * nb).sum() / nb.sum(), nb.sum()  # the mean over tokens, and how many
+
+torch.manual_seed(0)
+model = nn.Linear(8, 3)
+trainer = AutoTrainer(model, TensorDataset(x, y, tokens), step_fn=step, batch_size=16, micro_batch_size=micro,
+                      device="cpu", optimizer=lambda p: torch.optim.SGD(p, lr=0.5), run_dir=run_dir,
+                      progress=False, monitor=False, checkpoint_interval=None, shuffle=False, clip_grad_norm=0.05)
+trainer.fit(epochs=1)
+if os.environ["RANK"] == "0":
+    torch.save(model.state_dict(), os.path.join(run_dir, "final.pt"))
+'''
+
+
+def test_token_weighted_steps_over_two_ranks_equal_one_process_over_all_tokens(tmp_path):
+    script = tmp_path / "items.py"
+    script.write_text(ITEMS_SCRIPT)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(script), str(run_dir), "3"], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    saved = torch.load(run_dir / "data.pt", weights_only=True)
+    # By hand: each optimizer step's batch is the 32 samples both ranks take (16 each, rank r
+    # the r-th of every pair: the sampler's split), the loss the mean over all their tokens.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    final = torch.load(run_dir / "final.pt", weights_only=True)
+    x, y, n = saved["x"], saved["y"], saved["tokens"]
+    for start in range(0, 64, 32):
+        idx = torch.arange(start, start + 32)
+        per_sample = torch.nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="none")
+        ((per_sample * n[idx]).sum() / n[idx].sum()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
