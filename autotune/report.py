@@ -155,6 +155,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "loader_workers": [r.get("num_workers") for r in by_kind["loader_rebuilt"]],
         "checkpoints": [{"step": c["step"], "reason": c.get("reason"), "path": c.get("path")}
                         for c in by_kind["checkpoint"]],
+        "evaluations": [{"step": e["step"], "metrics": e.get("metrics", {}), "micro_batch_size": e.get("micro_batch_size"),
+                         "ooms": e.get("ooms", 0)} for e in by_kind["evaluate"]],
+        "stopped_early": next((r.get("reason") for r in reversed(by_kind["stop_requested"])), None),
         "memory": {"cap_bytes": start.get("memory_cap") or (caps[-1] if caps else None),
                    "peak_used_bytes": max(used) if used else None, "samples": len(samples),
                    "source": samples[-1].get("source") if samples else None},
@@ -198,6 +201,16 @@ def render(summary: dict[str, Any]) -> str:
                        if ooms["seconds_lost"] is not None else ")")
                     if ooms["survived"] else "")
                  + (f"; gave up {ooms['gave_up']} time(s)" if ooms["gave_up"] else ""))
+    evaluations = summary.get("evaluations", [])
+    if evaluations:
+        eval_ooms = sum(e["ooms"] for e in evaluations)
+        lines.append(f"  evaluations: {len(evaluations)}" + (f" ({eval_ooms} OOMs survived in them, eval micro-batch "
+                                                            f"{evaluations[-1]['micro_batch_size']})" if eval_ooms else ""))
+        for e in evaluations[-5:]:
+            lines.append(f"    step {e['step']}: " + ", ".join(f"{k} {v:.4g}" for k, v in e["metrics"].items()
+                                                             if isinstance(v, (int, float))))
+    if summary.get("stopped_early"):
+        lines.append(f"  stopped early: {summary['stopped_early']}")
     if summary["actions"]:
         lines.append("  actions:")
         for policy, actions in summary["actions"].items():

@@ -2,18 +2,19 @@
 
 The loop, and where each `Event` fires (the one copy of this picture; events.py points here)::
 
-    fit():                                          FIT_START
+    fit():                                          FIT_START; callbacks.on_fit_start
       for epoch:                                    EPOCH_START
         for batch in loader:                        (time blocked in next() = data wait)
           while the batch is not done:              # retry the same batch until it fits
             attempt (step.py):
               for micro in split(batch, micro_batch_size):
-                loss = step(model, micro) * len(micro) / len(batch)
+                loss = step(model, micro) * len(micro) / len(batch)   # or by items: (loss, n_items)
                 loss.backward()
               except OOM: note the size that failed (keep no reference to the exception)
             agree (distributed.py): under torchrun every rank joins one small all-reduce,
               failed or not; alone, the agreement is this process's own proposal
-            no failure: average gradients (torchrun); optimizer.step(); zero_grad()
+            no failure: average gradients (torchrun; by items when the step counts them);
+              unscale, clip; optimizer.step(); zero_grad()
             failure: clean up outside `except`: zero_grad(set_to_none), gc, empty_cache
                                                     OOM -> policies -> e.g. SetMicroBatch(n // 2)
               at the smallest size, a relief if a policy asked (checkpoint first), else
@@ -23,8 +24,12 @@ The loop, and where each `Event` fires (the one copy of this picture; events.py 
           monitor samples, step timing -> detectors MEMORY_HIGH | MEMORY_PRESSURE | IO_BOUND
           a policy changed workers or caching: rebuild the loader at this position
           a signal or a due checkpoint (agreed by all ranks): checkpoint (and stop)
+                                                    callbacks.on_step_end
+          every `eval_every` steps: evaluate()      (evaluation.py; callbacks.on_evaluate)
+          a callback asked to stop: checkpoint, end the fit
                                                     EPOCH_END
-                                                    FIT_END
+        eval_every="epoch": evaluate(); per-epoch scheduler step; callbacks.on_epoch_end
+                                                    FIT_END; callbacks.on_fit_end
 
 With `keep_effective_batch=True` the micro-batches of a batch are accumulated with loss
 weights len(micro)/len(batch), so the optimizer step equals the one without an OOM. With

@@ -8,13 +8,23 @@ and their ratio (target <= 1.03).
 
 With tensorboard installed, also AutoTrainer(tensorboard=True), which in runs this short
 writes every step (the first 200 steps of any run are; then at most one a second).
+
+The training features of issue 14, on: `clip_grad_norm=1.0`, a step that returns
+`(loss, n_items)` (item weighting), a callback with `on_step_end`, beside a hand-written loop
+that clips too ("plain+clip"). Off, they are the default "autotune" row. With
+`--compare-with DIR` (a checkout of an earlier autotune), both versions' default loop also
+run in child processes, alternately, so the cost of the new code when its features are off
+is measured against the code before it (the steady step interval; start-up excluded).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,17 +77,45 @@ def plain_run(data, epochs):
     return time.perf_counter() - start, steady(stamps), model
 
 
-def autotune_run(data, epochs, progress, run_dir, tensorboard=False):
+def plain_clip_run(data, epochs):
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sampler = EpochSampler(len(data), shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
+    stamps = []
+    start = time.perf_counter()
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            stamps.append(time.perf_counter())
+            nn.functional.cross_entropy(model(x), y).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start, steady(stamps), model
+
+
+class StepCounter:
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_end(self, trainer):
+        self.steps += 1
+
+
+def autotune_run(data, epochs, progress, run_dir, tensorboard=False, features=False):
     model = make_model()
     stamps = []
 
     def step(model, batch):
         stamps.append(time.perf_counter())
-        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        return (loss, len(batch[1])) if features else loss
 
+    extra = {"clip_grad_norm": 1.0, "callbacks": [StepCounter()]} if features else {}
     trainer = AutoTrainer(model, data, step_fn=step,
                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), batch_size=BATCH, device="cpu",
-                          policies="default", progress=progress, run_dir=run_dir, tensorboard=tensorboard)
+                          policies="default", progress=progress, run_dir=run_dir, tensorboard=tensorboard, **extra)
     start = time.perf_counter()
     trainer.fit(epochs=epochs)
     return time.perf_counter() - start, steady(stamps), model
@@ -87,14 +125,36 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--compare-with", default=None, help="a checkout of an earlier autotune (its root folder)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     data = make_data()
     run_dir = Path("runs/bench-overhead")
+    if args.child:  # one default AutoTrainer run for --compare-with, in whatever autotune PYTHONPATH gives
+        wall, step, _ = autotune_run(data, args.epochs, False, Path(args.child))
+        import autotune
+        print(json.dumps({"wall": wall, "step": step, "autotune": autotune.__file__}))
+        return
     loops = {
         "plain": lambda r: plain_run(data, args.epochs),
         "autotune": lambda r: autotune_run(data, args.epochs, False, run_dir / f"a{r}"),
         "autotune+bar": lambda r: autotune_run(data, args.epochs, True, run_dir / f"b{r}"),
+        "plain+clip": lambda r: plain_clip_run(data, args.epochs),
+        "autotune+clip+items+callback": lambda r: autotune_run(data, args.epochs, False, run_dir / f"f{r}",
+                                                               features=True),
     }
+    if args.compare_with:
+        def child(tree, tag):
+            def run(r):
+                env = {**os.environ, "PYTHONPATH": str(tree)}
+                out = subprocess.run([sys.executable, __file__, "--epochs", str(args.epochs), "--child",
+                                      str(run_dir / f"{tag}{r}")], env=env, capture_output=True, text=True, check=True)
+                figures = json.loads(out.stdout.strip().splitlines()[-1])
+                assert figures["autotune"].startswith(str(tree)), (figures["autotune"], tree)
+                return figures["wall"], figures["step"], None
+            return run
+        loops["child: this tree"] = child(Path(__file__).parents[1], "c")
+        loops["child: --compare-with"] = child(Path(args.compare_with), "o")
     if importlib.util.find_spec("tensorboard"):  # every step is written: a run has fewer than 200
         loops["autotune+tensorboard"] = lambda r: autotune_run(data, args.epochs, False, run_dir / f"t{r}", True)
     for loop in loops.values():  # warm-up: first-touch allocations, thread pools
@@ -127,6 +187,14 @@ def main() -> None:
               "core) and the end-of-fit checkpoint; the step columns are the median interval between steps."]
     lines += ["", "Per-round ratios (autotune / plain): "
               + ", ".join(f"{a / p:.3f}" for a, p in zip(times["autotune"], times["plain"]))]
+    features, clip = median(steps["autotune+clip+items+callback"]), median(steps["plain+clip"])
+    lines += ["", f"Issue 14's features on (clip_grad_norm, (loss, n_items), a callback) vs a hand loop that clips: "
+              f"median step {features / clip:.3f}; vs autotune with them off: {features / median(steps['autotune']):.3f}."]
+    if args.compare_with:
+        new, old = median(steps["child: this tree"]), median(steps["child: --compare-with"])
+        lines += [f"This tree vs `{args.compare_with}` (default loop, features off, child processes): median step "
+                  f"{new * 1e3:.2f} vs {old * 1e3:.2f} ms, ratio {new / old:.3f}; per round: "
+                  + ", ".join(f"{a / b:.3f}" for a, b in zip(steps["child: this tree"], steps["child: --compare-with"]))]
     write_results("overhead", "Overhead: AutoTrainer vs a hand-written loop (CPU)", lines)
 
 

@@ -164,7 +164,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from autotune import AutoTrainer
 
-run_dir, micro = sys.argv[1], int(sys.argv[2])
+run_dir, micro, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rank = int(os.environ["RANK"])
 g = torch.Generator().manual_seed(0)
 x, y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
 tokens = torch.arange(64) % 5 + 1  # 1 to 5 "label tokens" per sample: ranks and micro-batches differ
@@ -175,14 +176,21 @@ def step(model, micro):
     per_sample = nn.functional.cross_entropy(model(xb), yb, reduction="none")
     return (per_sample * nb).sum() / nb.sum(), nb.sum()  # the mean over tokens, and how many
 
+class StopOnRank1:
+    def on_step_end(self, trainer):
+        if rank == 1 and trainer.step == 1:
+            trainer.request_stop("rank 1 had enough")
+
 torch.manual_seed(0)
 model = nn.Linear(8, 3)
 trainer = AutoTrainer(model, TensorDataset(x, y, tokens), step_fn=step, batch_size=16, micro_batch_size=micro,
                       device="cpu", optimizer=lambda p: torch.optim.SGD(p, lr=0.5), run_dir=run_dir,
-                      progress=False, monitor=False, checkpoint_interval=None, shuffle=False, clip_grad_norm=0.05)
-trainer.fit(epochs=1)
-if os.environ["RANK"] == "0":
-    torch.save(model.state_dict(), os.path.join(run_dir, "final.pt"))
+                      progress=False, monitor=False, checkpoint_interval=None, shuffle=False, clip_grad_norm=0.05,
+                      eval_dataset=TensorDataset(x[:21], y[:21], tokens[:21]), eval_batch_size=4,
+                      callbacks=[StopOnRank1()] if mode == "stop" else None)
+result = trainer.fit(epochs=1)
+torch.save({"state": model.state_dict(), "metrics": result.metrics, "steps": result.steps,
+            "stopped": result.stopped}, os.path.join(run_dir, f"final{rank}.pt"))
 '''
 
 
@@ -192,16 +200,21 @@ def test_token_weighted_steps_over_two_ranks_equal_one_process_over_all_tokens(t
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                           str(script), str(run_dir), "3"], capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    def torchrun(mode):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                               str(script), str(run_dir), "3", mode], capture_output=True, text=True, timeout=240,
+                              env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return [torch.load(run_dir / f"final{r}.pt", weights_only=True) for r in (0, 1)]
+
+    ranks = torchrun("train")
     saved = torch.load(run_dir / "data.pt", weights_only=True)
     # By hand: each optimizer step's batch is the 32 samples both ranks take (16 each, rank r
     # the r-th of every pair: the sampler's split), the loss the mean over all their tokens.
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    final = torch.load(run_dir / "final.pt", weights_only=True)
+    final = ranks[0]["state"]
     x, y, n = saved["x"], saved["y"], saved["tokens"]
     for start in range(0, 64, 32):
         idx = torch.arange(start, start + 32)
@@ -212,3 +225,11 @@ def test_token_weighted_steps_over_two_ranks_equal_one_process_over_all_tokens(t
         opt.zero_grad()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
+    # Evaluation: each rank its share of the 21 samples, the sums met: the mean over all tokens.
+    with torch.no_grad():
+        per_sample = torch.nn.functional.cross_entropy(model(x[:21]), y[:21], reduction="none")
+    expected = ((per_sample * n[:21]).sum() / n[:21].sum()).item()
+    assert ranks[0]["metrics"] == ranks[1]["metrics"] and ranks[0]["metrics"]["loss"] == pytest.approx(expected, rel=1e-5)
+    # A stop that only rank 1's callback asks for stops both ranks at the same step.
+    stopped = torchrun("stop")
+    assert [r["steps"] for r in stopped] == [1, 1] and stopped[0]["stopped"] == "another rank's callback asked to stop"

@@ -120,3 +120,14 @@ def test_evaluations_go_to_the_journal_tensorboard_and_the_fit_result(tmp_path):
     assert "eval/accuracy" in events.Tags()["scalars"]
     fit_end = [r for r in journal(tmp_path / "run") if r["kind"] == "fit_end"][-1]
     assert json.dumps(fit_end["metrics"]) == json.dumps(result.metrics)
+
+
+def test_the_report_shows_evaluations_and_their_ooms(tmp_path):
+    from autotune.report import render, summarize
+
+    run = trainer(tmp_path, step_fn=eval_hungry_above(2), loss_fn=None, eval_dataset=data(8, seed=1), eval_every=2)
+    run.fit(epochs=1)
+    summary = summarize(tmp_path / "run")
+    assert [e["step"] for e in summary["evaluations"]] == [2, 4]
+    text = render(summary)
+    assert "evaluations: 2 (2 OOMs survived in them, eval micro-batch 2)" in text and "step 4: loss " in text

@@ -79,3 +79,17 @@ class RecordReservedPeaks(PolicyBase):
     def decide(self, event, snap):
         self.seen.append(snap.allocator.reserved_peak_bytes)
         return []
+
+
+def test_close_gives_back_the_memory_fraction_and_bf16_trains(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+    with AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=16, device="cuda",
+                     memory_cap=0.5, precision="bf16", clip_grad_norm=1.0, progress=False,
+                     run_dir=tmp_path / "run") as trainer:
+        assert torch.cuda.get_per_process_memory_fraction(trainer.device) == pytest.approx(0.5, abs=1e-3)
+        result = trainer.fit(epochs=1)
+    assert result.samples_seen == 64
+    assert torch.cuda.get_per_process_memory_fraction(trainer.device) == 1.0
