@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 import time
 from typing import Any, Callable
 
@@ -294,8 +295,10 @@ class StepCore:
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """Whether `model` is what `torch.compile(module)` returned."""
-    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    """Whether `model` is what `torch.compile(module)` returned. Asked without importing
+    torch._dynamo (2 s): if nothing imported it, nothing was compiled."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
 def compile_count() -> int:

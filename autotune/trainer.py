@@ -275,11 +275,14 @@ class AutoTrainer:
         self.journal.write("fit_start", self.step, self.epoch, device=str(self.device),
                            batch_size=self.knobs.batch_size, micro_batch_size=self.knobs.micro_batch_size,
                            keep_effective_batch=self.keep_effective_batch, epochs=epochs, max_steps=max_steps,
-                           memory_cap=self.knobs.memory_cap_bytes, policies=[p.name for p in self.dispatcher.policies])
+                           memory_cap=self.knobs.memory_cap_bytes, policies=[p.name for p in self.dispatcher.policies],
+                           precision=self.core.precision, clip_grad_norm=self.core.clip_grad_norm,
+                           clip_grad_value=self.core.clip_grad_value, compiled=self.core.compiled_model,
+                           eval_every=self.eval_every if self.eval_dataset is not None else None)
         logger.info(f"training on {self.device}: batch {self.knobs.batch_size}, micro-batch "
                     f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
         self.monitor_link.start(self.step, self.epoch)
-        compiles = compile_count()
+        compiles = compile_count() if self.core.compiled_model else 0
         self._fire(Event.FIT_START)
         self.callbacks.fire("on_fit_start", self)
         self.log.open_bar(self.input.planned_batches(self.progress, epochs, max_steps, self.keep_effective_batch))

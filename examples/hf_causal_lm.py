@@ -89,7 +89,7 @@ def token_accuracy(outputs, batch):
 
 def warmup_then_linear(total_steps: int, warmup: int):
     def factor(step: int) -> float:
-        return (step + 1) / warmup if step < warmup else max(0.0, (total_steps - step) / (total_steps - warmup))
+        return (step + 1) / warmup if step < warmup else max(0.0, (total_steps - step) / max(1, total_steps - warmup))
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
@@ -112,7 +112,7 @@ def main() -> None:
     trainer = AutoTrainer(
         model, train, step_fn=step, collate_fn=collator, batch_size=args.batch_size,
         micro_batch_size=args.micro_batch, device="cpu", run_dir=args.run_dir, progress=False,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3), scheduler=warmup_then_linear(steps, 4),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3), scheduler=warmup_then_linear(steps, max(1, steps // 4)),
         precision=args.precision, clip_grad_norm=1.0,
         eval_dataset=evaluation, eval_every=max(1, steps // 2), metrics={"token_accuracy": token_accuracy})
     with trainer:

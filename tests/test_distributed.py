@@ -164,7 +164,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from autotune import AutoTrainer
 
-run_dir, micro, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+run_dir, micro = sys.argv[1], int(sys.argv[2])
 rank = int(os.environ["RANK"])
 g = torch.Generator().manual_seed(0)
 x, y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
@@ -181,16 +181,17 @@ class StopOnRank1:
         if rank == 1 and trainer.step == 1:
             trainer.request_stop("rank 1 had enough")
 
-torch.manual_seed(0)
-model = nn.Linear(8, 3)
-trainer = AutoTrainer(model, TensorDataset(x, y, tokens), step_fn=step, batch_size=16, micro_batch_size=micro,
-                      device="cpu", optimizer=lambda p: torch.optim.SGD(p, lr=0.5), run_dir=run_dir,
-                      progress=False, monitor=False, checkpoint_interval=None, shuffle=False, clip_grad_norm=0.05,
-                      eval_dataset=TensorDataset(x[:21], y[:21], tokens[:21]), eval_batch_size=4,
-                      callbacks=[StopOnRank1()] if mode == "stop" else None)
-result = trainer.fit(epochs=1)
-torch.save({"state": model.state_dict(), "metrics": result.metrics, "steps": result.steps,
-            "stopped": result.stopped}, os.path.join(run_dir, f"final{rank}.pt"))
+for mode in ("train", "stop"):  # the second run: only rank 1's callback asks to stop
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    trainer = AutoTrainer(model, TensorDataset(x, y, tokens), step_fn=step, batch_size=16, micro_batch_size=micro,
+                          device="cpu", optimizer=lambda p: torch.optim.SGD(p, lr=0.5), run_dir=run_dir + mode,
+                          progress=False, monitor=False, checkpoint_interval=None, shuffle=False, clip_grad_norm=0.05,
+                          eval_dataset=TensorDataset(x[:21], y[:21], tokens[:21]), eval_batch_size=4,
+                          callbacks=[StopOnRank1()] if mode == "stop" else None)
+    result = trainer.fit(epochs=1)
+    torch.save({"state": model.state_dict(), "metrics": result.metrics, "steps": result.steps,
+                "stopped": result.stopped}, os.path.join(run_dir, f"{mode}{rank}.pt"))
 '''
 
 
@@ -200,14 +201,11 @@ def test_token_weighted_steps_over_two_ranks_equal_one_process_over_all_tokens(t
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    def torchrun(mode):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                               str(script), str(run_dir), "3", mode], capture_output=True, text=True, timeout=240,
-                              env=env)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return [torch.load(run_dir / f"final{r}.pt", weights_only=True) for r in (0, 1)]
-
-    ranks = torchrun("train")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(script), str(run_dir), "3"], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks, stopped = ([torch.load(run_dir / f"{mode}{r}.pt", weights_only=True) for r in (0, 1)]
+                      for mode in ("train", "stop"))
     saved = torch.load(run_dir / "data.pt", weights_only=True)
     # By hand: each optimizer step's batch is the 32 samples both ranks take (16 each, rank r
     # the r-th of every pair: the sampler's split), the loss the mean over all their tokens.
@@ -231,5 +229,4 @@ def test_token_weighted_steps_over_two_ranks_equal_one_process_over_all_tokens(t
     expected = ((per_sample * n[:21]).sum() / n[:21].sum()).item()
     assert ranks[0]["metrics"] == ranks[1]["metrics"] and ranks[0]["metrics"]["loss"] == pytest.approx(expected, rel=1e-5)
     # A stop that only rank 1's callback asks for stops both ranks at the same step.
-    stopped = torchrun("stop")
     assert [r["steps"] for r in stopped] == [1, 1] and stopped[0]["stopped"] == "another rank's callback asked to stop"

@@ -1,6 +1,8 @@
 """grow_back end to end under a real RLIMIT_AS cap: the run ends near the largest micro-batch
 that really fits (found here by probing subprocesses), from far below and from far above."""
 
+import concurrent.futures
+
 import pytest
 
 from tests.conftest import journal, run_python
@@ -47,20 +49,28 @@ save({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.s
 """
 
 
-def fits(tmp_path, size):
-    proc, result = run_python(f"SIZE={size}\n" + PROBE, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return result["fits"]
+def fits(tmp_path, *sizes):
+    """Whether each size fits, probed in fresh processes at once (each under its own cap)."""
+    def probe(size):
+        folder = tmp_path / f"size{size}"
+        folder.mkdir(exist_ok=True)
+        proc, result = run_python(f"SIZE={size}\n" + PROBE, folder)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return result["fits"]
+    with concurrent.futures.ThreadPoolExecutor(len(sizes)) as pool:
+        return list(pool.map(probe, sizes))
 
 
 @pytest.fixture(scope="module")
 def largest(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("probe")
     lo, hi = 16, 2048  # 16 fits, 2048 does not (checked below)
-    assert fits(tmp, lo) and not fits(tmp, hi)
-    while hi - lo > max(2, lo // 50):  # to within 2%
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(tmp, mid) else (lo, mid)
+    assert fits(tmp, lo, hi) == [True, False]
+    while hi - lo > max(2, lo // 50):  # to within 2%: two probes a round, the interval in thirds
+        third = max(1, (hi - lo) // 3)
+        a, b = lo + third, min(hi - 1, lo + 2 * third)
+        fits_a, fits_b = fits(tmp, a, b)
+        lo, hi = (b, hi) if fits_b else (a, b) if fits_a else (lo, a)
     return lo
 
 
