@@ -23,9 +23,10 @@ The loop, and where each `Event` fires (the one copy of this picture; events.py 
           a relief a policy asked for (relief/ladder.py): autocast, checkpointing, pruning
           monitor samples, step timing -> detectors MEMORY_HIGH | MEMORY_PRESSURE | IO_BOUND
           a policy changed workers or caching: rebuild the loader at this position
-          a signal or a due checkpoint (agreed by all ranks): checkpoint (and stop)
+          a signal (agreed by all ranks): checkpoint and stop
                                                     callbacks.on_step_end
           every `eval_every` steps: evaluate()      (evaluation.py; callbacks.on_evaluate)
+          a due checkpoint (agreed by all ranks)
           a callback asked to stop: checkpoint, end the fit
                                                     EPOCH_END
         eval_every="epoch": evaluate(); per-epoch scheduler step; callbacks.on_epoch_end
@@ -416,11 +417,12 @@ class AutoTrainer:
                 signum = self._agreed.stop_signal
                 raise self.checkpointer.preempted(signum, self._checkpoint(f"signal {signal.Signals(signum).name}"),
                                                   self.progress)
-            if self._agreed.checkpoint_due:
-                self._checkpoint("every" if self._agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
             self.callbacks.fire("on_step_end", self)
             if isinstance(self.eval_every, int) and self.step % self.eval_every == 0:
                 self.evaluate()
+            # After the step's callbacks and evaluation: a resume from this checkpoint has seen them.
+            if self._agreed.checkpoint_due:
+                self._checkpoint("every" if self._agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
             if self._stop_requested():
                 finished_epoch = False
                 break

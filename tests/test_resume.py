@@ -72,8 +72,8 @@ def assert_same(reference, run_dir, result):
 
 
 # 13 steps an epoch (12 x 16 + 8): kill before any checkpoint, mid-epoch, right after an
-# epoch boundary, in the last epoch, and with micro-batches inside a step.
-@pytest.mark.parametrize("kill_at, micro", [(0, None), (5, None), (13, None), (14, 4), (30, None)])
+# epoch boundary, and in the last epoch with micro-batches inside a step.
+@pytest.mark.parametrize("kill_at, micro", [(0, None), (5, None), (13, None), (30, 4)])
 def test_sigkill_then_resume_ends_with_the_same_weights(tmp_path, reference, kill_at, micro):
     run_dir = tmp_path / "run"
     proc, _ = run(tmp_path, run_dir, kill_at=kill_at, micro=micro)
@@ -153,7 +153,7 @@ def _wait_started(run_dir):
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("delay", [0.37, 0.81, 1.53])
+@pytest.mark.parametrize("delay", [0.37, 1.53])
 def test_sigkill_from_outside_at_an_arbitrary_moment(tmp_path, reference, delay):
     import time
 

@@ -31,7 +31,7 @@ class Block(nn.Module):
 
 model = nn.Sequential(nn.Linear(32, 128), *[Block() for _ in range(6)], nn.Linear(128, 10))
 B = 2048
-data = TensorDataset(torch.randn(B * 16, 32), torch.randint(0, 10, (B * 16,)))
+data = TensorDataset(torch.randn(B * 13, 32), torch.randint(0, 10, (B * 13,)))
 
 def trainer(policies, cap=None, run_dir=RUN_DIR):
     return AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=B, device="cpu",
@@ -40,7 +40,7 @@ def trainer(policies, cap=None, run_dir=RUN_DIR):
 
 trainer([], run_dir=RUN_DIR + "-warm").fit(max_steps=2)  # everything a step touches is resident now
 cap = StepPeak(torch.device("cpu")).current() + ROOM_MIB * 2**20  # far less room than a plain step needs
-near = dict(persist_steps=2, settle_steps=3, floor_micro_batch=B)  # the micro-batch stays B: only reliefs help
+near = dict(persist_steps=1, settle_steps=3, floor_micro_batch=B)  # the micro-batch stays B: only reliefs help
 run = trainer([AutocastNearCap(**near), CheckpointNearCap(**near), PruneNearCap(step_ratio=0.3, max_ratio=0.6, **near)],
               cap=cap)
 result = run.fit(epochs=1)
@@ -58,7 +58,7 @@ def test_the_ladder_is_climbed_in_order_and_the_run_ends_below_the_mark(tmp_path
     assert reliefs[:3] == ["autocast", "checkpointing", "pruning"], reliefs
     assert set(reliefs[3:]) <= {"pruning"}
     assert result["demand"] < 0.9, result  # below the high-water mark at the end
-    assert result["samples"] == 16 * 2048 and result["loss"] == result["loss"]  # all trained, finite loss
+    assert result["samples"] == 13 * 2048 and result["loss"] == result["loss"]  # all trained, finite loss
     records = journal(run_dir)
     applied = [r for r in records if r["kind"] == "relief"]
     assert [r["relief"] for r in applied] == reliefs
