@@ -6,7 +6,8 @@ with a micro-batch of its own that survives out-of-memory errors.
         loss = step(model, micro); metrics(outputs, targets)   # outputs caught by a forward hook
         OOM: free, halve the eval micro-batch, the same micro-batch again (nothing is lost:
              a micro-batch's figures are kept only once it has run)
-        calm: after `grow_after` micro-batches, double, but never to a size that failed
+        calm: after `grow_after` micro-batches, double; to a size that failed only once
+              `forget_after` micro-batches have run since (memory may have been freed since)
     sum the figures over ranks (one all-reduce), divide by their items
 
 The training micro-batch is never touched: evaluation holds no gradients or optimizer
@@ -37,14 +38,16 @@ class Evaluator:
     """Runs evaluations for one trainer; remembers its micro-batch between them."""
 
     def __init__(self, core: StepCore, *, batch_size: int, collate_fn: Callable | None,
-                 metrics: Mapping[str, Metric] | None, journal: Any, grow_after: int = 16):
+                 metrics: Mapping[str, Metric] | None, journal: Any, grow_after: int = 16, forget_after: int = 256):
         self.core, self.journal = core, journal
         self.batch_size = batch_size
         self.collate_fn = collate_fn
         self.metrics = dict(metrics or {})
         self.micro_batch_size = batch_size
-        self.failed_size: int | None = None  # the smallest size that ran out of memory: never again
-        self.grow_after = grow_after
+        self.failed_size: int | None = None  # the last size that ran out of memory
+        self.grow_after, self.forget_after = grow_after, forget_after
+        self.calm = 0  # micro-batches run since the last OOM or growth, across batches and evaluations
+        self.since_failure = 0  # micro-batches run since the last OOM
         self.ooms = 0
 
     def loader(self, dataset: Dataset | DataLoader) -> DataLoader:
@@ -85,16 +88,17 @@ class Evaluator:
 
     def _batch(self, batch: Any, sums: torch.Tensor, outputs: list, step: int, epoch: int) -> int:
         n = batch_len(batch)
-        done, calm = 0, 0
+        done = 0
         while done < n:
             size, failed = self.micro_batch_size, None
             try:
                 for micro, m in micro_batches(batch, size, start=done, split_fn=self.core.split_fn):
                     self._accumulate(to_device(micro, self.core.device), m, sums, outputs)
                     done += m
-                    calm += 1
-                    if calm >= self.grow_after and self._grow():
-                        calm = 0
+                    self.calm += 1
+                    self.since_failure += 1
+                    if self.calm >= self.grow_after and self._grow():
+                        self.calm = 0
                         break  # the rest of the batch at the larger size
             except Exception as exc:
                 if not is_oom(exc):
@@ -104,7 +108,7 @@ class Evaluator:
                 outputs[0] = None
                 free_memory(self.core.device)
                 self._shrink(size, failed, step, epoch)
-                calm = 0
+                self.calm = self.since_failure = 0
         return n
 
     def _accumulate(self, micro: Any, m: int, sums: torch.Tensor, outputs: list) -> None:
@@ -128,7 +132,7 @@ class Evaluator:
 
     def _shrink(self, size: int, message: str, step: int, epoch: int) -> None:
         self.ooms += 1
-        self.failed_size = size if self.failed_size is None else min(self.failed_size, size)
+        self.failed_size = size
         self.journal.write("eval_oom", step, epoch, micro_batch_size=size, message=message)
         if size <= 1:
             memory = describe_memory(self.core.device)
@@ -139,14 +143,17 @@ class Evaluator:
 
     def _grow(self) -> bool:
         bigger = min(self.micro_batch_size * 2, self.batch_size)
-        if bigger <= self.micro_batch_size or (self.failed_size is not None and bigger >= self.failed_size):
+        near_failure = self.failed_size is not None and bigger >= self.failed_size
+        if bigger <= self.micro_batch_size or (near_failure and self.since_failure < self.forget_after):
             return False
         self.micro_batch_size = bigger
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"micro_batch_size": self.micro_batch_size, "failed_size": self.failed_size, "ooms": self.ooms}
+        return {"micro_batch_size": self.micro_batch_size, "failed_size": self.failed_size, "ooms": self.ooms,
+                "calm": self.calm, "since_failure": self.since_failure}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_batch_size = min(state["micro_batch_size"], self.batch_size)
         self.failed_size, self.ooms = state["failed_size"], state["ooms"]
+        self.calm, self.since_failure = state.get("calm", 0), state.get("since_failure", 0)

@@ -58,7 +58,7 @@ def steady(stamps: list[float]) -> float:
     return statistics.median(b - a for a, b in zip(stamps[10:], stamps[11:]))
 
 
-def plain_run(data, epochs):
+def plain_run(data, epochs, clip=False):
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = EpochSampler(len(data), shuffle=True, seed=0)
@@ -72,24 +72,8 @@ def plain_run(data, epochs):
             stamps.append(time.perf_counter())
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start, steady(stamps), model
-
-
-def plain_clip_run(data, epochs):
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sampler = EpochSampler(len(data), shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
-    stamps = []
-    start = time.perf_counter()
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            stamps.append(time.perf_counter())
-            nn.functional.cross_entropy(model(x), y).backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return time.perf_counter() - start, steady(stamps), model
@@ -139,7 +123,7 @@ def main() -> None:
         "plain": lambda r: plain_run(data, args.epochs),
         "autotune": lambda r: autotune_run(data, args.epochs, False, run_dir / f"a{r}"),
         "autotune+bar": lambda r: autotune_run(data, args.epochs, True, run_dir / f"b{r}"),
-        "plain+clip": lambda r: plain_clip_run(data, args.epochs),
+        "plain+clip": lambda r: plain_run(data, args.epochs, clip=True),
         "autotune+clip+items+callback": lambda r: autotune_run(data, args.epochs, False, run_dir / f"f{r}",
                                                                features=True),
     }

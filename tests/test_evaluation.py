@@ -131,3 +131,23 @@ def test_the_report_shows_evaluations_and_their_ooms(tmp_path):
     assert [e["step"] for e in summary["evaluations"]] == [2, 4]
     text = render(summary)
     assert "evaluations: 2 (2 OOMs survived in them, eval micro-batch 2)" in text and "step 4: loss " in text
+
+
+def test_the_eval_micro_batch_grows_back_and_retries_a_failed_size_only_after_a_while(tmp_path):
+    spikes = iter([True])  # size 4 fails once (a passing spike); 8 never fits
+
+    def step(model, micro):
+        x, y = micro
+        if not model.training and (len(x) >= 8 or (len(x) == 4 and next(spikes, False))):
+            torch.empty(1 << 55, dtype=torch.uint8)  # a real allocator refusal
+        return nn.functional.cross_entropy(model(x), y)
+
+    run = trainer(tmp_path, step_fn=step, loss_fn=None, eval_batch_size=8)
+    run.evaluator.grow_after, run.evaluator.forget_after = 4, 12
+    metrics = run.evaluate(data(96, seed=1))
+    sizes = [r["micro_batch_size"] for r in journal(tmp_path / "run") if r["kind"] == "eval_oom"]
+    # 4 again only 12 micro-batches after it failed; then 8, which still fails, tried again each 12
+    assert sizes[:3] == [8, 4, 8] and set(sizes[3:]) <= {8} and len(sizes) <= 4
+    assert run.evaluator.micro_batch_size == 4
+    plain = trainer(tmp_path, "plain", step_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), loss_fn=None)
+    assert metrics == pytest.approx(plain.evaluate(data(96, seed=1)), rel=1e-6)  # nothing lost or repeated
