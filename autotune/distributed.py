@@ -94,7 +94,8 @@ class Solo:
 
     def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
         """Weighted by items: the micro-batches were weighted n_items/ref; make it n_items/total."""
-        torch._foreach_mul_(grads, ref / items if not isinstance(items, torch.Tensor) else ref / items.clamp_min(1))
+        total = items.clamp_min(1) if isinstance(items, torch.Tensor) else max(items, 1)
+        torch._foreach_mul_(grads, ref / total)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -299,7 +300,10 @@ class GradientBucket:
         self.bind()
         grads, count = self.flat[:-1], self.flat[-1:]
         grads.mul_(ref)
-        count.fill_(items) if not isinstance(items, torch.Tensor) else count.copy_(items.reshape(1))
+        if isinstance(items, torch.Tensor):
+            count.copy_(items.reshape(1))
+        else:
+            count.fill_(items)
         dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
         grads.div_(count.clamp_min(1))
 
