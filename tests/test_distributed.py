@@ -4,6 +4,7 @@ retry the same batch, and the result equals a two-rank run without any OOM."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.slow
+
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 SCRIPT = r'''
 import json, os, sys, torch
@@ -69,10 +72,17 @@ def torchrun(tmp_path, name, phase, capped):
     script.write_text(SCRIPT)
     run_dir = tmp_path / name
     env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--standalone",  # rendezvous on a port the OS picks: no race for a free one
-                           str(script), str(run_dir), phase, "1" if capped else "0"],
-                          capture_output=True, text=True, timeout=240, env=env)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--standalone",  # rendezvous on a port the OS picks: no race for a free one
+               str(script), str(run_dir), phase, "1" if capped else "0"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr and all(
+            (run_dir / f"rank{r}.json").exists() for r in (0, 1)):
+        # Both ranks finished and wrote their results, then one aborted in C++ at interpreter exit
+        # (gloo's teardown; pytorch#179291 describes the mechanism): seen about once in 40 runs here.
+        # A known open bug, in the issue notes; the run is repeated once, afresh, and must then be clean.
+        shutil.rmtree(run_dir)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
     return ranks, torch.load(run_dir / "final.pt", weights_only=True), run_dir
