@@ -183,8 +183,8 @@ def check_evaluation(*, eval_dataset: Any, eval_every: Any, eval_batch_size: Any
             if not isinstance(name, str) or not callable(fn) or name == "loss":
                 raise ValueError(f"metrics[{name!r}]: each name must be a string other than 'loss' "
                                  "(always reported), each value a function")
-    names = {"loss", *(metrics or {})} if eval_dataset is not None else {"train_loss"}
-    if scheduler_metric is not None and scheduler_metric not in names | {"train_loss"}:
-        raise ValueError(f"scheduler_metric={scheduler_metric!r} is not one of {sorted(names | {'train_loss'})}")
+    names = {"train_loss", *({"loss", *(metrics or {})} if eval_dataset is not None else ())}
+    if scheduler_metric is not None and scheduler_metric not in names:
+        raise ValueError(f"scheduler_metric={scheduler_metric!r} is not one of {sorted(names)}")
     if scheduler_metric is not None and not plateau:
         raise ValueError("scheduler_metric= is for a ReduceLROnPlateau scheduler, which steps on a metric")

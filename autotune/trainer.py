@@ -222,7 +222,8 @@ class AutoTrainer:
                          metrics=metrics, scheduler_metric=scheduler_metric, plateau=self.core.plateau)
         self.eval_dataset = eval_dataset
         self.eval_every = eval_every if eval_every is not None or eval_dataset is None else "epoch"
-        self.scheduler_metric = scheduler_metric
+        # What a ReduceLROnPlateau steps on: an evaluation's figure, or the epoch's training loss.
+        self.scheduler_metric = scheduler_metric or ("loss" if eval_dataset is not None else "train_loss")
         self.evaluator = Evaluator(self.core, batch_size=eval_batch_size or batch_size, collate_fn=collate_fn,
                                    metrics=metrics, journal=self.journal)
         self.metrics: dict[str, float] = {}  # the last evaluation's
@@ -344,8 +345,8 @@ class AutoTrainer:
         self.metrics = metrics
         logger.info("evaluation at step {}: {}", self.step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         self.callbacks.fire("on_evaluate", self, metrics)
-        if self.core.plateau and self.eval_dataset is not None and (self.scheduler_metric or "loss") != "train_loss":
-            self.core.step_scheduler(metrics[self.scheduler_metric or "loss"])
+        if self.core.plateau and self.scheduler_metric != "train_loss":
+            self.core.step_scheduler(metrics[self.scheduler_metric])
         return metrics
 
     def request_stop(self, reason: str = "requested") -> None:
@@ -399,7 +400,7 @@ class AutoTrainer:
             self._allocator = allocator_stats(self.device, reset_peak=False)
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
                                 retries=retries)
-            self._log_step(timing, n, batch_loss / weight if not _is_zero(weight) else batch_loss)
+            self._log_step(timing, n, batch_loss, weight)
             self._fire(Event.BATCH_END, timing=timing)
             self.ladder.effect(self.demand.last, self.step, self.epoch)
             self._carry_out(self.ranks.relief_now(self.knobs, self.ladder.take_agreed()))
@@ -441,7 +442,7 @@ class AutoTrainer:
                 self.evaluate()
             if self.core.scheduler_interval == "epoch" and not self.core.plateau:
                 self.core.step_scheduler(None)
-            elif self.core.plateau and (self.eval_dataset is None or self.scheduler_metric == "train_loss"):
+            elif self.core.plateau and self.scheduler_metric == "train_loss":
                 self.core.step_scheduler(epoch_loss)
             self.callbacks.fire("on_epoch_end", self)
             self._stop_requested()
@@ -575,14 +576,15 @@ class AutoTrainer:
             allocator=self._allocator, timing=timing, input=self.input.state(), reliefs=tuple(self.ladder.applied),
             last_relief_step=self.ladder.last_step, pruned_fraction=self.ladder.pruned_fraction))
 
-    def _log_step(self, timing: StepTiming, samples: int, batch_loss: torch.Tensor) -> None:
+    def _log_step(self, timing: StepTiming, samples: int, batch_loss: torch.Tensor, loss_weight: Any) -> None:
         allocator = self._allocator
         self.log.step(self.step, self.epoch, samples=samples, samples_seen=self.samples_seen,
                       micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
                       data_wait_fraction=timing.data_wait_fraction, demand=self.demand.last,
                       allocated_bytes=allocator.allocated_bytes if allocator else None,
                       reserved_bytes=allocator.reserved_bytes if allocator else None,
-                      batch_loss=batch_loss, sample=self.monitor_link.latest, grad_norm=self.core.grad_norm)
+                      batch_loss=batch_loss, loss_weight=loss_weight, sample=self.monitor_link.latest,
+                      grad_norm=self.core.grad_norm)
 
     def _rebuild_loader(self) -> Iterator[Any]:
         self._loader_version = self.knobs.loader_version
