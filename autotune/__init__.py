@@ -3,6 +3,11 @@
     from autotune import AutoTrainer
     result = AutoTrainer(model, dataset, loss_fn=nn.functional.cross_entropy).fit(epochs=1)
 
+    from autotune import Tuner            # or keep your own loop
+    with Tuner(model, optimizer) as tuner:
+        for batch in loader:
+            loss = tuner.step(batch, step_fn)
+
 The library logs through loguru but stays quiet unless asked: `logger.enable("autotune")`
 (the `autotune` command line does this).
 
@@ -29,7 +34,7 @@ _EXPORTS = {
     "Policy": "autotune.policy", "PolicyBase": "autotune.policy",
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
     "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
-    "AutoTrainer": "autotune.trainer", "FitResult": "autotune.progress",
+    "AutoTrainer": "autotune.trainer", "Tuner": "autotune.tuner", "FitResult": "autotune.progress",
     "PerSample": "autotune.batching", "Fields": "autotune.batching",
 }
 
@@ -51,3 +56,4 @@ if TYPE_CHECKING:
     from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
     from autotune.progress import FitResult
     from autotune.trainer import AutoTrainer
+    from autotune.tuner import Tuner

@@ -110,6 +110,7 @@ class StepCore:
                                            if self.compile_options is not None else None)
         self.compiled_model = self.compiled is not None or is_compiled(model)
         self.grad_norm: torch.Tensor | None = None  # the last step's gradient norm before clipping
+        self.backward_fn: Callable[[torch.Tensor], None] | None = None  # another trainer's (HF's accelerator)
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
 
     @property
@@ -118,10 +119,13 @@ class StepCore:
         return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     # ------------------------------------------------------------------------- the attempt
-    def attempt(self, batch: Any, n: int, done: int, micro_batch_size: int) -> Attempt:
+    def attempt(self, batch: Any, n: int, done: int, micro_batch_size: int, additive: bool = False) -> Attempt:
         """Forward and backward over the batch from sample `done` on, `micro_batch_size` at a time.
-        With `keep_effective_batch` the gradients are only accumulated; the caller steps."""
-        size = micro_batch_size if self.keep_effective_batch else min(micro_batch_size, n)
+        With `keep_effective_batch` the gradients are only accumulated; the caller steps.
+        `additive`: the step's losses are already scaled to add up to the batch's (a trainer
+        that normalises its own loss); each is backpropagated as it is, and nothing steps."""
+        stepping = not (self.keep_effective_batch or additive)
+        size = min(micro_batch_size, n) if stepping else micro_batch_size
         result = Attempt(None, done, torch.zeros((), device=self.device), started=time.perf_counter())
         if self.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
@@ -135,7 +139,13 @@ class StepCore:
                     if inject == "backward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune before backward, p={self.inject_oom})")
                     weight = m if items is None else items
-                    if not self.keep_effective_batch:
+                    if additive:
+                        self._backward(loss)
+                        result.loss_sum += loss.detach()
+                        result.weight = 1  # the losses add up to the batch's
+                        del loss
+                        continue
+                    if stepping:
                         self._backward(loss)
                         self.optimizer_step(m)
                         if self.failure is not None:
@@ -163,7 +173,7 @@ class StepCore:
                 if size <= 1:
                     raise  # nothing smaller to try, and it may not be memory: the error as it is
                 result.not_supported = exc.with_traceback(None)
-            if self.keep_effective_batch:
+            if not stepping:
                 result.loss_sum.zero_()
                 result.weight, result.items, result.ref = 0, None, None
         return result
@@ -197,6 +207,9 @@ class StepCore:
         return self.loss_fn(module(inputs), targets)
 
     def _backward(self, loss: torch.Tensor) -> None:
+        if self.backward_fn is not None:
+            self.backward_fn(loss)
+            return
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     # ------------------------------------------------------------------------- the step
@@ -257,18 +270,23 @@ class StepCore:
             self.ranks.divide_by_items(grads, attempt.ref, attempt.items)
 
     def zero_grad(self) -> None:
+        if self.optimizer is None:  # another trainer's optimizer: the gradients of the model's parameters
+            for p in self.model.parameters():
+                p.grad = None
+            return
         self.ranks.zero_grad(self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer, the scheduler, the gradient scaler and the injector's random stream."""
         version, keys, gauss = self._injector.getstate()
-        return {"optimizer": self.optimizer.state_dict(),
+        return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "injector": [version, list(keys), gauss]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("grad_scaler"):

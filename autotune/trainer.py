@@ -45,7 +45,6 @@ relief/ladder.py, checkpoint.py, monitor/link.py, journal.py (the run log), data
 
 from __future__ import annotations
 
-import datetime
 import gc
 import signal
 import time
@@ -57,36 +56,24 @@ from loguru import logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from autotune.actions import Relief
 from autotune.batching import SplitFn, batch_len
 from autotune.callbacks import Callbacks
-from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed, rank_rng_state, rng_state, set_rng_state
+from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed
 from autotune.config import (OptimizerFactory, check_evaluation, check_run_limits, check_sample_layout,
-                             check_step_options, injection_rate, make_optimizer, make_scheduler, resolve_device,
-                             resolve_memory_cap, resolve_micro_batch)
+                             check_step_options, resolve_device, resolve_micro_batch)
 from autotune.data.pipeline import InputPipeline
-from autotune.dispatch import Dispatcher
-from autotune.distributed import Agreement, from_environment
+from autotune.distributed import from_environment
 from autotune.evaluation import Evaluator, Metric
 from autotune.events import Event
-from autotune.journal import RunLog
-from autotune.knobs import Knobs
-from autotune.memory import StepDemand, allocator_stats, describe_memory, free_memory, memory_text, warm_up_oom_path
-from autotune.monitor.link import MonitorLink
+from autotune.memory import memory_text
 from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
-from autotune.presets import resolve_policies
 from autotune.progress import FitResult, Progress
-from autotune.relief.ladder import ReliefFailed, ReliefLadder
-from autotune.snapshot import Snapshot, StepTiming
-from autotune.step import Attempt, LossFn, StepCore, StepFn, compile_count
+from autotune.snapshot import StepTiming
+from autotune.step import LossFn, StepFn, compile_count
+from autotune.tuner import Tuner, is_zero
 from autotune.validate import check_int
-
-
-def _is_zero(weight: Any) -> bool:
-    # Only a plain count can be told zero without reading the device; a tensor never is (items >= 1 by then).
-    return not isinstance(weight, torch.Tensor) and weight == 0
 
 
 def _counter(name: str) -> property:
@@ -188,36 +175,32 @@ class AutoTrainer:
         check_step_options(precision=precision, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
                            scheduler_interval=scheduler_interval, compile=compile)
         self.callbacks = Callbacks(callbacks)
-        self.ranks = from_environment()
-        self.device = resolve_device(self.ranks.device_for(device, keep_effective_batch))
-        self.ranks.join(self.device)
-        self.model = model.to(self.device)
-        self.ranks.wrap(self.model, self.device)
+        ranks = from_environment()
+        device = resolve_device(ranks.device_for(device, keep_effective_batch))
+        ranks.join(device)
         self.keep_effective_batch = keep_effective_batch
         self.input = InputPipeline(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                                   num_workers=num_workers, collate_fn=collate_fn, device=self.device, ranks=self.ranks)
+                                   num_workers=num_workers, collate_fn=collate_fn, device=device, ranks=ranks)
         batch_size = self.input.loader.batch_size  # validated by InputPipeline, or the DataLoader's own
         micro = resolve_micro_batch(micro_batch_size, batch_size)
         if loss_fn is not None and isinstance(dataset, Dataset) and not isinstance(dataset, IterableDataset):
             check_sample_layout(dataset[0])
-        optimizer = make_optimizer(optimizer, self.model)
-        if run_dir is None:  # every rank uses rank 0's
-            run_dir = self.ranks.broadcast_object(str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")))
-        self.run_dir = Path(run_dir)
-        self.is_main = self.ranks.is_main
-        self.log = RunLog(self.run_dir, writes=self.is_main, tensorboard=tensorboard, progress=progress)
-        self.journal = self.log.journal  # rank 0 writes
-        self.knobs = Knobs(batch_size=batch_size, micro_batch_size=micro, device=self.device,
-                           memory_cap_bytes=resolve_memory_cap(memory_cap, self.device),
-                           num_workers=self.input.num_workers)
-        self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
+        # The step, OOM recovery, policies, monitor and run log: the same Tuner a custom loop uses.
         self.progress = Progress()
-        self.core = StepCore(self.model, optimizer, make_scheduler(scheduler, optimizer), loss_fn=loss_fn,
-                             step_fn=step_fn, split_fn=split_fn, device=self.device, ranks=self.ranks,
-                             progress=self.progress, keep_effective_batch=keep_effective_batch,
-                             inject_oom=injection_rate(inject_oom), seed=seed, precision=precision,
-                             clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                             scheduler_interval=scheduler_interval, compile=compile)
+        self.tuner = Tuner(model, optimizer, loss_fn=loss_fn, step_fn=step_fn, scheduler=scheduler,
+                           micro_batch_size=micro, batch_size=batch_size, keep_effective_batch=keep_effective_batch,
+                           device=device, policies=policies, memory_cap=memory_cap, precision=precision,
+                           clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
+                           scheduler_interval=scheduler_interval, split_fn=split_fn, run_dir=run_dir,
+                           monitor=monitor, monitor_interval=monitor_interval, tensorboard=tensorboard,
+                           inject_oom=inject_oom, seed=seed, compile=compile, progress=progress, ranks=ranks,
+                           counters=self.progress)
+        self.tuner.input_state = self.input.state
+        self.tuner.save_checkpoints_with(self._checkpoint)
+        self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
+        self.is_main = ranks.is_main
+        self.core, self.knobs, self.log, self.journal = self.tuner.core, self.tuner.knobs, self.tuner.log, self.tuner.journal
+        self.knobs.num_workers = self.input.num_workers
         check_evaluation(eval_dataset=eval_dataset, eval_every=eval_every, eval_batch_size=eval_batch_size,
                          metrics=metrics, scheduler_metric=scheduler_metric, plateau=self.core.plateau)
         self.eval_dataset = eval_dataset
@@ -229,25 +212,17 @@ class AutoTrainer:
         self.metrics: dict[str, float] = {}  # the last evaluation's
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=keep_checkpoints, every=checkpoint_every,
                                          interval=checkpoint_interval, ranks=self.ranks, journal=self.journal)
-        self.ladder = ReliefLadder(self.model, self.core, self.ranks, self.journal)
-        self.monitor_link = MonitorLink(self.run_dir, self.device, enabled=monitor and self.is_main,
-                                        interval=monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
-                                        journal=self.journal)
-        self.demand = StepDemand(self.device, self.knobs.memory_cap_bytes)
-        self._last_good_micro: int | None = None
-        self._allocator = None
-        self._agreed: Agreement | None = None  # the last attempt's agreement: stop, checkpoint due
         self._loader_version = self.knobs.loader_version
         self._stop_request: str | None = None  # request_stop's reason
-        self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"  # close() gives it back
         self._closed = False
 
     step, epoch, position, batches_done, ooms, samples_seen = map(
         _counter, ("step", "epoch", "position", "batches_done", "ooms", "samples_seen"))
     optimizer = property(lambda self: self.core.optimizer, doc="the optimizer (rebuilt when pruning)")
     scheduler = property(lambda self: self.core.scheduler, doc="the LR scheduler, or None")
-    reliefs = property(lambda self: self.ladder.applied, doc="memory reliefs applied, in order")
-    monitor = property(lambda self: self.monitor_link.process, doc="the monitor process, while one runs")
+    reliefs = property(lambda self: self.tuner.ladder.applied, doc="memory reliefs applied, in order")
+    monitor = property(lambda self: self.tuner.monitor_link.process, doc="the monitor process, while one runs")
+    demand = property(lambda self: self.tuner.demand, doc="the step's memory demand over the cap")
     loader = property(lambda self: self.input.loader, doc="the DataLoader in use now (rebuilt when a policy "
                                                           "changes workers or caching)")
 
@@ -269,21 +244,12 @@ class AutoTrainer:
             path = None if resume is True else Path(resume)
             self.checkpointer.resume(self.load_state_dict, self.progress, self.device, path=path)
         self._stop_request = None
-        warm_up_oom_path(self.device, self.knobs.memory_cap_bytes)
-        self.core.zero_grad()
-        self.demand.measure_room()
         started = time.perf_counter()
         self.checkpointer.restart_clock(self.step)
-        self.journal.write("fit_start", self.step, self.epoch, device=str(self.device),
-                           batch_size=self.knobs.batch_size, micro_batch_size=self.knobs.micro_batch_size,
-                           keep_effective_batch=self.keep_effective_batch, epochs=epochs, max_steps=max_steps,
-                           memory_cap=self.knobs.memory_cap_bytes, policies=[p.name for p in self.dispatcher.policies],
-                           precision=self.core.precision, clip_grad_norm=self.core.clip_grad_norm,
-                           clip_grad_value=self.core.clip_grad_value, compiled=self.core.compiled_model,
-                           eval_every=self.eval_every if self.eval_dataset is not None else None)
+        self.tuner.begin(batch_size=self.knobs.batch_size, epochs=epochs, max_steps=max_steps,
+                         eval_every=self.eval_every if self.eval_dataset is not None else None)
         logger.info(f"training on {self.device}: batch {self.knobs.batch_size}, micro-batch "
                     f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
-        self.monitor_link.start(self.step, self.epoch)
         compiles = compile_count() if self.core.compiled_model else 0
         self._fire(Event.FIT_START)
         self.callbacks.fire("on_fit_start", self)
@@ -311,7 +277,7 @@ class AutoTrainer:
             self.log.flush()
             if freeze:
                 gc.unfreeze()
-            self.monitor_link.stop()
+            self.tuner.monitor_link.stop()
         wall = time.perf_counter() - started
         step_size = self.knobs.batch_size if self.keep_effective_batch else min(self.knobs.micro_batch_size,
                                                                                  self.knobs.batch_size)
@@ -360,11 +326,7 @@ class AutoTrainer:
         if self._closed:
             return
         self._closed = True
-        self.ladder.close()
-        self.monitor_link.stop()
-        if self._memory_fraction_set:
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
-        self.log.close()
+        self.tuner.close()
 
     def __enter__(self) -> "AutoTrainer":
         return self
@@ -387,50 +349,41 @@ class AutoTrainer:
                 break
             step_start = time.perf_counter()
             n = batch_len(batch)
-            self.demand.start()
-            retries, batch_loss, weight = self._train_batch(batch, n)
-            self._last_good_micro = self.knobs.micro_batch_size
-            self.demand.finish()
+            outcome = self.tuner.train_batch(batch, n, proposal=self._proposal)
             step_end = time.perf_counter()
-            loss_sum += batch_loss
-            loss_weight = loss_weight + weight
+            loss_sum += outcome.loss_sum
+            loss_weight = loss_weight + outcome.weight
             self.progress.position += n
             self.progress.batches_done += 1
-            # One memory_stats() call a step (CUDA); its peak was reset by self.demand.start().
-            self._allocator = allocator_stats(self.device, reset_peak=False)
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
-                                retries=retries)
-            self._log_step(timing, n, batch_loss, weight)
-            self._fire(Event.BATCH_END, timing=timing)
-            self.ladder.effect(self.demand.last, self.step, self.epoch)
-            self._carry_out(self.ranks.relief_now(self.knobs, self.ladder.take_agreed()))
-            for event in self.monitor_link.watch(self._allocator, self.step, self.epoch):
-                self._fire(event, force=True)
+                                retries=outcome.retries)
+            self.tuner.end_batch(timing, n, outcome)
             for event in self.input.on_step(timing, n, self.journal, self.step, self.epoch):
                 self._fire(event, timing=timing)
             if self.knobs.loader_version != self._loader_version:  # a policy changed workers or caching
                 del batches  # its workers exit before the new loader's start
                 batches = self._rebuild_loader()
-            self.log.show(step_end, loss=lambda: f"{float(loss_sum / loss_weight) if not _is_zero(loss_weight) else 0:.4f}",
+            self.log.show(step_end, loss=lambda: f"{float(loss_sum / loss_weight) if not is_zero(loss_weight) else 0:.4f}",
                           micro=self.knobs.micro_batch_size,
                           mem=lambda: memory_text(self.device, self.knobs.memory_cap_bytes))
-            if self._agreed.stop_signal:  # agreed by all ranks under torchrun
-                signum = self._agreed.stop_signal
+            agreed = self.tuner.agreed
+            if agreed.stop_signal:  # agreed by all ranks under torchrun
+                signum = agreed.stop_signal
                 raise self.checkpointer.preempted(signum, self._checkpoint(f"signal {signal.Signals(signum).name}"),
                                                   self.progress)
             self.callbacks.fire("on_step_end", self)
             if isinstance(self.eval_every, int) and self.step % self.eval_every == 0:
                 self.evaluate()
             # After the step's callbacks and evaluation: a resume from this checkpoint has seen them.
-            if self._agreed.checkpoint_due:
-                self._checkpoint("every" if self._agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
+            if agreed.checkpoint_due:
+                self._checkpoint("every" if agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
             if self._stop_requested():
                 finished_epoch = False
                 break
             if max_steps is not None and self.step >= max_steps:
                 finished_epoch = False
                 break
-        epoch_loss = float(loss_sum / loss_weight) if not _is_zero(loss_weight) else None
+        epoch_loss = float(loss_sum / loss_weight) if not is_zero(loss_weight) else None
         if finished_epoch:
             self.progress.epoch += 1
             self.progress.position = self.progress.batches_done = 0
@@ -460,131 +413,14 @@ class AutoTrainer:
             return True
         return False
 
-    def _train_batch(self, batch: Any, n: int) -> tuple[int, torch.Tensor, Any]:
-        """Train on one batch until every sample of it is in a completed optimizer step.
+    def _proposal(self) -> dict[str, Any]:
+        # Each attempt's agreement also carries a stop signal any rank received, and whether a
+        # checkpoint is due by the step this batch ends at.
+        return {"stop_signal": self._stop.signum or 0,
+                "checkpoint_due": self.checkpointer.due(self.step + (1 if self.keep_effective_batch else 0))}
 
-        Returns the number of OOMs survived on it, its summed (not mean) loss and what that is
-        summed over (samples, or the step's items).
-        """
-        done = 0  # samples whose optimizer step has completed
-        tried: list[int] = []
-        loss_sum = torch.zeros((), device=self.device)
-        weight: Any = 0
-        while done < n:
-            attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size)
-            done = attempt.done
-            loss_sum += attempt.loss_sum  # with keep_effective_batch=False: the chunks already stepped
-            weight = weight + attempt.weight
-            # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
-            # rank that ran out of memory. A checkpoint is due by the step this batch ends at.
-            agreed = self._agreed = self.ranks.agree(Agreement(
-                failed_size=attempt.failed_size, micro_batch_size=self.knobs.micro_batch_size,
-                stop_signal=self._stop.signum or 0,
-                checkpoint_due=self.checkpointer.due(self.step + (1 if self.keep_effective_batch else 0)),
-                relief=self.ranks.offer_relief(self.knobs), fatal=self.core.failure), self.device)
-            self.knobs.follow(agreed.micro_batch_size)  # rank 0's
-            self.ladder.agreed = agreed.relief or self.ladder.agreed
-            if agreed.fatal:
-                self._give_up_on_the_step(agreed.fatal)
-            if agreed.failed_size is None:
-                if self.keep_effective_batch:
-                    self.core.reduce_gradients(attempt)
-                    self.core.optimizer_step(n)
-                    done = n
-                failure = self.ranks.known_to_all(self.core.failure)
-                if failure:
-                    self._give_up_on_the_step(failure)
-                break
-            # Out of the `except` block now, so the exception and its frames are gone and
-            # the tensors they pinned (activations, partial gradients) can be freed.
-            tried.append(agreed.failed_size)
-            self._recover_from_oom(agreed.failed_size, tried, attempt)
-        return len(tried), loss_sum, weight
-
-    def _recover_from_oom(self, failed_size: int, tried: list[int], attempt: Attempt) -> None:
-        """Free what the failed attempt held, tell the policies, and give up if none helped."""
-        self.core.zero_grad()  # partial gradients of the failed batch must not leak into the retry
-        free_memory(self.device)
-        self.progress.ooms += 1
-        lost = time.perf_counter() - attempt.started  # the failed work and the clean-up: what the OOM cost
-        self.journal.write("oom", self.step, self.epoch, micro_batch_size=failed_size, device=str(self.device),
-                           message=attempt.message, injected=attempt.injected, lost_seconds=round(lost, 4),
-                           ooms=self.ooms)
-        logger.warning(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch")
-        self._fire(Event.OOM, failed_micro_batch=failed_size, force=True)
-        # Every rank's next move is rank 0's: the size to retry at, and any relief first.
-        micro, relief = self.ranks.follow_rank0(self.knobs.micro_batch_size, self.ranks.offer_relief(self.knobs),
-                                                self.device)
-        self.knobs.follow(micro)
-        self.ladder.agreed = relief or self.ladder.agreed
-        if self.knobs.micro_batch_size < failed_size:
-            self.knobs.take_relief()  # a smaller micro-batch first: reliefs are the last resort
-            self.ladder.take_agreed()
-            return
-        if attempt.not_supported is not None:
-            raise attempt.not_supported  # cuDNN's NOT_SUPPORTED at the floor may not be memory: no reliefs
-        relief = self.ranks.relief_now(self.knobs, self.ladder.take_agreed())
-        if relief is not None:
-            # Without the relief the run would stop here; a relief changes the model or the
-            # kernels it runs, under memory that is already exhausted: save the progress first.
-            self._checkpoint("before_relief")
-            if self._carry_out(relief):
-                return  # the same batch again, with the relief
-        memory = describe_memory(self.device)
-        self.journal.write("out_of_memory", self.step, self.epoch, micro_batch_size=failed_size,
-                           device=str(self.device), tried=tried, memory=memory)
-        self._checkpoint("out_of_memory")  # the progress so far survives the error
-        raise OutOfMemory(
-            f"out of memory on {self.device} even at micro-batch {failed_size} "
-            f"(sizes tried on this batch: {', '.join(map(str, tried))}); no policy could make more room. "
-            f"Memory: {memory}. Last error: {attempt.message}")
-
-    def _give_up_on_the_step(self, why: str) -> None:
-        # A smaller micro-batch cannot help an optimizer state that does not fit. Every rank
-        # knows by now (alone at once; under torchrun through an agreement or a gather).
-        memory = describe_memory(self.device)
-        self.journal.write("out_of_memory", self.step, self.epoch, phase="optimizer_step", device=str(self.device),
-                           memory=memory, error=why)
-        self._checkpoint("out_of_memory", report_failure=False)  # the weights may hold part of the failed step
-        raise OutOfMemory(f"out of memory on {self.device} in optimizer.step(): the optimizer state does not fit, "
-                          f"whatever the micro-batch. Memory: {memory}. {why}")
-
-    def _carry_out(self, relief: Relief | None) -> bool:
-        try:
-            applied = self.ladder.apply(relief, self.step, self.epoch, self.demand.last, checkpoint=self._checkpoint)
-        except ReliefFailed as exc:
-            self.dispatcher.relief_failed(relief, str(exc))  # the policy that asked learns not to ask again
-            return False
-        if applied:
-            # What stays resident changed (pruning shrinks weights and optimizer state): demand
-            # is measured from here on against the room there is now.
-            self.demand.measure_room()
-        return applied
-
-    # ----------------------------------------------------------------------------- helpers
-    def _fire(self, event: Event, failed_micro_batch: int | None = None, timing: StepTiming | None = None,
-              force: bool = False) -> None:
-        # Building a snapshot reads memory figures; skip it when nobody listens.
-        if not force and not any(event in p.events for p in self.dispatcher.policies):
-            return
-        self.dispatcher.fire(event, Snapshot(
-            step=self.step, epoch=self.epoch, batch_size=self.knobs.batch_size,
-            micro_batch_size=self.knobs.micro_batch_size, device=str(self.device),
-            keep_effective_batch=self.keep_effective_batch, failed_micro_batch=failed_micro_batch,
-            last_good_micro_batch=self._last_good_micro, step_demand=self.demand.last, ooms=self.ooms,
-            sample=self.monitor_link.latest(fresh=event is Event.OOM), window=tuple(self.monitor_link.window),
-            allocator=self._allocator, timing=timing, input=self.input.state(), reliefs=tuple(self.ladder.applied),
-            last_relief_step=self.ladder.last_step, pruned_fraction=self.ladder.pruned_fraction))
-
-    def _log_step(self, timing: StepTiming, samples: int, batch_loss: torch.Tensor, loss_weight: Any) -> None:
-        allocator = self._allocator
-        self.log.step(self.step, self.epoch, samples=samples, samples_seen=self.samples_seen,
-                      micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
-                      data_wait_fraction=timing.data_wait_fraction, demand=self.demand.last,
-                      allocated_bytes=allocator.allocated_bytes if allocator else None,
-                      reserved_bytes=allocator.reserved_bytes if allocator else None,
-                      batch_loss=batch_loss, loss_weight=loss_weight, sample=self.monitor_link.latest,
-                      grad_norm=self.core.grad_norm)
+    def _fire(self, event: Event, timing: StepTiming | None = None) -> None:
+        self.tuner.fire(event, timing=timing)
 
     def _rebuild_loader(self) -> Iterator[Any]:
         self._loader_version = self.knobs.loader_version
@@ -594,32 +430,24 @@ class AutoTrainer:
 
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: weights, optimizer, scheduler, counters,
-        position in the epoch, sizes, reliefs, policy states and random states."""
-        return {"format": 1, "model": self.model.state_dict(), **self.core.state_dict(), **self.progress.state_dict(),
-                "batch_size": self.knobs.batch_size, "micro_batch_size": self.knobs.micro_batch_size,
-                "num_workers": self.knobs.num_workers, "reliefs": self.ladder.state_dict(),
-                "policies": self.dispatcher.state_dict(), "evaluation": self.evaluator.state_dict(),
-                "callbacks": self.callbacks.state_dict(), "rng": rng_state()}
+        """Everything needed to continue exactly: the tuner's (weights, optimizer, scheduler,
+        counters, sizes, reliefs, policy states, random states), the position in the epoch, the
+        loader's workers, the evaluation's micro-batch and the callbacks' states."""
+        return {**self.tuner.state_dict(), "num_workers": self.knobs.num_workers,
+                "evaluation": self.evaluator.state_dict(), "callbacks": self.callbacks.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
-        if state.get("reliefs"):
-            self.ladder.load_state_dict(state["reliefs"])  # a pruned model's weights fit only a pruned model
-        self.model.load_state_dict(state["model"])
-        self.core.load_state_dict(state)
-        self.progress.load_state_dict(state)
         if state["batch_size"] != self.knobs.batch_size:
             raise ValueError(f"the checkpoint was made with batch_size {state['batch_size']}, this trainer has "
                              f"{self.knobs.batch_size}: the position in the epoch would not line up")
+        self.tuner.load_state_dict(state)
         workers = state.get("num_workers", self.knobs.num_workers) if self.input.owned else self.knobs.num_workers
         if self.knobs.restore(state["micro_batch_size"], workers):  # as tuned before the stop
             self.input.set_workers(workers)
-        self.dispatcher.load_state_dict(state["policies"])
         if state.get("evaluation"):
             self.evaluator.load_state_dict(state["evaluation"])
         self.callbacks.load_state_dict(state.get("callbacks", {}))
-        set_rng_state(rank_rng_state(state, self.ranks.rank, self.ranks.world))
 
     def _checkpoint(self, reason: str, report_failure: bool = True) -> Path | None:
         try:
@@ -627,4 +455,5 @@ class AutoTrainer:
                                           failure=self.core.failure if report_failure else None,
                                           position=self.position, samples_seen=self.samples_seen)
         except RankFailed as exc:  # another rank's optimizer step ran out of memory
-            self._give_up_on_the_step(str(exc))
+            self.tuner.give_up_on_the_step(str(exc))
+            return None

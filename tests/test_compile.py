@@ -88,7 +88,7 @@ def test_compile_true_and_the_checkpointing_relief_on_a_compiled_model(tmp_path)
                       progress=False, monitor=False, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                       run_dir=tmp_path / "run", shuffle=False, compile={"backend": "aot_eager"})
     run.fit(epochs=1)
-    assert run._carry_out(CheckpointActivations(reason="test"))
+    assert run.tuner.carry_out(CheckpointActivations(reason="test"))
     run.fit(epochs=2)
     eager = Net()
     reference = AutoTrainer(eager, data(), loss_fn=nn.functional.cross_entropy, batch_size=16, device="cpu",

@@ -230,7 +230,7 @@ def test_the_autocast_relief_says_it_changes_nothing_when_a_precision_was_chosen
     from autotune.actions import UseAutocast
 
     run, _ = trainer(tmp_path, plain, precision="bf16")
-    assert run._carry_out(UseAutocast(reason="test"))
+    assert run.tuner.carry_out(UseAutocast(reason="test"))
     (relief,) = [r for r in journal(tmp_path / "run") if r["kind"] == "relief"]
     assert "changes nothing" in relief["note"] and run.core.autocast.dtype == torch.bfloat16
 

@@ -1,0 +1,6 @@
+"""autotune inside trainers you already use: `transformers.AutoTuneTrainer`, `lightning`.
+
+Each is thin: the batch a trainer hands to its training step goes through the same
+`Tuner.accumulate` (split, retry on OOM, accumulate) that `AutoTrainer` and custom loops use;
+the trainer keeps its optimizer, schedule, precision, logging and checkpoints.
+"""

@@ -1,0 +1,136 @@
+"""`AutoTuneTrainer`: the Hugging Face `Trainer`, with training steps that survive out-of-memory errors.
+
+    from autotune.integrations.transformers import AutoTuneTrainer
+    trainer = AutoTuneTrainer(model=model, args=args, train_dataset=train, data_collator=collator)
+    trainer.train()                       # same arguments, same optimizer steps
+
+Each batch HF hands to `training_step` (`per_device_train_batch_size` samples) goes through
+`Tuner.accumulate`: forward/backward in micro-batches, and on OOM the same batch again at a
+smaller micro-batch; nothing is skipped and HF's optimizer step, schedule, clipping, logging
+and checkpoints are untouched. A micro-batch's loss is HF's `compute_loss` on it with the
+step's `num_items_in_batch` (the label tokens of all `gradient_accumulation_steps` batches),
+so the micro-batches' losses add up to the batch's exactly; for a model whose loss is a mean
+over its own input, each is weighted by its share of the samples and by
+1/gradient_accumulation_steps, as HF does.
+
+How it composes with `gradient_accumulation_steps=k`: HF still runs k training steps per
+optimizer step; autotune splits each of them further only when it has to. Gradients that
+earlier training steps of the same optimizer step accumulated are set aside during a retry
+and added back after it, so a retry neither loses nor doubles them.
+
+The micro-batch (and the policies' state) is saved as `autotune.pt` in each HF checkpoint
+folder and restored by `train(resume_from_checkpoint=...)`. The journal (`events.jsonl`) goes
+to `args.output_dir`, so `autotune report OUTPUT_DIR` works. Pruning and the other reliefs
+are off (HF owns the optimizer and the precision); one process (HF's DDP is not covered yet).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from autotune.batching import batch_len
+from autotune.distributed import Solo
+from autotune.tuner import Tuner
+
+STATE_FILE = "autotune.pt"
+
+
+class AutoTuneTrainer(Trainer):
+    """`transformers.Trainer` (same arguments) whose training step splits the batch and retries
+    it at a smaller micro-batch on OOM.
+
+    Args:
+        tuner_options: passed to `Tuner`: `policies`, `memory_cap`, `micro_batch_size`,
+            `monitor`, `monitor_interval`, `inject_oom`, `seed`, `split_fn`.
+        *args, **kwargs: `transformers.Trainer`'s.
+    """
+
+    def __init__(self, *args: Any, tuner_options: dict[str, Any] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.args.world_size > 1:
+            raise NotImplementedError("AutoTuneTrainer runs in one process for now: under torchrun/accelerate "
+                                      f"launch (world size {self.args.world_size}) its OOM retries are not agreed "
+                                      "across ranks; use autotune.AutoTrainer or the Lightning integration")
+        self.tuner = Tuner(self.model, device=self.args.device, run_dir=self.args.output_dir,
+                           owns_optimizer=False, reliefs=False, ranks=Solo(),
+                           **{"monitor": self.args.device.type == "cuda", **(tuner_options or {})})
+        self.tuner.save_checkpoints_with(self._checkpoint_before_giving_up)
+        self.add_callback(_SaveTuning(self))
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per forward/backward now (HF's batch is `per_device_train_batch_size`)."""
+        return self.tuner.micro_batch_size
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`; a resumed run also restores the micro-batch it had settled on."""
+        folder = resume_from_checkpoint
+        if folder is True:
+            folder = get_last_checkpoint(self.args.output_dir)
+        if isinstance(folder, (str, os.PathLike)) and (Path(folder) / STATE_FILE).is_file():
+            self.tuner.load_tuning_state(torch.load(Path(folder) / STATE_FILE, weights_only=True))
+            self.tuner.journal.write("resume", 0, 0, found=True, path=str(Path(folder) / STATE_FILE),
+                                     micro_batch_size=self.tuner.micro_batch_size)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.tuner.end()
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """HF's training step, on micro-batches of `inputs` with OOM retries (see the module docstring)."""
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        n = batch_len(inputs)
+        scaled = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else (
+            (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
+        accumulation = self.current_gradient_accumulation_steps
+
+        def micro_loss(_: torch.nn.Module, micro: dict[str, Any]) -> torch.Tensor:
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, micro, num_items_in_batch=num_items_in_batch)
+            if self.args.n_gpu > 1:
+                loss = loss.mean()
+            if not scaled:  # a mean over this micro-batch: its share of the batch, and HF's 1/k
+                loss = loss * (batch_len(micro) / n) / accumulation
+            return loss
+
+        self.tuner.progress.step = self.state.global_step
+        self.tuner.core.backward_fn = self.accelerator.backward
+        outcome = self.tuner.accumulate(inputs, micro_loss, n=n)
+        return outcome.loss_sum.detach()
+
+    def _checkpoint_before_giving_up(self, reason: str, report_failure: bool = True) -> Path | None:
+        # HF's own checkpoint at the last completed optimizer step: a resume redoes the
+        # accumulation in progress from its first batch.
+        self._save_checkpoint(self.model, trial=None)
+        return save_tuning(self.tuner, self.args, self.state, reason)
+
+
+def save_tuning(tuner: Tuner, args: Any, state: Any, reason: str) -> Path | None:
+    """The tuner's state into HF's checkpoint folder of this step, once HF has written it."""
+    folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    if not (state.is_world_process_zero and folder.is_dir()):
+        return None
+    torch.save(tuner.tuning_state(), folder / STATE_FILE)
+    tuner.journal.write("checkpoint", state.global_step, int(state.epoch or 0), reason=reason, path=str(folder),
+                        micro_batch_size=tuner.micro_batch_size)
+    return folder
+
+
+class _SaveTuning(TrainerCallback):
+    """Writes the tuner's state into each HF checkpoint folder, after HF has written its own."""
+
+    def __init__(self, trainer: AutoTuneTrainer):
+        self.tuner = trainer.tuner
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        save_tuning(self.tuner, args, state, "hf")

@@ -1,0 +1,185 @@
+"""Tuner: a loop the user keeps, with real OOMs (RLIMIT_AS, in subprocesses) and its state round trip."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from autotune import Tuner
+from autotune.report import summarize
+from tests.conftest import journal, run_python
+
+LOOP = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from autotune import Tuner
+from autotune.limits import cap_address_space, lift_address_space_cap
+
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(0)
+N, WIDTH, HEAVY_FROM = 640, 16384, 576  # the last tenth of the epoch costs 4x the memory (long sequences)
+data = TensorDataset(torch.randn(N, 32, generator=g), torch.randint(0, 4, (N,), generator=g), torch.arange(N))
+model = nn.Sequential(nn.Linear(32, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 4))
+x = data[:2][0].requires_grad_()  # threads and arenas warmed up at a tiny size (see test_trainer_oom.py)
+torch.autograd.grad(nn.functional.cross_entropy(model(x), data[:2][1]), x)
+pending, committed = [], []
+
+class RecordingSGD(torch.optim.SGD):  # which samples each completed optimizer step trained on
+    def step(self, closure=None):
+        committed.extend(pending)
+        pending.clear()
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        pending.clear()
+        super().zero_grad(set_to_none)
+
+def step_fn(model, micro):
+    x, y, ids = micro
+    pending.extend(ids.tolist())
+    if bool((ids >= HEAVY_FROM).any()):
+        x, y = x.repeat(4, 1), y.repeat(4)  # 4x the activations, the same mean loss and gradient
+    return nn.functional.cross_entropy(model(x), y)
+
+optimizer = RecordingSGD(model.parameters(), lr=0.05, momentum=0.9)
+loader = DataLoader(data, batch_size=128, shuffle=False)
+losses = []
+if PLAIN:  # the hand-written loop it replaces, with no cap
+    for epoch in range(2):
+        for batch in loader:
+            loss = step_fn(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    outcome = {"committed": committed, "losses": losses}
+else:
+    with Tuner(model, optimizer, device="cpu", run_dir=RUN_DIR, monitor=False) as tuner:
+        cap_address_space(BUDGET_MIB * 2**20)
+        for epoch in range(2):
+            for batch in loader:
+                losses.append(tuner.step(batch, step_fn).item())
+        lift_address_space_cap()
+        outcome = {"committed": committed, "losses": losses, "ooms": tuner.ooms, "steps": tuner.step_count,
+                   "micro_batch_size": tuner.micro_batch_size, "samples_seen": tuner.samples_seen}
+torch.save(model.state_dict(), RUN_DIR + "/weights.pt")
+save(outcome)
+"""
+
+
+def _loop(tmp_path, name, plain):
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    proc, result = run_python(f"PLAIN={plain}\nBUDGET_MIB=60\nRUN_DIR={str(run_dir)!r}\n" + LOOP, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return result, run_dir
+
+
+@pytest.mark.slow
+def test_a_custom_loop_survives_a_late_memory_jump_with_the_plain_loops_weights(tmp_path):
+    plain, plain_dir = _loop(tmp_path, "plain", plain=True)
+    tuned, tuned_dir = _loop(tmp_path, "tuned", plain=False)
+    assert tuned["ooms"] >= 1 and tuned["micro_batch_size"] < 128
+    assert tuned["steps"] == 10 and tuned["samples_seen"] == 1280
+    assert sorted(tuned["committed"]) == sorted(plain["committed"]) == sorted(list(range(640)) * 2)
+    records = journal(tuned_dir)
+    first_oom = next(r for r in records if r["kind"] == "oom")
+    assert first_oom["step"] == 4 and first_oom["micro_batch_size"] == 128  # the batch with the heavy samples
+    a = torch.load(plain_dir / "weights.pt", weights_only=True)
+    b = torch.load(tuned_dir / "weights.pt", weights_only=True)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(tuned["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=1e-6)
+    summary = summarize(tuned_dir)  # `autotune report` reads a Tuner's run
+    assert summary["status"] == "finished" and summary["ooms"]["survived"] == tuned["ooms"]
+
+
+def _problem(seed=0):
+    torch.manual_seed(seed)
+    data = TensorDataset(torch.randn(96, 8), torch.randint(0, 3, (96,)))
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), data
+
+
+def _tuner(model, tmp_path, name, **kw):
+    return Tuner(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss_fn=nn.functional.cross_entropy,
+                 device="cpu", run_dir=tmp_path / name, monitor=False, **kw)
+
+
+def test_state_dict_continues_a_custom_loop_exactly(tmp_path):
+    model, data = _problem()
+    batches = list(DataLoader(data, batch_size=16))
+    with _tuner(model, tmp_path, "whole", micro_batch_size=8,
+                scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)) as whole:
+        for batch in batches:
+            whole.step(batch)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model, _ = _problem()
+    with _tuner(model, tmp_path, "first", micro_batch_size=8,
+                scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)) as first:
+        for batch in batches[:3]:
+            first.step(batch)
+        torch.save(first.state_dict(), tmp_path / "mine.pt")  # the user's own checkpoint
+    model, _ = _problem(seed=1)  # other weights: the checkpoint must bring them back
+    with _tuner(model, tmp_path, "second", micro_batch_size=8,
+                scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)) as second:
+        second.load_state_dict(torch.load(tmp_path / "mine.pt", weights_only=True))
+        assert second.step_count == 3 and second.micro_batch_size == 8
+        for batch in batches[3:]:
+            second.step(batch)
+        assert second.scheduler.last_epoch == 6
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=0)
+
+
+def test_accumulate_keeps_earlier_gradients_through_a_retry(tmp_path):
+    # Two batches into one optimizer step, the second retried after (injected) OOMs: the
+    # gradient is the sum of both batches' exactly once.
+    model, data = _problem()
+    x, y = data.tensors
+    reference = _problem()[0]
+    for part in (slice(0, 32), slice(32, 64)):
+        (nn.functional.cross_entropy(reference(x[part]), y[part]) / 2).backward()
+    tuner = Tuner(model, device="cpu", run_dir=tmp_path / "run", monitor=False, owns_optimizer=False,
+                  reliefs=False, inject_oom=0.6, seed=3)
+
+    def half_mean(module, micro):
+        return nn.functional.cross_entropy(module(micro[0]), micro[1], reduction="sum") / 64
+
+    tuner.accumulate((x[:32], y[:32]), half_mean)
+    tuner.accumulate((x[32:64], y[32:64]), half_mean)
+    tuner.close()
+    assert tuner.ooms >= 1
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_tuners_run_is_on_the_record(tmp_path):
+    model, data = _problem()
+    tuner = _tuner(model, tmp_path, "run", inject_oom=0.5, seed=2)
+    for batch in DataLoader(data, batch_size=32):
+        loss = tuner.step(batch)
+    assert loss.ndim == 0 and not loss.requires_grad
+    tuner.close()
+    tuner.close()  # idempotent
+    kinds = [r["kind"] for r in journal(tmp_path / "run")]
+    assert kinds[0] == "fit_start" and kinds[-1] == "fit_end" and "oom" in kinds
+    lines = (tmp_path / "run" / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    with pytest.raises(RuntimeError, match="closed"):
+        tuner.step(next(iter(DataLoader(data, batch_size=32))))
+
+
+def test_bad_tuner_arguments_name_the_problem(tmp_path):
+    model, data = _problem()
+    with pytest.raises(ValueError, match="step_fn"):
+        Tuner(model, device="cpu", run_dir=tmp_path / "a", monitor=False).step(data[:4])
+    with pytest.raises(ValueError, match="micro_batch_size .8. cannot exceed batch_size .4."):
+        Tuner(model, device="cpu", run_dir=tmp_path / "b", micro_batch_size=8, batch_size=4)
+    with pytest.raises(ValueError, match="not both"):
+        Tuner(model, device="cpu", run_dir=tmp_path / "c", loss_fn=nn.functional.mse_loss, step_fn=lambda m, b: 0)
+    with pytest.raises(TypeError, match="model must be"):
+        Tuner(lambda x: x)
