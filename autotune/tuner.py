@@ -238,7 +238,7 @@ class Tuner:
 
     def _start_standalone(self) -> None:
         self._started = True
-        self.begin(tuner=True)
+        self.begin(batch_size=self.knobs.batch_size, tuner=True)
         self.fire(Event.FIT_START)
 
     def begin(self, **fit_start: Any) -> None:

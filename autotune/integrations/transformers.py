@@ -59,7 +59,7 @@ class AutoTuneTrainer(Trainer):
                                       "across ranks; use autotune.AutoTrainer or the Lightning integration")
         self.tuner = Tuner(self.model, device=self.args.device, run_dir=self.args.output_dir,
                            owns_optimizer=False, reliefs=False, ranks=Solo(),
-                           **{"monitor": self.args.device.type == "cuda", **(tuner_options or {})})
+                           **(tuner_options or {}))
         self.tuner.save_checkpoints_with(self._checkpoint_before_giving_up)
         self.add_callback(_SaveTuning(self))
 
@@ -80,6 +80,7 @@ class AutoTuneTrainer(Trainer):
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
+            self.tuner.progress.step = self.state.global_step
             self.tuner.end()
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],

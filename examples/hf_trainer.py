@@ -1,0 +1,63 @@
+"""Keep the Hugging Face Trainer: `AutoTuneTrainer` makes its training steps survive OOMs.
+
+The tiny GPT-2 and data of hf_causal_lm.py, trained by `transformers.Trainer`'s own loop
+(its optimizer, schedule, clipping, gradient accumulation, logging and checkpoints) under a
+memory cap (RLIMIT_AS) that `per_device_train_batch_size` does not fit. The one change is the
+class name: each batch is split and retried at a smaller micro-batch on OOM, with
+`num_items_in_batch`, so every optimizer step is the one HF would have made.
+
+    pip install 'autotune[hf]'
+    python examples/hf_trainer.py                    # capped: watch it halve and go on
+    python examples/hf_trainer.py --plain            # transformers.Trainer itself: an OOM
+    python examples/hf_trainer.py --resume           # continue from the last checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from transformers import Trainer, TrainingArguments
+
+from autotune.integrations.transformers import AutoTuneTrainer  # autotune
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_causal_lm import build  # noqa: E402  (the model, data and collator)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--epochs", type=float, default=1)
+    parser.add_argument("--budget-mib", type=float, default=32.0, help="RLIMIT_AS headroom (0: no cap)")
+    parser.add_argument("--plain", action="store_true", help="transformers.Trainer, without autotune")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--output-dir", default="runs/hf_trainer")
+    args = parser.parse_args()
+
+    from autotune.limits import cap_address_space, lift_address_space_cap, single_malloc_arena
+
+    single_malloc_arena()
+    model, train, evaluation, collator = build(args.samples)
+    training = TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=32, gradient_accumulation_steps=2,
+        num_train_epochs=args.epochs, learning_rate=3e-3, warmup_steps=1, max_grad_norm=1.0, use_cpu=True,
+        save_strategy="steps", save_steps=2, logging_steps=1, report_to="none", disable_tqdm=True, seed=0)
+    trainer_class = Trainer if args.plain else AutoTuneTrainer  # autotune: the one line that changes
+    trainer = trainer_class(model=model, args=training, train_dataset=train, eval_dataset=evaluation,
+                            data_collator=collator)
+    if args.budget_mib > 0:
+        trainer.evaluate()  # warms kernels and the allocator before the cap, as a real run has
+        cap_address_space(int(args.budget_mib * 2**20))
+    try:
+        result = trainer.train(resume_from_checkpoint=True if args.resume else None)
+    finally:
+        lift_address_space_cap()
+    tuned = (f", {trainer.tuner.ooms} OOMs survived, micro-batch {trainer.micro_batch_size}; "
+             f"`autotune report {args.output_dir}`") if not args.plain else ""
+    print(f"done: {result.global_step} steps, train loss {result.training_loss:.3f}{tuned}")
+
+
+if __name__ == "__main__":
+    main()

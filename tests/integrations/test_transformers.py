@@ -1,0 +1,62 @@
+"""AutoTuneTrainer: HF's Trainer under a real memory cap (RLIMIT_AS, in a subprocess)."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import journal, run_python
+
+pytest.importorskip("transformers")
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+SCRIPT = """
+import sys, torch
+sys.path.insert(0, EXAMPLES)
+from autotune.limits import cap_address_space, lift_address_space_cap
+from hf_causal_lm import build
+from transformers import Trainer, TrainingArguments
+from autotune.integrations.transformers import AutoTuneTrainer
+
+def make(cls, out, max_steps, **kw):
+    model, train, _, collator = build(64)
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=16, gradient_accumulation_steps=2,
+                             max_steps=max_steps, optim="sgd", learning_rate=0.1, max_grad_norm=1.0,
+                             lr_scheduler_type="constant", report_to="none", use_cpu=True, save_strategy="steps",
+                             save_steps=1, logging_steps=1, seed=0, data_seed=0, disable_tqdm=True)
+    return model, cls(model=model, args=args, train_dataset=train, data_collator=collator, **kw)
+
+plain_model, plain = make(Trainer, "plain", 2)  # HF's own, no cap: what the capped runs must end at
+plain.train()
+_, first = make(AutoTuneTrainer, OUT_DIR, 1, tuner_options={"monitor": False})
+cap_address_space(BUDGET_MIB * 2**20)
+first.train()  # stops after one optimizer step, with a checkpoint
+second_model, second = make(AutoTuneTrainer, OUT_DIR, 2, tuner_options={"monitor": False})
+second.train(resume_from_checkpoint=True)
+lift_address_space_cap()
+diff = max((a - b).abs().max().item() for a, b in zip(plain_model.state_dict().values(),
+                                                     second_model.state_dict().values()))
+save({"settled": first.micro_batch_size, "first_ooms": first.tuner.ooms, "first_samples": first.tuner.samples_seen,
+      "second_samples": second.tuner.samples_seen, "diff": diff})
+"""
+
+
+@pytest.mark.slow
+def test_hf_trainer_survives_ooms_resumes_at_the_settled_micro_batch_with_hfs_weights(tmp_path):
+    out = tmp_path / "out"
+    settings = f"EXAMPLES={str(EXAMPLES)!r}\nOUT_DIR={str(out)!r}\nBUDGET_MIB=24\n"
+    proc, result = run_python(settings + SCRIPT, tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["first_ooms"] >= 1 and result["settled"] < 16
+    # 2 batches of 16 per optimizer step, each sample once; then the resumed run does the second step
+    assert result["first_samples"] == result["second_samples"] == 32
+    assert result["diff"] < 1e-5  # the same weights as HF's Trainer without OOMs
+    records = journal(out)
+    resumed = [r for r in records if r["kind"] == "resume"]
+    assert resumed and resumed[0]["micro_batch_size"] == result["settled"]
+    after = records.index(resumed[0])
+    first_oom = [r for r in records[:after] if r["kind"] == "oom"][0]
+    assert first_oom["micro_batch_size"] == 16 and first_oom["step"] == 0
+    # the resumed run starts at the settled size, not at HF's 16 again
+    assert all(r["micro_batch_size"] <= result["settled"] for r in records[after:] if r["kind"] == "oom")
+    assert (out / "checkpoint-1" / "autotune.pt").is_file() and (out / "checkpoint-2" / "autotune.pt").is_file()
+    assert [r["kind"] for r in records].count("fit_end") == 2  # `autotune report OUT_DIR` reads both runs
