@@ -47,3 +47,25 @@ def journal(run_dir: Path) -> list[dict]:
     from autotune.journal import read_journal
 
     return list(read_journal(Path(run_dir) / "events.jsonl"))
+
+
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def torchrun(script: Path, args: list[str], results: list[Path], timeout: float = 240) -> subprocess.CompletedProcess:
+    """`script` under torchrun, two ranks on CPU (gloo), with a real malloc arena per process.
+    Asserts it succeeded; `results` are the files each rank writes at its end."""
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--standalone",  # rendezvous on a port the OS picks: no race for a free one
+               str(script), *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr and all(path.exists() for path in results):
+        # Both ranks finished and wrote their results, then one aborted in C++ at interpreter exit
+        # (gloo's teardown; pytorch#179291 describes the mechanism): seen about once in 40 runs here.
+        # A known open bug, in the issue notes; the run is repeated once, afresh, and must then be clean.
+        for path in results:
+            path.unlink()
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
