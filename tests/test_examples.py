@@ -43,3 +43,21 @@ def test_hf_causal_lm_example_trains_bf16_through_its_ooms(tmp_path):
     assert [r for r in records if r["kind"] == "oom"], proc.stdout
     assert [r["step"] for r in records if r["kind"] == "evaluate"] == [0, 2, 4]  # 0: the warm-up before the cap
     assert {r["kind"] for r in records} >= {"fit_start", "evaluate", "fit_end"}
+
+
+def test_the_three_keep_your_trainer_examples_survive_their_ooms(tmp_path):
+    # custom_loop.py, hf_trainer.py and lightning_module.py, side by side (each in its own interpreter).
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    runs = {"custom_loop.py": ["--run-dir", str(tmp_path / "loop")],
+            "hf_trainer.py": ["--samples", "128", "--output-dir", str(tmp_path / "hf")],
+            "lightning_module.py": ["--epochs", "1", "--root-dir", str(tmp_path / "pl")]}
+    procs = {name: subprocess.Popen([sys.executable, str(EXAMPLES / name), *args], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=tmp_path) for name, args in runs.items()}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (name, err[-3000:])
+        assert "done:" in out and " 0 OOMs survived" not in out, (name, out)
+    for folder in (tmp_path / "loop", tmp_path / "hf", *(tmp_path / "pl").glob("lightning_logs/version_*")):
+        kinds = [json.loads(line)["kind"] for line in (folder / "events.jsonl").read_text().splitlines()]
+        assert "oom" in kinds and kinds[-1] == "fit_end", folder
