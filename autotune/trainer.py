@@ -37,10 +37,12 @@ weights len(micro)/len(batch), so the optimizer step equals the one without an O
 False, every micro-batch is its own optimizer step, and a retry resumes at the first
 sample not yet stepped on. Either way no sample is skipped or repeated.
 
-This file assembles the parts and holds the loop and OOM recovery. The parts, each in a
-room of its own: config.py (arguments), step.py (forward/backward, optimizer step),
-distributed.py (Solo/Ranks, the agreement), knobs.py + dispatch.py (policies' actions),
-relief/ladder.py, checkpoint.py, monitor/link.py, journal.py (the run log), data/pipeline.py.
+This file holds the data pipeline, the epoch loop, evaluation calls, scheduled checkpoints
+and stop signals. One batch (attempt, agreement, OOM recovery, reliefs, policies, monitor,
+run log) is tuner.py's `Tuner`, the same object a custom loop and the integrations use. The
+other parts, each in a room of its own: config.py (arguments), step.py (forward/backward,
+optimizer step), distributed.py (Solo/Ranks, the agreement), knobs.py + dispatch.py
+(policies' actions), relief/ladder.py, checkpoint.py, evaluation.py, data/pipeline.py.
 """
 
 from __future__ import annotations

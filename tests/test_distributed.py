@@ -102,8 +102,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from autotune import AutoTrainer, OutOfMemory
 
-run_dir, fail_at, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None
+root, cases = sys.argv[1], [tuple(map(int, case.split(":"))) for case in sys.argv[2].split(",")]
 rank = int(os.environ["RANK"])
+fail_at = None
 
 class RunsOutOnRank1(torch.optim.SGD):
     """Rank 1's `fail_at`-th step asks for memory no machine has: a real MemoryError there only."""
@@ -116,44 +117,48 @@ class RunsOutOnRank1(torch.optim.SGD):
             bytearray(1 << 60)
         return super().step(closure)
 
-torch.manual_seed(0)
-g = torch.Generator().manual_seed(0)
-data = TensorDataset(torch.randn(512, 16, generator=g), torch.randint(0, 4, (512,), generator=g))
-trainer = AutoTrainer(nn.Linear(16, 4), data, loss_fn=nn.functional.cross_entropy, batch_size=64, device="cpu",
-                      optimizer=RunsOutOnRank1, run_dir=run_dir, progress=False, monitor=False,
-                      checkpoint_every=every, checkpoint_interval=None)
-try:
-    trainer.fit(epochs=2)  # each rank: 4 steps an epoch, 8 in all
-    error = None
-except OutOfMemory as exc:
-    error = str(exc)
-with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
-    json.dump({"error": error, "step": trainer.step}, f)
+for fail_at, every in cases:  # one job, the cases one after another: the job survives each
+    run_dir = os.path.join(root, f"{fail_at}-{every}")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(512, 16, generator=g), torch.randint(0, 4, (512,), generator=g))
+    trainer = AutoTrainer(nn.Linear(16, 4), data, loss_fn=nn.functional.cross_entropy, batch_size=64, device="cpu",
+                          optimizer=RunsOutOnRank1, run_dir=run_dir, progress=False, monitor=False,
+                          checkpoint_every=every or None, checkpoint_interval=None)
+    try:
+        trainer.fit(epochs=2)  # each rank: 4 steps an epoch, 8 in all
+        error = None
+    except OutOfMemory as exc:
+        error = str(exc)
+    with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": error, "step": trainer.step}, f)
 '''
 
 
 # What the other rank does next when rank 1's optimizer step fails: the next batch's
 # agreement; a checkpoint due at that step (its gather); the end-of-fit checkpoint.
-@pytest.mark.parametrize("fail_at, every", [(3, 0), (6, 3), (8, 0)])
-def test_an_oom_in_one_ranks_optimizer_step_stops_every_rank_with_the_same_error(tmp_path, fail_at, every):
+CASES = [(3, 0), (6, 3), (8, 0)]
+
+
+def test_an_oom_in_one_ranks_optimizer_step_stops_every_rank_with_the_same_error(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(STEP_OOM)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                               str(script), str(run_dir), str(fail_at), str(every)],
-                              capture_output=True, text=True, timeout=120, env=env, start_new_session=True)
+                               str(script), str(tmp_path), ",".join(f"{a}:{b}" for a, b in CASES)],
+                              capture_output=True, text=True, timeout=180, env=env, start_new_session=True)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the job hung: {str(exc.stderr)[-2000:]}")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for outcome in ranks:
-        assert outcome["error"] and "in optimizer.step()" in outcome["error"], ranks
-        assert "rank 1: out of memory in optimizer.step()" in outcome["error"], ranks
-    records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [r for r in records if r["kind"] == "out_of_memory" and r["phase"] == "optimizer_step"]
+    for fail_at, every in CASES:
+        run_dir = tmp_path / f"{fail_at}-{every}"
+        ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+        for outcome in ranks:
+            assert outcome["error"] and "in optimizer.step()" in outcome["error"], (fail_at, every, ranks)
+            assert "rank 1: out of memory in optimizer.step()" in outcome["error"], (fail_at, every, ranks)
+        records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        assert [r for r in records if r["kind"] == "out_of_memory" and r["phase"] == "optimizer_step"]
 
 
 ITEMS_SCRIPT = r'''

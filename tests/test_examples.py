@@ -49,8 +49,8 @@ def test_the_three_keep_your_trainer_examples_survive_their_ooms(tmp_path):
     # custom_loop.py, hf_trainer.py and lightning_module.py, side by side (each in its own interpreter).
     pytest.importorskip("transformers")
     pytest.importorskip("lightning")
-    runs = {"custom_loop.py": ["--run-dir", str(tmp_path / "loop")],
-            "hf_trainer.py": ["--samples", "128", "--output-dir", str(tmp_path / "hf")],
+    runs = {"custom_loop.py": ["--epochs", "1", "--run-dir", str(tmp_path / "loop")],
+            "hf_trainer.py": ["--samples", "64", "--output-dir", str(tmp_path / "hf")],
             "lightning_module.py": ["--epochs", "1", "--root-dir", str(tmp_path / "pl")]}
     procs = {name: subprocess.Popen([sys.executable, str(EXAMPLES / name), *args], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, cwd=tmp_path) for name, args in runs.items()}

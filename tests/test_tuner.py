@@ -1,5 +1,6 @@
 """Tuner: a loop the user keeps, with real OOMs (RLIMIT_AS, in subprocesses) and its state round trip."""
 
+import concurrent.futures
 import json
 
 import pytest
@@ -73,15 +74,16 @@ save(outcome)
 def _loop(tmp_path, name, plain):
     run_dir = tmp_path / name
     run_dir.mkdir()
-    proc, result = run_python(f"PLAIN={plain}\nBUDGET_MIB=60\nRUN_DIR={str(run_dir)!r}\n" + LOOP, tmp_path)
+    proc, result = run_python(f"PLAIN={plain}\nBUDGET_MIB=60\nRUN_DIR={str(run_dir)!r}\n" + LOOP, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return result, run_dir
 
 
 @pytest.mark.slow
 def test_a_custom_loop_survives_a_late_memory_jump_with_the_plain_loops_weights(tmp_path):
-    plain, plain_dir = _loop(tmp_path, "plain", plain=True)
-    tuned, tuned_dir = _loop(tmp_path, "tuned", plain=False)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two interpreters at once
+        (plain, plain_dir), (tuned, tuned_dir) = pool.map(lambda plain: _loop(tmp_path, "plain" if plain else "tuned",
+                                                                              plain), (True, False))
     assert tuned["ooms"] >= 1 and tuned["micro_batch_size"] < 128
     assert tuned["steps"] == 10 and tuned["samples_seen"] == 1280
     assert sorted(tuned["committed"]) == sorted(plain["committed"]) == sorted(list(range(640)) * 2)
