@@ -98,6 +98,10 @@ class Tuner:
             `AutoTrainer`.
         reliefs: let policies change the model (autocast, activation checkpointing, pruning)
             at the smallest micro-batch; False where another framework owns the optimizer.
+        owns_optimizer: False where another trainer steps the optimizer and wraps the model
+            (HF, Lightning): no optimizer here, no DDP wrapper; use `accumulate`.
+        progress: a tqdm bar (AutoTrainer's); ranks, counters: AutoTrainer's and the
+            integrations' (the job they joined, the counters they share).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, *,

@@ -9,6 +9,7 @@ Imports torch (through autotune.memory): the monitor process itself (process.py)
 from __future__ import annotations
 
 import collections
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ class MonitorLink:
         self.process: MonitorProcess | None = None
         self.detector = MemoryDetector()
         self.window: collections.deque[DeviceSample] = collections.deque(maxlen=20)
+        self._own: tuple[float, DeviceSample] | None = None  # (monotonic time, an in-process reading)
 
     def start(self, step: int, epoch: int) -> None:
         if not self.enabled or self.process is not None:
@@ -80,7 +82,12 @@ class MonitorLink:
             self.stop()
 
     def latest(self, fresh: bool = False) -> DeviceSample:
-        """The newest sample; read in-process where the moment matters (an OOM) or when no monitor runs."""
-        if fresh or not self.window:
-            return device_sample(self.device, self.cap_bytes)
-        return self.window[-1]
+        """The newest sample; read in-process where the moment matters (an OOM), or when no monitor
+        sample is there (none runs, or its first has not come) at most once per `interval`: a host
+        reading walks the process's children in /proc, milliseconds that a ~1 ms step must not pay."""
+        if self.window and not fresh:
+            return self.window[-1]
+        now = time.monotonic()
+        if fresh or self._own is None or now - self._own[0] >= self.interval:
+            self._own = (now, device_sample(self.device, self.cap_bytes))
+        return self._own[1]
