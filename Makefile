@@ -36,6 +36,7 @@ bench: install
 	$(PY) benchmarks/input_cache.py --trials 3
 	$(PY) benchmarks/input_cache.py --trials 3 --size 384
 	$(PY) benchmarks/relief_ladder.py
+	$(PY) benchmarks/integrations.py
 
 # On a CUDA machine: the gpu-marked tests plus a short GPU timing. Runs with the
 # machine's own python (GPU machines bring torch with CUDA), not the venv.

@@ -34,7 +34,9 @@ def single_malloc_arena() -> None:
         libc.mallopt(_M_ARENA_MAX, 1)
 
 
-def _fix_mmap_threshold(threshold: int = 128 * 1024) -> None:
+def fix_mmap_threshold(threshold: int = 128 * 1024) -> None:
+    """Send every block over `threshold` to mmap (returned to the OS on free): call it before a
+    warm-up, so the memory the warm-up frees does not stay mapped and widen a cap set after it."""
     # glibc raises its mmap threshold after big blocks are freed, after which big tensors
     # come from the heap and freed ones may stay mapped: virtual size then drifts up with
     # fragmentation and the same batch fails later in the run. A fixed threshold sends
@@ -50,7 +52,7 @@ def cap_address_space(headroom_bytes: int) -> int:
     Only the soft limit changes, so `lift_address_space_cap()` can undo it. Also fixes
     glibc's mmap threshold so the cap measures live memory rather than heap drift.
     """
-    _fix_mmap_threshold()
+    fix_mmap_threshold()
     current = virtual_bytes()
     if current is None:
         raise RuntimeError("cannot read this process's virtual size to set RLIMIT_AS")

@@ -80,13 +80,13 @@ def worker(spec: dict) -> dict:
     import torch
     from torch import nn
 
-    from autotune.limits import _fix_mmap_threshold
+    from autotune.limits import fix_mmap_threshold
     from autotune.memory import StepPeak
     from autotune.relief.autocast import autocast_plan
     from autotune.relief.checkpointing import checkpoint_blocks
     from autotune.relief.pruning import prune_channels, rebuild_optimizer, tensor_bytes
 
-    _fix_mmap_threshold()
+    fix_mmap_threshold()
     torch.manual_seed(0)
     model, make_batch = build(spec["model"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

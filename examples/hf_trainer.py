@@ -36,9 +36,10 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/hf_trainer")
     args = parser.parse_args()
 
-    from autotune.limits import cap_address_space, lift_address_space_cap, single_malloc_arena
+    from autotune.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap, single_malloc_arena
 
     single_malloc_arena()
+    fix_mmap_threshold()  # what the warm-up frees is unmapped: the cap leaves the room it says
     model, train, evaluation, collator = build(args.samples)
     training = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=32, gradient_accumulation_steps=2,

@@ -1,6 +1,7 @@
 """The examples in examples/ run as documented."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,8 +53,10 @@ def test_the_three_keep_your_trainer_examples_survive_their_ooms(tmp_path):
     runs = {"custom_loop.py": ["--epochs", "1", "--run-dir", str(tmp_path / "loop")],
             "hf_trainer.py": ["--samples", "64", "--output-dir", str(tmp_path / "hf")],
             "lightning_module.py": ["--epochs", "1", "--root-dir", str(tmp_path / "pl")]}
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1"}  # what fits under the cap the same on every run (conftest.py)
     procs = {name: subprocess.Popen([sys.executable, str(EXAMPLES / name), *args], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=tmp_path) for name, args in runs.items()}
+                                    stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+             for name, args in runs.items()}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, (name, err[-3000:])

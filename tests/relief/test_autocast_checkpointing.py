@@ -15,11 +15,11 @@ from tests.conftest import run_python
 MEASURE = """
 import torch
 from torch import nn
-from autotune.limits import _fix_mmap_threshold
+from autotune.limits import fix_mmap_threshold
 from autotune.memory import StepPeak
 from autotune.relief.autocast import autocast_plan
 from autotune.relief.checkpointing import checkpoint_blocks
-_fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
+fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
 torch.set_num_threads(1)
 torch.manual_seed(0)
 

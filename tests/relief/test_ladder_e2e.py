@@ -10,11 +10,11 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 from autotune import AutoTrainer
-from autotune.limits import _fix_mmap_threshold
+from autotune.limits import fix_mmap_threshold
 from autotune.memory import StepPeak
 from autotune.policies import AutocastNearCap, CheckpointNearCap, PruneNearCap
 
-_fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
+fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
 # oneDNN keeps per-shape caches (its primitives) resident: every pruned shape would add some,
 # and the resident size is what a CPU cap counts. The plain kernels keep it flat.
 torch.backends.mkldnn.enabled = False

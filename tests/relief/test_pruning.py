@@ -87,10 +87,10 @@ def test_the_scheduler_follows_the_rebuilt_optimizer():
 PEAK = """
 import torch, torchvision
 from torch import nn
-from autotune.limits import _fix_mmap_threshold
+from autotune.limits import fix_mmap_threshold
 from autotune.memory import StepPeak
 from autotune.relief.pruning import prune_channels, rebuild_optimizer
-_fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
+fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
 torch.set_num_threads(1)
 torch.backends.mkldnn.enabled = False  # its scratchpad, sized for the largest conv seen, outlives the pruning
 torch.manual_seed(0)
