@@ -6,6 +6,7 @@ cap: one epoch, and a second resumed from the first's checkpoint. Both must end 
 run's weights, every sample trained once, and the resumed run at the micro-batch it had settled on.
 """
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -90,29 +91,33 @@ def _check(result):
     assert result["diff"] < 1e-5  # the plain Lightning run's weights
 
 
-def test_a_lightning_module_survives_ooms_with_accumulation_clipping_and_resume(tmp_path):
+def test_a_lightning_module_survives_ooms_alone_and_under_ddp_with_plain_lightnings_weights(tmp_path):
+    # The run alone and the torchrun job at once (three interpreters: they only share the CPUs).
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=240, env={**os.environ, "MALLOC_ARENA_MAX": "1"})
+    alone, job = tmp_path / "alone", tmp_path / "ddp"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        single = pool.submit(subprocess.run, [sys.executable, str(script), str(alone)], capture_output=True,
+                             text=True, timeout=240, env={**os.environ, "MALLOC_ARENA_MAX": "1"})
+        results = [job / f"rank{r}.json" for r in (0, 1)]
+        ddp = pool.submit(torchrun, script, [str(job)], results)
+        proc = single.result()
+        ddp.result()
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads((tmp_path / "out" / "rank0.json").read_text())
+
+    # Alone: accumulation, clipping, a logger, and a resume from Lightning's checkpoint.
+    result = json.loads((alone / "rank0.json").read_text())
     _check(result)
     assert result["steps"] == 8
-    records = [json.loads(line) for line in (tmp_path / "out" / "tuned" / "version_0" / "events.jsonl").open()]
+    records = [json.loads(line) for line in (alone / "tuned" / "version_0" / "events.jsonl").open()]
     resumed = [r for r in records if r["kind"] == "resume"]
     assert resumed and resumed[0]["micro_batch_size"] == result["settled"]  # from the Lightning checkpoint
-    assert (tmp_path / "out" / "tuned" / "version_0" / "metrics.csv").exists()  # the logger still logs
+    assert (alone / "tuned" / "version_0" / "metrics.csv").exists()  # the logger still logs
 
-
-def test_under_ddp_an_oom_on_one_rank_is_agreed_by_both(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    results = [tmp_path / "out" / f"rank{r}.json" for r in (0, 1)]
-    torchrun(script, [str(tmp_path / "out")], results)
+    # Under DDP: an OOM on one rank (only rank 1 is capped) is agreed by both.
     ranks = [json.loads(path.read_text()) for path in results]
     for result in ranks:
         _check(result)
         assert result["steps"] == 4  # 256 samples a rank an epoch: 4 batches, 2 optimizer steps
-    assert ranks[0]["first_ooms"] == ranks[1]["first_ooms"]  # only rank 1 is capped: both saw its OOMs
+    assert ranks[0]["first_ooms"] == ranks[1]["first_ooms"]  # both saw rank 1's OOMs
     assert ranks[0]["settled"] == ranks[1]["settled"]
