@@ -191,10 +191,7 @@ class Tuner:
         self._use(step_fn, loss_fn)
         n = self._begin_batch(batch)
         outcome = self.train_batch(batch, n)
-        now = time.perf_counter()
-        timing = StepTiming(step_seconds=now - self._last_step_end, data_wait_seconds=0.0, retries=outcome.retries)
-        self._last_step_end = now
-        self.end_batch(timing, n, outcome)
+        self._end_own_batch(n, outcome)
         return outcome.loss_sum / outcome.weight if not is_zero(outcome.weight) else outcome.loss_sum
 
     def accumulate(self, batch: Any, step_fn: StepFn, *, n: int | None = None) -> BatchOutcome:
@@ -208,11 +205,15 @@ class Tuner:
         outcome = self.train_batch(batch, n, optimizer_step=False)
         self._add_back_gradients(held)
         self.progress.samples_seen += n * self.ranks.world
+        self._end_own_batch(n, outcome)
+        return outcome
+
+    def _end_own_batch(self, n: int, outcome: BatchOutcome) -> None:
+        # Without a loader of our own, a step's time runs from the last one's end (data wait unknown: 0).
         now = time.perf_counter()
         timing = StepTiming(step_seconds=now - self._last_step_end, data_wait_seconds=0.0, retries=outcome.retries)
         self._last_step_end = now
         self.end_batch(timing, n, outcome)
-        return outcome
 
     def step_scheduler(self, metric: float | None = None) -> None:
         """Step the scheduler yourself (scheduler_interval="epoch"; a ReduceLROnPlateau's metric)."""
