@@ -201,9 +201,9 @@ class Tuner:
         its normalisation); gradients add onto those accumulated before."""
         self._use(step_fn, None)
         n = self._begin_batch(batch, n)
-        held = self._set_aside_gradients()
+        held = set_aside_gradients(self.model)  # a retry drops the failed attempt's gradients, never these
         outcome = self.train_batch(batch, n, optimizer_step=False)
-        self._add_back_gradients(held)
+        add_gradients(held)
         self.progress.samples_seen += n * self.ranks.world
         self._end_own_batch(n, outcome)
         return outcome
@@ -259,22 +259,6 @@ class Tuner:
                            clip_grad_value=self.core.clip_grad_value, compiled=self.core.compiled_model, **fit_start)
         self.monitor_link.start(self.step_count, self.progress.epoch)
         self._last_step_end = time.perf_counter()
-
-    def _set_aside_gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        # A retry drops what the failed attempt accumulated; what earlier batches accumulated must survive it.
-        held = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
-        for p, _ in held:
-            p.grad = None
-        return held
-
-    @staticmethod
-    def _add_back_gradients(held: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        for p, grad in held:
-            if p.grad is None:
-                p.grad = grad
-            else:
-                grad.add_(p.grad)  # into the held tensor: views of it elsewhere (a bucket) stay bound
-                p.grad = grad
 
     # ------------------------------------------------------------------------- one batch
     def train_batch(self, batch: Any, n: int, *, optimizer_step: bool = True,
@@ -505,6 +489,22 @@ class Tuner:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def set_aside_gradients(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Take the gradients the model's parameters hold (their `.grad` is None after), to add back later."""
+    held = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    for p, _ in held:
+        p.grad = None
+    return held
+
+
+def add_gradients(held: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Add gradients `set_aside_gradients` took onto what the parameters hold now (or put them back)."""
+    for p, grad in held:
+        if p.grad is not None:
+            grad.add_(p.grad)  # into the held tensor: views of it elsewhere (a bucket) stay bound
+        p.grad = grad
 
 
 def _no_input() -> None:

@@ -33,7 +33,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from autotune.batching import batch_len
 from autotune.distributed import GradientBucket, Ranks, Solo
-from autotune.tuner import Tuner
+from autotune.tuner import Tuner, add_gradients, set_aside_gradients
 
 STATE_KEY = "autotune"
 
@@ -101,16 +101,11 @@ class _TunedSteps:
         # Lightning zeroes gradients after training_step, before backward (on an optimizer step's
         # first batch): the batch's gradients are computed apart from those already there, and
         # added to them where Lightning then calls backward (below), as a plain backward would.
-        earlier = [(p, p.grad) for p in module.parameters() if p.grad is not None]
-        for p, _ in earlier:
-            p.grad = None
+        earlier = set_aside_gradients(module)
         with self.precision_plugin.train_step_context():
             outcome = self.tuner.accumulate(batch, micro_loss, n=n)
-        self._computed = [(p, p.grad) for p in module.parameters() if p.grad is not None]
-        for p in module.parameters():
-            p.grad = None
-        for p, grad in earlier:
-            p.grad = grad
+        self._computed = set_aside_gradients(module)
+        add_gradients(earlier)
         loss = outcome.loss_sum.detach() / scale  # the batch's mean loss, as training_step would return it
         return {"loss": loss, **extras} if extras else loss
 
@@ -120,8 +115,7 @@ class _TunedSteps:
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning's call after training_step: the micro-batches' backward already ran there.
-        for p, grad in self._computed:
-            p.grad = grad if p.grad is None else p.grad.add_(grad)
+        add_gradients(self._computed)
         self._computed = []
         return closure_loss
 
@@ -172,12 +166,11 @@ class AutoTuneDDPStrategy(_TunedSteps, DDPStrategy):
     def __init__(self, *, tuner_options: dict[str, Any] | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self._autotune_init(tuner_options)
-        self._bucket: GradientBucket | None = None
 
     def _ranks(self) -> Solo | Ranks:
         ranks = Ranks(self.global_rank, self.world_size, self.local_rank)
         # The gradients' one flat all-reduce, before each optimizer step (never inside backward).
-        ranks.bucket = self._bucket = GradientBucket(self.lightning_module.parameters())
+        ranks.bucket = GradientBucket(self.lightning_module.parameters())
         return ranks
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
