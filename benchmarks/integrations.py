@@ -369,7 +369,8 @@ def overhead(spec: dict) -> dict:
 
                 trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, callbacks=[Stamp()], logger=False,
                                     strategy=AutoTuneStrategy("cpu") if side == "with" else "auto",
-                                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                    default_root_dir="runs/bench-integrations/overhead-lightning")
                 trainer.fit(Module(), DataLoader(data, batch_size=8, collate_fn=collate))
             stamps[side].append(median(intervals(times)))
     return {side: median(values) for side, values in stamps.items()}
