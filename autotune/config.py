@@ -75,7 +75,7 @@ def resolve_memory_cap(cap: float | int | str | None, device: torch.device) -> i
 
 def resolve_micro_batch(micro_batch_size: int | str | None, batch_size: int) -> int:
     """The micro-batch to start at. "auto" starts at the whole batch: OOMs halve it and
-    grow_back's binary search finds the largest size that fits, on real batches."""
+    fit_micro_batch finds the largest size that fits from what the steps need, on real batches."""
     micro = batch_size if micro_batch_size in (None, "auto") else micro_batch_size
     check_int("", "micro_batch_size", micro, 1)
     if micro > batch_size:

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import gc
 import os
 import sys
+import threading
 import time
 from typing import Any
 
 import torch
+from loguru import logger
 
 from autotune.monitor.host import describe_host_memory, host_sample
 from autotune.oom import is_oom, maybe_not_memory, oom_message
-from autotune.snapshot import AllocatorStats, DeviceSample
+from autotune.snapshot import AllocatorStats, DeviceSample, StepMemory
 from autotune.units import format_bytes
 
 _libc: ctypes.CDLL | None | bool = None  # None: not looked up yet; False: not available
@@ -130,6 +133,7 @@ class StepPeak:
     CUDA: the caching allocator's peak of allocated bytes (reset every step). CPU: the
     process's peak resident size (VmHWM), reset through /proc/self/clear_refs; where that
     is not possible (not Linux, no permission) the CPU peak is not available (None).
+    `status()` reads the CPU figures at once: peak and current, virtual and resident.
     """
 
     _CLEAR_REFS = "/proc/self/clear_refs"
@@ -168,55 +172,217 @@ class StepPeak:
         """Memory in use now, in the same measure as `peak`."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        return self._status_bytes(b"VmRSS:") if self.available else None
+        status = self.status()
+        return status.resident if status else None
 
     def peak(self) -> int | None:
         """The peak since `start`."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        return self._status_bytes(b"VmHWM:") if self.available else None
+        status = self.status()
+        return status.resident_peak if status else None
 
-    def _status_bytes(self, field: bytes) -> int | None:
+    def status(self) -> "HostStatus | None":
+        """This process's virtual and resident sizes and their peaks (CPU, Linux), in one read."""
+        if self._status is None:
+            return None
         try:
             self._status.seek(0)
             text = self._status.read()
-            at = text.index(field) + len(field)
-            return int(text[at:text.index(b"kB", at)]) * 1024
+            return HostStatus(*(_kib_field(text, name) for name in (b"VmPeak:", b"VmSize:", b"VmHWM:", b"VmRSS:")))
         except (OSError, ValueError):
             return None
 
 
+@dataclasses.dataclass(frozen=True)
+class HostStatus:
+    """/proc/self/status in bytes: the virtual size (what RLIMIT_AS binds) and the resident size,
+    each with its peak (the virtual peak is over the process's life; the resident one since `start`)."""
+
+    virtual_peak: int
+    virtual: int
+    resident_peak: int
+    resident: int
+
+
+def _kib_field(text: bytes, name: bytes) -> int:
+    at = text.index(name) + len(name)
+    return int(text[at:text.index(b"kB", at)]) * 1024
+
+
+class _VirtualPeakSampler:
+    """The virtual size, read every `period` seconds on a thread while a step runs: the peak of
+    a step when the process's own virtual peak (which cannot be reset) is higher from before."""
+
+    def __init__(self, period: float = 0.0005):
+        self.period = period
+        self.peak = 0
+        self._running = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._statm = os.open("/proc/self/statm", os.O_RDONLY)
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._thread = threading.Thread(target=self._run, name="autotune-virtual-peak", daemon=True)
+        self._thread.start()
+
+    def _virtual(self) -> int:
+        try:  # the first field of statm: the virtual size in pages
+            return int(os.pread(self._statm, 64, 0).split(b" ", 1)[0]) * self._page
+        except (OSError, ValueError):  # a read that failed (out of memory itself): no reading this time
+            return 0
+
+    def _run(self) -> None:
+        while True:
+            self._running.wait()
+            self._idle.clear()
+            while self._running.is_set():
+                self.peak = max(self.peak, self._virtual())
+                time.sleep(self.period)
+            self._idle.set()
+
+    def begin(self) -> None:
+        self.peak = self._virtual()
+        self._running.set()
+
+    def end(self) -> int:
+        self._running.clear()
+        self._idle.wait()
+        return max(self.peak, self._virtual())
+
+
+_sampler: _VirtualPeakSampler | None | bool = None  # one per process; False: it could not start
+
+
+def virtual_peak_sampler() -> _VirtualPeakSampler | None:
+    """The process's sampler, started on first use (call it while there is room: a thread
+    reserves its stack, which RLIMIT_AS counts)."""
+    global _sampler
+    if _sampler is None:
+        try:
+            _sampler = _VirtualPeakSampler()
+        except (OSError, RuntimeError) as exc:
+            logger.debug(f"no virtual-size sampler: {exc}")
+            _sampler = False
+    return _sampler or None
+
+
 class StepDemand:
-    """What a step demands: its peak memory less what was in use when the room was measured,
-    over the room the cap left then (weights, libraries and the cap as they were). Near 1: the
-    step barely fits. None where the step peak cannot be measured."""
+    """What a step needs: its peak memory above what was in use when it began, against the room
+    the cap left then, in the measure the cap binds. Near 1: the step barely fits.
+
+    - CUDA: the allocator's peak of allocated bytes; the room is the cap less what others hold
+      on the device and what is allocated now.
+    - CPU under RLIMIT_AS: the virtual size (what the limit counts). Its peak is the process's
+      lifetime peak, so it measures a step exactly only when the step set a new one; the first
+      step at a size that did not is sampled on a thread, and other steps are estimated from
+      their resident peak and the last exact gap between the two (`StepMemory.exact` False).
+    - CPU under a cgroup, a soft cap or the host: the resident size (its peak is reset each step).
+    None where no peak can be measured.
+    """
 
     def __init__(self, device: torch.device, cap_bytes: int | None):
         self.device, self.cap_bytes = device, cap_bytes
         self.peak = StepPeak(device)
-        self.room: tuple[int, int] | None = None  # (memory in use, room left under the cap)
-        self.last: float | None = None  # the last step's demand
+        self.last: float | None = None  # the last step's need over its room
+        self.last_memory: StepMemory | None = None
+        self.allocator: AllocatorStats | None = None  # CUDA: the last step's allocator figures
+        self.source = ""  # what the cap is (DeviceSample.source)
+        self._cap: int | None = None  # the binding cap, in its measure
+        self._others = 0  # CUDA: device memory others hold (and the context)
+        self._room_at: tuple[int, int] | None = None  # resident caps: (in use, room) when measured
+        self._virtual = False  # the cap counts virtual size
+        self._in_use: int | None = None  # at the start of this step, in the binding measure
+        self._resident_start: int | None = None
+        self._virtual_peak_before = 0
+        self._gap: int | None = None  # virtual need above resident need, last measured exactly
+        self._exact_sizes: set[int] = set()  # sizes measured exactly since the last change
+        self._sampler: _VirtualPeakSampler | None = None
+        self._sampling = False
+        self._micro: int | None = None
 
     def measure_room(self) -> None:
-        """Measure the room now: at the start of a fit, and after a relief changed what stays resident."""
+        """Find the binding cap and what is in use: at the start of a fit, after an OOM, and after
+        a relief changed what stays resident. Later steps are measured against it cheaply."""
         sample = device_sample(self.device, self.cap_bytes)
-        in_use = self.peak.current()
-        if sample.cap_bytes is None or sample.used_bytes is None or in_use is None:
-            self.room = None
+        self.source = sample.source
+        self._exact_sizes.clear()
+        self._cap = self._room_at = None
+        if sample.cap_bytes is None or sample.used_bytes is None or not self.peak.available:
+            self._in_use = None
+            return
+        if self.device.type == "cuda":
+            reserved = torch.cuda.memory_reserved(self.device)
+            self._others = max(0, sample.used_bytes - reserved)
+            self._cap = sample.cap_bytes
+            self._in_use = torch.cuda.memory_allocated(self.device)
+            return
+        status = self.peak.status()
+        if status is None:
+            self._in_use = None
+            return
+        self._virtual = sample.source == "rlimit_as"
+        if self._virtual:
+            self._cap = sample.cap_bytes
+            self._in_use = status.virtual
+            self._sampler = virtual_peak_sampler()
         else:
-            self.room = (in_use, sample.cap_bytes - sample.used_bytes)
+            self._room_at = (status.resident, sample.cap_bytes - sample.used_bytes)
+            self._in_use = status.resident
+        self._resident_start = status.resident
+        self._virtual_peak_before = status.virtual_peak
 
-    def start(self) -> None:
+    def start(self, micro_batch_size: int | None = None) -> None:
+        """At the start of a step (and of each retry of it)."""
         self.peak.start()
+        self._micro = micro_batch_size
+        self._sampling = (self._virtual and self._sampler is not None and micro_batch_size is not None
+                          and micro_batch_size not in self._exact_sizes)
+        if self._sampling:
+            self._sampler.begin()
 
     def finish(self) -> float | None:
-        """The demand of the step since `start` (also kept as `last`)."""
-        peak = self.peak.peak()
-        if peak is None or self.room is None or self.room[1] <= 0:
-            self.last = None
-        else:
-            self.last = max(0, peak - self.room[0]) / self.room[1]
+        """The need of the step since `start` (kept as `last_memory`; its share of the room as `last`)."""
+        memory = self._measure()
+        self.last_memory = memory
+        self.last = memory.need_bytes / memory.room_bytes if memory is not None and memory.room_bytes > 0 else None
         return self.last
+
+    def _measure(self) -> "StepMemory | None":
+        if self.device.type == "cuda":
+            self.allocator = allocator_stats(self.device, reset_peak=False)
+            in_use, self._in_use = self._in_use, self.allocator.allocated_bytes
+            if in_use is None or self._cap is None:
+                return None
+            return StepMemory(self._micro, self.allocator.peak_bytes - in_use, self._cap - self._others - in_use, True,
+                              kept_bytes=self.allocator.allocated_bytes - in_use)
+        sampled = self._sampler.end() if self._sampling else None
+        self._sampling = False
+        status = self.peak.status()
+        in_use, resident_start = self._in_use, self._resident_start
+        if status is None or in_use is None or resident_start is None:
+            return None
+        resident_need = max(0, status.resident_peak - resident_start)
+        self._resident_start = status.resident
+        if not self._virtual:
+            self._in_use = status.resident
+            measured_resident, room = self._room_at
+            return StepMemory(self._micro, resident_need, room - (resident_start - measured_resident), True,
+                              kept_bytes=status.resident - resident_start)
+        self._in_use = status.virtual
+        room = self._cap - in_use
+        exact = True
+        if status.virtual_peak > self._virtual_peak_before:  # a new lifetime peak: this step's
+            need = status.virtual_peak - in_use
+        elif sampled is not None:
+            need = sampled - in_use
+        else:
+            need, exact = resident_need + (self._gap or 0), False
+        self._virtual_peak_before = status.virtual_peak
+        if exact:
+            self._gap = max(0, need - resident_need)
+            if self._micro is not None:
+                self._exact_sizes.add(self._micro)
+        return StepMemory(self._micro, max(0, need), room, exact, kept_bytes=status.virtual - in_use)
 
 
 def memory_text(device: torch.device, cap_bytes: int | None) -> str:

@@ -24,6 +24,7 @@ OOM_MESSAGES: tuple[str, ...] = (
     "posix_memalign failed",  # CPU allocator, another code path
     "std::bad_alloc",  # a C++ allocation that failed, passed on as a RuntimeError (or MemoryError)
     "could not create a primitive",  # oneDNN (mkldnn) convolution under memory pressure
+    "could not execute a primitive",  # oneDNN, when its scratchpad cannot be allocated
     "hip out of memory",  # ROCm
     "mps backend out of memory",  # Apple
 )

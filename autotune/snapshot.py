@@ -46,6 +46,21 @@ class AllocatorStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """What one step needed: its peak above the memory in use when it began, and the room the cap
+    left then, in the measure the cap binds (CUDA allocated bytes; CPU virtual size under
+    RLIMIT_AS, else resident size). `exact` False: estimated, not measured (see memory.StepDemand)."""
+
+    micro_batch_size: int | None
+    need_bytes: int
+    room_bytes: int
+    exact: bool = True
+    # What the step left in use (in the same measure): code compiled for a new shape, lazily built
+    # state. Part of `need_bytes`, but needed once: a later step at the size has it already.
+    kept_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class StepTiming:
     """Where the time of the last optimizer step went."""
 
@@ -104,6 +119,7 @@ class Snapshot:
     # when the fit started) / (cap - memory in use when the fit started). Near 1: the step
     # barely fits. None where the step peak cannot be measured.
     step_demand: float | None = None
+    step_memory: StepMemory | None = None  # the same in bytes, with the micro-batch it was measured at
     ooms: int = 0  # OOMs survived so far in this fit
     sample: DeviceSample | None = None  # latest memory reading
     window: tuple[DeviceSample, ...] = ()  # recent readings, oldest first

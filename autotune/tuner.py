@@ -51,7 +51,7 @@ from autotune.distributed import Agreement, Ranks, Solo, from_environment
 from autotune.events import Event
 from autotune.journal import RunLog
 from autotune.knobs import Knobs
-from autotune.memory import StepDemand, allocator_stats, describe_memory, free_memory, warm_up_oom_path
+from autotune.memory import StepDemand, describe_memory, free_memory, warm_up_oom_path
 from autotune.monitor.link import MonitorLink
 from autotune.oom import OutOfMemory
 from autotune.policy import Policy
@@ -236,7 +236,7 @@ class Tuner:
             self.knobs.batch_size = self.knobs.micro_batch_size = n
             self._sized = True
         elif n > self.knobs.batch_size and not self._batch_size_fixed:
-            self.knobs.batch_size = n  # grow_back may grow up to the largest batch seen
+            self.knobs.batch_size = n  # the micro-batch may grow up to the largest batch seen
         if not self._started:
             self._start_standalone()
         return n
@@ -266,13 +266,13 @@ class Tuner:
         """Train on one batch until every sample of it is in a completed optimizer step (or, with
         `optimizer_step=False`, in the accumulated gradients). `proposal()` adds the caller's
         fields to each attempt's agreement (a stop signal, a checkpoint due)."""
-        self.demand.start()
         done = 0  # samples whose optimizer step has completed
         tried: list[int] = []
         loss_sum = torch.zeros((), device=self.device)
         weight: Any = 0
         additive = not optimizer_step
         while done < n:
+            self.demand.start(self.knobs.micro_batch_size)  # a retry is measured afresh
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
             done = attempt.done
             loss_sum += attempt.loss_sum  # with keep_effective_batch=False: the chunks already stepped
@@ -310,6 +310,7 @@ class Tuner:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""
         self.core.zero_grad()  # partial gradients of the failed batch must not leak into the retry
         free_memory(self.device)
+        self.demand.measure_room()  # what is in use after the clean-up, against the cap now
         self.progress.ooms += 1
         lost = time.perf_counter() - attempt.started  # the failed work and the clean-up: what the OOM cost
         self.journal.write("oom", self.step_count, self.progress.epoch, micro_batch_size=failed_size,
@@ -358,9 +359,8 @@ class Tuner:
     def end_batch(self, timing: StepTiming, n: int, outcome: BatchOutcome) -> None:
         """After a batch: its figures logged, BATCH_END, an agreed relief carried out, and what the
         monitor's samples show (MEMORY_HIGH, MEMORY_PRESSURE) sent to the policies."""
-        # One memory_stats() call a step (CUDA); its peak was reset when the batch began.
-        self.allocator = allocator_stats(self.device, reset_peak=False)
-        allocator = self.allocator
+        # One memory_stats() call a step (CUDA), made when the step's need was measured.
+        allocator = self.allocator = self.demand.allocator
         self.log.step(self.step_count, self.progress.epoch, samples=n, samples_seen=self.samples_seen,
                       micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
                       data_wait_fraction=timing.data_wait_fraction, demand=self.demand.last,
@@ -402,7 +402,8 @@ class Tuner:
             step=self.step_count, epoch=self.progress.epoch, batch_size=self.knobs.batch_size,
             micro_batch_size=self.knobs.micro_batch_size, device=str(self.device),
             keep_effective_batch=self.keep_effective_batch, failed_micro_batch=failed_micro_batch,
-            last_good_micro_batch=self.last_good_micro, step_demand=self.demand.last, ooms=self.ooms,
+            last_good_micro_batch=self.last_good_micro, step_demand=self.demand.last,
+            step_memory=self.demand.last_memory, ooms=self.ooms,
             sample=self.monitor_link.latest(fresh=event is Event.OOM), window=tuple(self.monitor_link.window),
             allocator=self.allocator, timing=timing, input=self.input_state(), reliefs=tuple(self.ladder.applied),
             last_relief_step=self.ladder.last_step, pruned_fraction=self.ladder.pruned_fraction))

@@ -78,7 +78,7 @@ def test_a_compiled_model_survives_ooms_with_few_compiles_and_the_eager_weights(
     for a, b in zip(net.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     fit_end = [r for r in journal(tmp_path / phase) if r["kind"] == "fit_end"][-1]
-    assert 1 <= fit_end["compiles"] <= 4  # sizes 16, 8, 4 (and grow_back's trials) share a dynamic graph
+    assert 1 <= fit_end["compiles"] <= 4  # sizes 16, 8, 4 (and fit_micro_batch's moves) share a dynamic graph
 
 
 def test_compile_true_and_the_checkpointing_relief_on_a_compiled_model(tmp_path):

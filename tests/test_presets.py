@@ -14,12 +14,12 @@ def write(tmp_path, text):
 
 def test_shipped_presets_load():
     names = {name: [p.name for p in resolve_policies(name)] for name in ("default", "conservative", "throughput")}
-    assert names["default"] == ["halve_on_oom", "empty_cache_on_pressure", "shrink_on_thrash", "grow_back",
-                                "cache_when_io_bound", "tune_workers",
+    assert names["default"] == ["halve_on_oom", "empty_cache_on_pressure", "shrink_on_thrash",
+                                "fit_micro_batch", "cache_when_io_bound", "tune_workers",
                                 "autocast_near_cap", "checkpoint_near_cap", "prune_near_cap"]  # the ladder, in order
     assert not {"autocast_near_cap", "checkpoint_near_cap", "prune_near_cap"} & set(names["conservative"])
     assert "shrink_on_thrash" not in names["conservative"] and names["conservative"][0] == "halve_on_oom"
-    assert {"grow_back", "cache_when_io_bound", "tune_workers"} <= set(names["throughput"])
+    assert {"fit_micro_batch", "cache_when_io_bound", "tune_workers"} <= set(names["throughput"])
 
 
 def test_default_toml_names_every_parameter_of_its_policies():

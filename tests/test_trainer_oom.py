@@ -103,7 +103,7 @@ def test_a_run_that_starts_too_big_completes(tmp_path):
     halvings = [r for r in actions if r["policy"] == "halve_on_oom"]
     assert halvings and all(r["applied"] for r in halvings)
     assert halvings[0]["params"] == {"size": 256}
-    assert {r["policy"] for r in actions} <= {"halve_on_oom", "grow_back"}  # the default preset's resizers
+    assert {r["policy"] for r in actions} <= {"halve_on_oom", "fit_micro_batch"}  # the default preset's resizers
 
 
 def test_ooms_do_not_change_the_trained_weights(tmp_path):

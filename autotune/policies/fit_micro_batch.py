@@ -1,0 +1,173 @@
+"""fit_micro_batch: go straight to the largest micro-batch that fits, predicted from what steps needed.
+
+When: `Event.BATCH_END` (a measured step) and `Event.OOM` (a size that did not fit).
+What: every step's need is measured (its peak above the memory in use when it began, against
+the room the cap left: `Snapshot.step_memory`). Need is close to linear in the micro-batch
+(the activations grow with it; weights, gradients and optimizer state do not), so from the
+sizes run so far the policy fits `need = fixed + per_sample * size` and moves to the largest
+size predicted to fit, times `headroom`:
+  - one size measured: the need is taken as all per-sample (proportional), which can only
+    underestimate how far there is to grow, so the first move never overshoots on that count;
+  - two or more: the line through the smallest and the largest, so the next move lands near
+    the edge; each move is confirmed by the step that runs at it, which refines the line. What
+    a step keeps in use (kernels compiled for a new shape, buffers built on first use) is left
+    out of the line and added once to a move to a new size;
+  - within `margin` of the prediction it stays: no oscillation.
+On OOM, with sizes measured, it moves to the prediction below the failed size; when the
+prediction said the failed size would fit, the line is raised to agree with the failure (the
+fixed part was more than it looked), so the next move is below it. With nothing measured yet,
+a quarter of the failed size (halving, from 8x above, would take three OOMs to get there). A size
+that failed is not tried again for `forget_failure_steps` steps (memory needs change over a
+run): between the largest size that worked and the failure, binary search the last stretch.
+Where a step's need cannot be measured it does nothing (grow_back doubles blind).
+
+Parameters:
+    headroom: the share of the largest size predicted to fit that is used (default 0.95): the
+        margin is kept on what grows with the micro-batch, whatever the fixed part.
+    margin: stay when the prediction is within this fraction of the size (default 0.1).
+    forget_failure_steps: steps after which a failed size may be tried again (default 2000).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Sequence
+
+from autotune.actions import Action, SetMicroBatch
+from autotune.events import Event
+from autotune.snapshot import Snapshot
+from autotune.units import format_bytes
+from autotune.validate import check_fraction, check_int
+
+
+@dataclasses.dataclass
+class FitMicroBatch:
+    """Predict the largest micro-batch that fits from the needs measured so far, and go to `headroom` of it."""
+
+    name: ClassVar[str] = "fit_micro_batch"
+    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM})
+
+    headroom: float = 0.95
+    margin: float = 0.1
+    forget_failure_steps: int = 2000
+
+    needs: dict[int, int] = dataclasses.field(default_factory=dict, init=False, repr=False)  # size -> bytes
+    raise_by: int = dataclasses.field(default=0, init=False, repr=False)  # bytes the failures added
+    room: int | None = dataclasses.field(default=None, init=False, repr=False)
+    new_size_cost: int = dataclasses.field(default=0, init=False, repr=False)  # kept by the first step at a size
+    reliefs: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False)
+    failed: int | None = dataclasses.field(default=None, init=False, repr=False)
+    failed_step: int | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_fraction(self.name, "headroom", self.headroom)
+        check_int(self.name, "forget_failure_steps", self.forget_failure_steps, 1)
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"{self.name}: margin must be in [0, 1), got {self.margin!r}")
+
+    # ------------------------------------------------------------------ the model of need
+    def predict_need(self, size: int) -> int | None:
+        """Bytes a step at `size` is predicted to need; None before any size was measured."""
+        if not self.needs:
+            return None
+        line = self._line()
+        extra = self.raise_by + (self.new_size_cost if size not in self.needs else 0)
+        if line is None:  # one size (or sizes too close to tell a slope): proportional to the largest
+            measured = max(self.needs)
+            return self.needs[measured] * size // measured + extra
+        fixed, per_sample = line
+        return int(fixed + per_sample * size) + extra
+
+    def _line(self) -> tuple[float, float] | None:
+        """(fixed, per-sample) bytes through the smallest and largest sizes, or None."""
+        small, large = min(self.needs), max(self.needs)
+        if large < small * 1.25:  # too close together: noise would set the slope
+            return None
+        per_sample = (self.needs[large] - self.needs[small]) / (large - small)
+        if per_sample <= 0:
+            return None
+        return self.needs[large] - per_sample * large, per_sample
+
+    def edge(self, room: int) -> float | None:
+        """The size whose predicted need is the whole room; None before any size was measured."""
+        if not self.needs:
+            return None
+        budget = room - self.raise_by - self.new_size_cost
+        line = self._line()
+        if line is None:
+            measured = max(self.needs)
+            return measured * budget / self.needs[measured] if self.needs[measured] > 0 else None
+        fixed, per_sample = line
+        return (budget - fixed) / per_sample
+
+    def largest_fitting(self, room: int) -> int | None:
+        """`headroom` of the edge: the margin is a share of what grows with the micro-batch."""
+        edge = self.edge(room)
+        return None if edge is None else int(self.headroom * edge)
+
+    # ------------------------------------------------------------------ decisions
+    def _recent_failure(self, step: int) -> int | None:
+        if self.failed is None or self.failed_step is None or step - self.failed_step >= self.forget_failure_steps:
+            return None
+        return self.failed
+
+    def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
+        if snap.reliefs != self.reliefs:  # the model changed: what it needed before says little now
+            self.needs.clear()
+            self.raise_by, self.reliefs = 0, snap.reliefs
+        if event is Event.OOM:
+            return self._after_oom(snap)
+        memory = snap.step_memory
+        micro = snap.micro_batch_size
+        if memory is None or memory.micro_batch_size != micro or memory.room_bytes <= 0:
+            return []
+        kept = max(0, memory.kept_bytes)
+        # What a step keeps (kernels compiled for a new shape, buffers built on first use) is needed
+        # once: the line is fitted to what repeats, and a move to a new size adds what the last
+        # new size kept (the run's first step, which also built what any first step builds, at first).
+        if micro not in self.needs:
+            self.new_size_cost = kept
+        self.needs[micro] = max(self.needs.get(micro, 0), memory.need_bytes - kept)
+        self.room = memory.room_bytes - kept  # the room the next step starts with
+        target = min(snap.batch_size, self.largest_fitting(self.room) or micro)
+        failed = self._recent_failure(snap.step)
+        why = (f"needed {format_bytes(memory.need_bytes)} of {format_bytes(memory.room_bytes)} room at {micro}; "
+               f"predicted to fit {target}")
+        if failed is not None and target >= failed:
+            # The prediction says the failed size fits: the last stretch is searched, not predicted.
+            target = (micro + failed) // 2
+            why = f"{micro} works, {failed} failed at step {self.failed_step}; trying {target}"
+        if target <= micro + max(1, int(self.margin * micro)):
+            return []  # within the margin of the prediction (or of the failure): stay
+        return [SetMicroBatch(target, reason=why)]
+
+    def _after_oom(self, snap: Snapshot) -> Sequence[Action]:
+        size = snap.failed_micro_batch or snap.micro_batch_size
+        known = self._recent_failure(snap.step)
+        self.failed = size if known is None else min(known, size)
+        self.failed_step = snap.step
+        if not self.needs or self.room is None:
+            target = max(1, size // 4)
+            return [SetMicroBatch(target, reason=f"out of memory at {size} with nothing measured yet; "
+                                                 f"a quarter, {target}, to measure from")] if target < size else []
+        predicted = self.predict_need(size)
+        if predicted is not None and predicted <= self.room:
+            # It was predicted to fit and did not: the fixed part is larger than it looked.
+            self.raise_by += self.room - predicted + 1
+        target = max(1, min(size - 1, self.largest_fitting(self.room) or 1))
+        good = snap.last_good_micro_batch
+        if good is not None and target < good < size:
+            target = good  # measured to fit: better than a prediction that says otherwise
+        return [SetMicroBatch(target, reason=f"out of memory at {size}; predicted to fit {target}")]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"needs": dict(self.needs), "raise_by": self.raise_by, "room": self.room,
+                "new_size_cost": self.new_size_cost,
+                "reliefs": list(self.reliefs), "failed": self.failed, "failed_step": self.failed_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.needs = {int(k): int(v) for k, v in state.get("needs", {}).items()}
+        self.raise_by, self.room = state.get("raise_by", 0), state.get("room")
+        self.new_size_cost = state.get("new_size_cost", 0)
+        self.reliefs = tuple(state.get("reliefs", ()))
+        self.failed, self.failed_step = state.get("failed"), state.get("failed_step")
