@@ -228,7 +228,7 @@ class _VirtualPeakSampler:
     def _virtual(self) -> int:
         try:  # the first field of statm: the virtual size in pages
             return int(os.pread(self._statm, 64, 0).split(b" ", 1)[0]) * self._page
-        except (OSError, ValueError):  # a read that failed (out of memory itself): no reading this time
+        except (OSError, ValueError, MemoryError):  # a read that failed (out of memory itself): none this time
             return 0
 
     def _run(self) -> None:
@@ -296,7 +296,8 @@ class StepDemand:
         self._virtual_peak_before = 0
         self._gap: int | None = None  # virtual need above resident need, last measured exactly
         self._exact_sizes: set[int] = set()  # sizes measured exactly since the last change
-        self._sampler: _VirtualPeakSampler | None = None
+        # Started now, before any cap is likely set: a thread reserves its stack, which RLIMIT_AS counts.
+        self._sampler = virtual_peak_sampler() if device.type == "cpu" and self.peak.available else None
         self._sampling = False
         self._micro: int | None = None
 
@@ -324,7 +325,7 @@ class StepDemand:
         if self._virtual:
             self._cap = sample.cap_bytes
             self._in_use = status.virtual
-            self._sampler = virtual_peak_sampler()
+            self._sampler = self._sampler or virtual_peak_sampler()
         else:
             self._room_at = (status.resident, sample.cap_bytes - sample.used_bytes)
             self._in_use = status.resident

@@ -22,9 +22,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_python(script: str, tmp_path: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """Run `script` in a fresh interpreter. The script gets `OUT` (a path) and may write a JSON
-    result there with `save(obj)`; returns the process and the parsed result (None if absent)."""
+def run_python(script: str, tmp_path: Path, timeout: float = 120,
+               env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Run `script` in a fresh interpreter (with `env` added to the environment). The script gets
+    `OUT` (a path) and may write a JSON result there with `save(obj)`; returns the process and the
+    parsed result (None if absent)."""
     out = tmp_path / "result.json"
     preamble = textwrap.dedent(f"""
         import faulthandler, json, sys
@@ -36,9 +38,8 @@ def run_python(script: str, tmp_path: Path, timeout: float = 120) -> tuple[subpr
     """)
     # One malloc arena: a refused allocation then leaves no reserved heap behind, so what
     # fits under the cap is the same on every run (see autotune.limits.single_malloc_arena).
-    env = {**os.environ, "MALLOC_ARENA_MAX": "1"}
     proc = subprocess.run([sys.executable, "-c", preamble + textwrap.dedent(script)], capture_output=True,
-                          text=True, timeout=timeout, cwd=tmp_path, env=env)
+                          text=True, timeout=timeout, cwd=tmp_path, env={**os.environ, "MALLOC_ARENA_MAX": "1", **(env or {})})
     result = json.loads(out.read_text()) if out.exists() else None
     return proc, result
 

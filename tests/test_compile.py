@@ -74,7 +74,7 @@ def test_a_compiled_model_survives_ooms_with_few_compiles_and_the_eager_weights(
     run, result = train(tmp_path, phase, compiled, step_oom_in(phase, 4))
     eager = Net()
     train(tmp_path, "eager", eager, step_oom_in(phase, 100), micro_batch_size=4)
-    assert result.ooms >= 2 and result.micro_batch_size <= 4 and result.samples_seen == 96
+    assert result.ooms >= 1 and result.micro_batch_size <= 4 and result.samples_seen == 96
     for a, b in zip(net.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     fit_end = [r for r in journal(tmp_path / phase) if r["kind"] == "fit_end"][-1]

@@ -5,7 +5,7 @@ What: every step's need is measured (its peak above the memory in use when it be
 the room the cap left: `Snapshot.step_memory`). Need is close to linear in the micro-batch
 (the activations grow with it; weights, gradients and optimizer state do not), so from the
 sizes run so far the policy fits `need = fixed + per_sample * size` and moves to the largest
-size predicted to fit, times `headroom`:
+size whose predicted need is within `headroom` of the room:
   - one size measured: the need is taken as all per-sample (proportional), which can only
     underestimate how far there is to grow, so the first move never overshoots on that count;
   - two or more: the line through the smallest and the largest, so the next move lands near
@@ -15,16 +15,16 @@ size predicted to fit, times `headroom`:
   - within `margin` of the prediction it stays: no oscillation.
 On OOM, with sizes measured, it moves to the prediction below the failed size; when the
 prediction said the failed size would fit, the line is raised to agree with the failure (the
-fixed part was more than it looked), so the next move is below it. With nothing measured yet,
+fixed part was more than it looked), so the next move is below it. A failure at or below a size
+measured to fit says nothing about the line (something else took the room): halve_on_oom answers. With nothing measured yet,
 a quarter of the failed size (halving, from 8x above, would take three OOMs to get there). A size
 that failed is not tried again for `forget_failure_steps` steps (memory needs change over a
 run): between the largest size that worked and the failure, binary search the last stretch.
 Where a step's need cannot be measured it does nothing (grow_back doubles blind).
 
 Parameters:
-    headroom: the share of the largest size predicted to fit that is used (default 0.95): the
-        margin is kept on what grows with the micro-batch, whatever the fixed part.
-    margin: stay when the prediction is within this fraction of the size (default 0.1).
+    headroom: the share of the room a step may be predicted to need (default 0.95).
+    margin: stay when the prediction is within this fraction of the size (default 0.05).
     forget_failure_steps: steps after which a failed size may be tried again (default 2000).
 """
 
@@ -42,13 +42,13 @@ from autotune.validate import check_fraction, check_int
 
 @dataclasses.dataclass
 class FitMicroBatch:
-    """Predict the largest micro-batch that fits from the needs measured so far, and go to `headroom` of it."""
+    """Predict the largest micro-batch within `headroom` of the room from the needs measured so far, and go there."""
 
     name: ClassVar[str] = "fit_micro_batch"
     events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM})
 
     headroom: float = 0.95
-    margin: float = 0.1
+    margin: float = 0.05
     forget_failure_steps: int = 2000
 
     needs: dict[int, int] = dataclasses.field(default_factory=dict, init=False, repr=False)  # size -> bytes
@@ -88,22 +88,17 @@ class FitMicroBatch:
             return None
         return self.needs[large] - per_sample * large, per_sample
 
-    def edge(self, room: int) -> float | None:
-        """The size whose predicted need is the whole room; None before any size was measured."""
+    def largest_fitting(self, room: int) -> int | None:
+        """The largest size predicted to need at most `headroom` of `room`; None before any size was measured."""
         if not self.needs:
             return None
-        budget = room - self.raise_by - self.new_size_cost
+        budget = self.headroom * room - self.raise_by - self.new_size_cost
         line = self._line()
         if line is None:
             measured = max(self.needs)
-            return measured * budget / self.needs[measured] if self.needs[measured] > 0 else None
+            return int(measured * budget / self.needs[measured]) if self.needs[measured] > 0 else None
         fixed, per_sample = line
-        return (budget - fixed) / per_sample
-
-    def largest_fitting(self, room: int) -> int | None:
-        """`headroom` of the edge: the margin is a share of what grows with the micro-batch."""
-        edge = self.edge(room)
-        return None if edge is None else int(self.headroom * edge)
+        return int((budget - fixed) / per_sample)
 
     # ------------------------------------------------------------------ decisions
     def _recent_failure(self, step: int) -> int | None:
@@ -150,6 +145,8 @@ class FitMicroBatch:
             target = max(1, size // 4)
             return [SetMicroBatch(target, reason=f"out of memory at {size} with nothing measured yet; "
                                                  f"a quarter, {target}, to measure from")] if target < size else []
+        if size <= max(self.needs):
+            return []  # it (or a larger size) was measured to fit: something else took the room (halve_on_oom answers)
         predicted = self.predict_need(size)
         if predicted is not None and predicted <= self.room:
             # It was predicted to fit and did not: the fixed part is larger than it looked.

@@ -52,12 +52,15 @@ def largest(fixed, per_sample, room=1000 * MiB):
 
 
 @pytest.mark.parametrize("fixed_share", [0.0, 0.3, 0.6])
-def test_from_8x_below_within_10_percent_after_3_steps_without_an_oom(fixed_share):
+def test_from_8x_below_at_the_headroom_after_3_steps_without_an_oom(fixed_share):
     fixed, per_sample = int(fixed_share * 1000 * MiB), 3 * MiB
     best = largest(fixed, per_sample)
     sizes, ooms = simulate(max(1, best // 8), fixed, per_sample)
     assert ooms == 0
-    assert 0.9 * best <= sizes[2] <= best, (sizes, best)  # the third step
+    within_headroom = (0.95 * 1000 * MiB - fixed) // per_sample  # a step may need 95% of the room
+    assert within_headroom - 1 <= sizes[2] <= within_headroom, (sizes, best)  # the third step
+    if fixed_share <= 0.3:
+        assert sizes[2] >= 0.9 * best  # within 10% of the largest that fits
     assert len(set(sizes[3:])) == 1, sizes  # then it stays
 
 
