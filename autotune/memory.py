@@ -332,6 +332,34 @@ class StepDemand:
         self._resident_start = status.resident
         self._virtual_peak_before = status.virtual_peak
 
+    @property
+    def measure(self) -> str:
+        """What the cap binds, in which `need_bytes` and `held_now()` are counted."""
+        return "cuda" if self.device.type == "cuda" else "virtual" if self._virtual else "resident"
+
+    @property
+    def held_at_start(self) -> int | None:
+        """What was in use when the step began (or when the room was last measured)."""
+        return self._in_use
+
+    @property
+    def binding_cap(self) -> int | None:
+        """The cap in the same measure: on CUDA less what others hold on the device."""
+        if self.device.type == "cuda":
+            return None if self._cap is None else self._cap - self._others
+        if self._virtual:
+            return self._cap
+        return None if self._room_at is None else self._room_at[0] + self._room_at[1]
+
+    def held_now(self) -> int | None:
+        """What is in use now, in the measure the cap binds (one read: cheap enough for an OOM's except block)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        status = self.peak.status()
+        if status is None:
+            return None
+        return status.virtual if self._virtual else status.resident
+
     def start(self, micro_batch_size: int | None = None) -> None:
         """At the start of a step (and of each retry of it)."""
         self.peak.start()

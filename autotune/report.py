@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from autotune.breakdown import describe_breakdown
 from autotune.units import format_bytes
 
 
@@ -145,7 +146,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                  "seconds_lost": (round(sum(o["lost_seconds"] for o in ooms), 3)
                                   if all("lost_seconds" in o for o in ooms) else None),
                  "by_micro_batch": {str(k): v for k, v in collections.Counter(o["micro_batch_size"] for o in ooms).items()},
-                 "gave_up": len(by_kind["out_of_memory"])},
+                 "gave_up": len(by_kind["out_of_memory"]),
+                 # where the memory went at the last OOM that measured it (journals since issue 16)
+                 "last_breakdown": next((o["breakdown"] for o in reversed(ooms) if o.get("breakdown")), None)},
         "actions": dict(actions),
         "reliefs": [{"step": r["step"], "relief": r["relief"], "demand_before": r.get("demand_before")}
                     for r in reliefs],
@@ -201,6 +204,8 @@ def render(summary: dict[str, Any]) -> str:
                        if ooms["seconds_lost"] is not None else ")")
                     if ooms["survived"] else "")
                  + (f"; gave up {ooms['gave_up']} time(s)" if ooms["gave_up"] else ""))
+    if ooms.get("last_breakdown"):
+        lines.append(f"  at the last OOM: {describe_breakdown(ooms['last_breakdown'])}")
     evaluations = summary.get("evaluations", [])
     if evaluations:
         eval_ooms = sum(e["ooms"] for e in evaluations)

@@ -111,6 +111,7 @@ class StepCore:
         self.compiled_model = self.compiled is not None or is_compiled(model)
         self.grad_norm: torch.Tensor | None = None  # the last step's gradient norm before clipping
         self.backward_fn: Callable[[torch.Tensor], None] | None = None  # another trainer's (HF's accelerator)
+        self.on_oom: Callable[[], None] | None = None  # called in the except block of an OOM (the breakdown)
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
 
     @property
@@ -167,6 +168,8 @@ class StepCore:
         except Exception as exc:
             if not is_oom(exc):
                 raise
+            if self.on_oom is not None:
+                self.on_oom()  # while the failed step's tensors are alive: what it held when it failed
             result.failed_size, result.message = size, oom_message(exc)
             result.injected = "injected by autotune" in result.message
             if maybe_not_memory(exc):

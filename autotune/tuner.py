@@ -43,6 +43,7 @@ from torch import nn
 
 from autotune.actions import Relief
 from autotune.batching import SplitFn, batch_len
+from autotune.breakdown import describe_breakdown, oom_breakdown, tensor_bytes
 from autotune.checkpoint import Checkpointer, RankFailed, rank_rng_state, rng_state, set_rng_state
 from autotune.config import (OptimizerFactory, check_step_options, injection_rate, make_optimizer, make_scheduler,
                              resolve_device, resolve_memory_cap)
@@ -168,6 +169,9 @@ class Tuner:
         self._save: weakref.WeakMethod | None = None
         self._checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=3, every=None, interval=None,
                                           ranks=self.ranks, journal=self.journal)
+        self.core.on_oom = self._note_failure
+        self._at_failure: tuple[int | None, int] | None = None  # (held, gradient bytes) when the step failed
+        self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
         self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"
         self._started = False  # the standalone run's start is journaled on the first step
         self._last_step_end: float | None = None
@@ -306,16 +310,27 @@ class Tuner:
         self.demand.finish()
         return BatchOutcome(len(tried), loss_sum, weight)
 
+    def _note_failure(self) -> None:
+        # In the OOM's except block: the failed step's tensors are still alive, so this is what it held.
+        self._at_failure = (self.demand.held_now(),
+                            tensor_bytes([p.grad for p in self.model.parameters() if p.grad is not None], self.device))
+
     def _recover_from_oom(self, failed_size: int, tried: list[int], attempt: Attempt) -> None:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""
         self.core.zero_grad()  # partial gradients of the failed batch must not leak into the retry
         free_memory(self.device)
+        held, gradients = self._at_failure or (None, 0)
+        self._at_failure = None
+        self.last_breakdown = None if attempt.injected else oom_breakdown(
+            self.model, self.core.optimizer, self.device, held_at_start=self.demand.held_at_start,
+            held_at_failure=held, gradients_at_failure=gradients, cap=self.demand.binding_cap,
+            measure=self.demand.measure)
         self.demand.measure_room()  # what is in use after the clean-up, against the cap now
         self.progress.ooms += 1
         lost = time.perf_counter() - attempt.started  # the failed work and the clean-up: what the OOM cost
         self.journal.write("oom", self.step_count, self.progress.epoch, micro_batch_size=failed_size,
                            device=str(self.device), message=attempt.message, injected=attempt.injected,
-                           lost_seconds=round(lost, 4), ooms=self.ooms)
+                           lost_seconds=round(lost, 4), ooms=self.ooms, breakdown=self.last_breakdown)
         logger.warning(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch")
         self.fire(Event.OOM, failed_micro_batch=failed_size, force=True)
         # Every rank's next move is rank 0's: the size to retry at, and any relief first.
@@ -337,8 +352,10 @@ class Tuner:
             if self.carry_out(relief):
                 return  # the same batch again, with the relief
         memory = describe_memory(self.device)
+        if self.last_breakdown is not None:
+            memory += f"; at the failure: {describe_breakdown(self.last_breakdown)}"
         self.journal.write("out_of_memory", self.step_count, self.progress.epoch, micro_batch_size=failed_size,
-                           device=str(self.device), tried=tried, memory=memory)
+                           device=str(self.device), tried=tried, memory=memory, breakdown=self.last_breakdown)
         self.checkpoint("out_of_memory")  # the progress so far survives the error
         raise OutOfMemory(
             f"out of memory on {self.device} even at micro-batch {failed_size} "

@@ -32,7 +32,7 @@ def test_a_normal_run(tmp_path, capsys):
     result = trainer.fit(epochs=2)
     summary = summarize(tmp_path / "run")
     assert summary["status"] == "finished" and summary["samples_seen"] == 1024 and summary["steps"] == result.steps
-    assert summary["ooms"] == {"survived": 0, "seconds_lost": 0, "by_micro_batch": {}, "gave_up": 0}
+    assert summary["ooms"] == {"survived": 0, "seconds_lost": 0, "by_micro_batch": {}, "gave_up": 0, "last_breakdown": None}
     assert summary["micro_batch_size"] == {"start": 32, "end": 32}
     windows = summary["throughput_over_time"]
     assert len(windows) >= 4 and all(w["samples_per_second"] > 0 for w in windows)

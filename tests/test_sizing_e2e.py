@@ -1,11 +1,12 @@
 """Predictive sizing end to end under a real RLIMIT_AS cap, default preset, for a CNN and a
 transformer: from 8x below the run is within 10% of the largest micro-batch that fits after at
 most 3 optimizer steps and at most 1 OOM; from 8x above it takes at most 2 OOMs and ends within
-10%. "Within 10%" is checked in a fresh process: a micro-batch a tenth larger than the final one
+10%, and each OOM's breakdown of the memory adds up. "Within 10%" is checked in a fresh process: a micro-batch a tenth larger than the final one
 does not fit there (and the final one fits, since the run trained at it)."""
 
 import concurrent.futures
 import json
+import re
 
 import pytest
 
@@ -55,7 +56,8 @@ cap_address_space(ROOM_MIB * 2**20)
 from autotune import is_oom
 try:
     result = trainer.fit(epochs=1)
-    save({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen})
+    save({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen,
+          "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())})
 except Exception as exc:  # a probe (no policies): the first OOM, in a step or in the loader, ends the run
     if POLICIES or not (is_oom(exc) or "even at micro-batch" in str(exc)):
         raise
@@ -114,4 +116,22 @@ def test_from_8x_above_at_most_2_ooms_within_10_percent(tmp_path):
         final = result["micro"]
         assert final < batch
         assert not fits(tmp_path, model, int(final / 0.9) + 1, batch), (model, by_step, "10% larger fits")
+        for oom in [r for r in records if r["kind"] == "oom"]:
+            check_breakdown(oom, result["param_bytes"])
     both(check)
+
+
+def check_breakdown(oom, param_bytes):
+    """An OOM's breakdown: the tensors' parts are what the model and AdamW hold, the process held
+    about what the cap allowed (with the refused allocation, within 5% of it), and the parts add up."""
+    parts = oom["breakdown"]
+    assert parts["measure"] == "virtual"  # what RLIMIT_AS counts
+    assert parts["weights"] == param_bytes  # no buffers in these models
+    assert 2 * param_bytes <= parts["optimizer_state"] <= 2 * param_bytes + 4096  # two moments (+ step counters)
+    assert parts["activations_and_temporaries"] > 0 and parts["libraries"] > 0 and parts["other"] >= 0
+    assert parts["held"] <= parts["cap"]
+    refused = re.search(r"allocate (\d+) bytes", oom["message"])
+    if refused:  # read as the error reached Python: the failing kernel's own scratch is already freed
+        assert parts["held"] + int(refused.group(1)) >= 0.95 * parts["cap"], parts
+    names = ("weights", "gradients", "optimizer_state", "activations_and_temporaries", "libraries", "other")
+    assert abs(sum(parts[n] for n in names) - parts["held"]) <= 0.1 * parts["held"]
