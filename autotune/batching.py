@@ -127,6 +127,9 @@ def _agreed(parts: dict[str, Any], path: str, strict: bool) -> set[int]:
 def batch_len(batch: Any) -> int:
     """Number of samples in `batch`. Raises TypeError naming what it could not measure,
     ValueError when parts of the batch disagree."""
+    n = _plain_len(batch)
+    if n is not None:
+        return n
     counts = _counts(batch, "batch")
     if len(counts) == 1:
         return next(iter(counts))
@@ -136,6 +139,21 @@ def batch_len(batch: Any) -> int:
         return next(iter(fields))
     raise ValueError(f"cannot tell the number of samples in this batch (it reads as any of {sorted(counts)}); "
                      "mark its parts with autotune.PerSample / autotune.Fields or pass split_fn=")
+
+
+def _plain_len(batch: Any) -> int | None:
+    """The count of the common batches, `(inputs, targets)` and `{name: tensor}`, at once (this runs
+    every step); None for anything that needs the full reading."""
+    parts = batch.values() if type(batch) is dict else batch if type(batch) in (tuple, list) else None
+    if not parts:
+        return None
+    n = None
+    for part in parts:
+        if type(part) is not torch.Tensor or part.ndim == 0 or (n is not None and part.shape[0] != n):
+            return None
+        n = part.shape[0]
+    # A tuple as long as its tensors' first dimension could also be read as samples: the full reading decides.
+    return n if type(batch) is dict or n != len(batch) else None
 
 
 def _rebuild_mapping(original: Mapping, items: dict) -> Any:
@@ -197,10 +215,11 @@ def _reads_as_fields(part: list | tuple, n: int) -> bool:
     return True
 
 
-def micro_batches(batch: Any, size: int, start: int = 0, split_fn: SplitFn | None = None) -> Iterator[tuple[Any, int]]:
-    """Yield `(micro_batch, n_samples)` covering samples `start:` of `batch`, `size` at a time.
-
-    With `split_fn`, the user's function splits the remaining samples instead.
+def micro_batches(batch: Any, size: int, start: int = 0, split_fn: SplitFn | None = None,
+                  total: int | None = None) -> Iterator[tuple[Any, int]]:
+    """Yield `(micro_batch, n_samples)` covering samples `start:` of `batch` (`total` samples:
+    counted if not given), `size` at a time. With `split_fn`, the user's function splits the
+    remaining samples instead.
     """
     if size < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {size}")
@@ -214,7 +233,7 @@ def micro_batches(batch: Any, size: int, start: int = 0, split_fn: SplitFn | Non
                 yield micro, n
             offset += n
         return
-    total = batch_len(batch)
+    total = batch_len(batch) if total is None else total
     if start == 0 and size >= total:
         yield batch, total  # the whole batch: as it came, nothing rebuilt
         return

@@ -52,6 +52,8 @@ class Dispatcher:
                 continue
             proposals.extend((policy, action) for action in actions)
         applied: list[Action] = []
+        if not proposals:  # most events, most steps
+            return applied
         for policy, action, suppressed in knob_module.resolve_conflicts(proposals):
             if suppressed is None:
                 outcome = knob_module.apply(action, self.knobs)

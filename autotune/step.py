@@ -38,6 +38,7 @@ from torch import nn
 
 from autotune.batching import SplitFn, map_tensors, micro_batches
 from autotune.distributed import Ranks, Solo
+from autotune.breakdown import tensor_bytes
 from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.progress import Progress
 from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
@@ -71,7 +72,7 @@ class Attempt:
 
     failed_size: int | None  # the micro-batch size that ran out of memory, or None
     done: int  # samples of the batch in completed optimizer steps (keep_effective_batch=False)
-    loss_sum: torch.Tensor  # summed (not mean) loss of what was kept, over `weight`
+    loss_sum: torch.Tensor | None  # summed (not mean) loss of what was kept, over `weight`; None: nothing kept
     weight: Any = 0  # what loss_sum is summed over: samples, or items (an int or a tensor)
     items: Any = None  # the batch's items, when step_fn reports them (None: weighted by samples)
     ref: Any = None  # the items each micro-batch's weight was taken against (see the module docstring)
@@ -81,6 +82,11 @@ class Attempt:
     # failed attempt's tensors) to re-raise as it is if it persists at micro-batch 1
     not_supported: BaseException | None = None
     started: float = 0.0  # perf_counter when the work an OOM throws away began
+
+
+def _plus(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    # The first term as it is: no zeros tensor and addition per step (a tiny model's step pays for each op).
+    return value if total is None else total + value
 
 
 class StepCore:
@@ -111,7 +117,9 @@ class StepCore:
         self.compiled_model = self.compiled is not None or is_compiled(model)
         self.grad_norm: torch.Tensor | None = None  # the last step's gradient norm before clipping
         self.backward_fn: Callable[[torch.Tensor], None] | None = None  # another trainer's (HF's accelerator)
-        self.on_oom: Callable[[], None] | None = None  # called in the except block of an OOM (the breakdown)
+        # What is in use now, read in an OOM's except block, with the gradients then (the OOM breakdown)
+        self.held_now: Callable[[], int | None] | None = None
+        self.at_failure: tuple[int | None, int] | None = None
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
 
     @property
@@ -127,12 +135,12 @@ class StepCore:
         that normalises its own loss); each is backpropagated as it is, and nothing steps."""
         stepping = not (self.keep_effective_batch or additive)
         size = min(micro_batch_size, n) if stepping else micro_batch_size
-        result = Attempt(None, done, torch.zeros((), device=self.device), started=time.perf_counter())
+        result = Attempt(None, done, None, started=time.perf_counter())
         if self.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
         try:
             with self.ranks.no_sync():
-                for micro, m in micro_batches(batch, size, start=done, split_fn=self.split_fn):
+                for micro, m in micro_batches(batch, size, start=done, split_fn=self.split_fn, total=n):
                     inject = self._draw_injection(size)
                     if inject == "forward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
@@ -142,7 +150,7 @@ class StepCore:
                     weight = m if items is None else items
                     if additive:
                         self._backward(loss)
-                        result.loss_sum += loss.detach()
+                        result.loss_sum = _plus(result.loss_sum, loss.detach())
                         result.weight = 1  # the losses add up to the batch's
                         del loss
                         continue
@@ -156,20 +164,21 @@ class StepCore:
                     elif items is None:
                         # Weight by the micro-batch's share so the accumulated gradient is the
                         # gradient of the mean loss over the whole batch.
-                        self._backward(loss * (m / n))
+                        self._backward(loss * (m / n) if m != n else loss)
                     else:
                         if result.ref is None:
                             result.ref = _at_least_one(items * (n / m) if m != n else items)
                         self._backward(loss * (items / result.ref))
                         result.items = items if result.items is None else result.items + items
-                    result.loss_sum += loss.detach() * weight
+                    result.loss_sum = _plus(result.loss_sum, loss.detach() * weight)
                     result.weight = result.weight + weight
                     del loss
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            if self.on_oom is not None:
-                self.on_oom()  # while the failed step's tensors are alive: what it held when it failed
+            if self.held_now is not None:  # while the failed step's tensors are alive: what it held (the breakdown)
+                self.at_failure = (self.held_now(), tensor_bytes(
+                    [p.grad for p in self.model.parameters() if p.grad is not None], self.device))
             result.failed_size, result.message = size, oom_message(exc)
             result.injected = "injected by autotune" in result.message
             if maybe_not_memory(exc):
@@ -177,7 +186,7 @@ class StepCore:
                     raise  # nothing smaller to try, and it may not be memory: the error as it is
                 result.not_supported = exc.with_traceback(None)
             if not stepping:
-                result.loss_sum.zero_()
+                result.loss_sum = None
                 result.weight, result.items, result.ref = 0, None, None
         return result
 

@@ -43,7 +43,7 @@ from torch import nn
 
 from autotune.actions import Relief
 from autotune.batching import SplitFn, batch_len
-from autotune.breakdown import describe_breakdown, oom_breakdown, tensor_bytes
+from autotune.breakdown import describe_breakdown, oom_breakdown
 from autotune.checkpoint import Checkpointer, RankFailed, rank_rng_state, rng_state, set_rng_state
 from autotune.config import (OptimizerFactory, check_step_options, injection_rate, make_optimizer, make_scheduler,
                              resolve_device, resolve_memory_cap)
@@ -169,8 +169,7 @@ class Tuner:
         self._save: weakref.WeakMethod | None = None
         self._checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=3, every=None, interval=None,
                                           ranks=self.ranks, journal=self.journal)
-        self.core.on_oom = self._note_failure
-        self._at_failure: tuple[int | None, int] | None = None  # (held, gradient bytes) when the step failed
+        self.core.held_now = self.demand.held_now  # the demand's method, not ours: no reference cycle
         self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
         self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"
         self._started = False  # the standalone run's start is journaled on the first step
@@ -272,14 +271,15 @@ class Tuner:
         fields to each attempt's agreement (a stop signal, a checkpoint due)."""
         done = 0  # samples whose optimizer step has completed
         tried: list[int] = []
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum: torch.Tensor | None = None
         weight: Any = 0
         additive = not optimizer_step
         while done < n:
             self.demand.start(self.knobs.micro_batch_size)  # a retry is measured afresh
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
             done = attempt.done
-            loss_sum += attempt.loss_sum  # with keep_effective_batch=False: the chunks already stepped
+            if attempt.loss_sum is not None:  # with keep_effective_batch=False: the chunks already stepped
+                loss_sum = attempt.loss_sum if loss_sum is None else loss_sum + attempt.loss_sum
             weight = weight + attempt.weight
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
             # rank that ran out of memory.
@@ -308,19 +308,15 @@ class Tuner:
             self._recover_from_oom(agreed.failed_size, tried, attempt)
         self.last_good_micro = self.knobs.micro_batch_size
         self.demand.finish()
-        return BatchOutcome(len(tried), loss_sum, weight)
-
-    def _note_failure(self) -> None:
-        # In the OOM's except block: the failed step's tensors are still alive, so this is what it held.
-        self._at_failure = (self.demand.held_now(),
-                            tensor_bytes([p.grad for p in self.model.parameters() if p.grad is not None], self.device))
+        return BatchOutcome(len(tried), loss_sum if loss_sum is not None else torch.zeros((), device=self.device),
+                            weight)
 
     def _recover_from_oom(self, failed_size: int, tried: list[int], attempt: Attempt) -> None:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""
         self.core.zero_grad()  # partial gradients of the failed batch must not leak into the retry
         free_memory(self.device)
-        held, gradients = self._at_failure or (None, 0)
-        self._at_failure = None
+        held, gradients = self.core.at_failure or (None, 0)
+        self.core.at_failure = None
         self.last_breakdown = None if attempt.injected else oom_breakdown(
             self.model, self.core.optimizer, self.device, held_at_start=self.demand.held_at_start,
             held_at_failure=held, gradients_at_failure=gradients, cap=self.demand.binding_cap,

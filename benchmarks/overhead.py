@@ -5,6 +5,7 @@ in one process so machine noise hits both alike. Reports the median run time of 
 and their ratio (target <= 1.03).
 
     python benchmarks/overhead.py [--rounds 9] [--epochs 2]
+    python benchmarks/overhead.py --tiny [--rounds 9]   # autotune's own work per step, tiny model
 
 With tensorboard installed, also AutoTrainer(tensorboard=True), which in runs this short
 writes every step (the first 200 steps of any run are; then at most one a second).
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import median, write_results  # noqa: E402
 
 from autotune import AutoTrainer  # noqa: E402
+from autotune.callbacks import Callback  # noqa: E402
 from autotune.data.sampler import EpochSampler  # noqa: E402
 
 SAMPLES, FEATURES, CLASSES, BATCH = 8192, 784, 10, 128
@@ -105,13 +107,90 @@ def autotune_run(data, epochs, progress, run_dir, tensorboard=False, features=Fa
     return time.perf_counter() - start, steady(stamps), model
 
 
+TINY_BATCH = 32
+
+
+def tiny_cost(loop: str, steps: int, run_dir: Path) -> float:
+    """Median seconds per step on Linear(8, 2), batch 32, one thread, after a warm-up: where
+    the model costs next to nothing, so what a loop adds shows. The batch is the same tensor
+    every step (no loader), so only the step itself is timed."""
+    torch.manual_seed(0)
+    x, y = torch.randn(TINY_BATCH, 8), torch.randint(0, 2, (TINY_BATCH,))
+    model = nn.Linear(8, 2)
+    stamps = [0.0]
+    if loop == "plain + DataLoader":  # what AutoTrainer is compared with: it loads its own batches
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for xs, ys in DataLoader(TensorDataset(x.repeat(steps, 1), y.repeat(steps)), batch_size=TINY_BATCH):
+            nn.functional.cross_entropy(model(xs), ys).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stamps.append(time.perf_counter())
+    elif loop == "plain":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(steps):
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stamps.append(time.perf_counter())
+    elif loop.startswith("Tuner"):
+        from autotune import Tuner
+        policies = [] if "off" in loop else "default"
+        with Tuner(model, lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.functional.cross_entropy, device="cpu",
+                   policies=policies, monitor="monitor" in loop, run_dir=run_dir,
+                   tensorboard="tensorboard" in loop) as tuner:
+            for _ in range(steps):
+                tuner.step((x, y))
+                stamps.append(time.perf_counter())
+    else:
+        class Stamp(Callback):
+            def on_step_end(self, trainer):
+                stamps.append(time.perf_counter())
+
+        data = TensorDataset(x.repeat(steps, 1), y.repeat(steps))
+        AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                    batch_size=TINY_BATCH, device="cpu", policies=[] if "off" in loop else "default",
+                    monitor="monitor" in loop, progress=False, run_dir=run_dir, shuffle=False, checkpoint_interval=None,
+                    tensorboard="tensorboard" in loop, callbacks=[Stamp()]).fit(epochs=1)
+    # the steady state: past the first 300 steps (warm-up, the run log's every-step stretch)
+    return statistics.median(b - a for a, b in zip(stamps[301:], stamps[302:]))
+
+
+def tiny(rounds: int) -> None:
+    """autotune's own work per optimizer step, against the same loop by hand (paired by round)."""
+    torch.set_num_threads(1)
+    loops = ["plain", "Tuner, policies off", "Tuner, default", "plain + DataLoader", "AutoTrainer, policies off",
+             "AutoTrainer, default", "AutoTrainer, default + monitor"]
+    if importlib.util.find_spec("tensorboard"):
+        loops.append("AutoTrainer, default + tensorboard")
+    cost = {name: [] for name in loops}
+    for r in range(rounds):
+        for name in loops[r % len(loops):] + loops[:r % len(loops)]:
+            cost[name].append(tiny_cost(name, 1500, Path("runs/bench-overhead-tiny") / f"{r}-{len(cost[name])}-{name}"))
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e6:.0f}" for k, v in cost.items()), file=sys.stderr)
+    lines = [f"Linear(8, 2), SGD, batch {TINY_BATCH}, 1 thread, 1500 steps a run, {rounds} rounds in rotating "
+             "order; the median step interval after the first 300 steps. Tuner rows against the plain loop on "
+             "the same tensors each step; AutoTrainer rows (they load their batches) against the plain loop "
+             "with a DataLoader over the same data.", "",
+             "| loop | median step (us) | autotune's own work per step (us, median of paired differences) |",
+             "| --- | --- | --- |"]
+    for name, values in cost.items():
+        base = cost["plain + DataLoader" if name.startswith("AutoTrainer") else "plain"]
+        own = median([v - p for v, p in zip(values, base)])
+        lines.append(f"| {name} | {median(values) * 1e6:.1f} | {own * 1e6:.1f} |")
+    write_results("overhead_tiny", "Overhead per step on a tiny model: autotune's own work (CPU)", lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--compare-with", default=None, help="a checkout of an earlier autotune (its root folder)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tiny", action="store_true", help="only autotune's own per-step cost on a tiny model")
     args = parser.parse_args()
+    if args.tiny:
+        tiny(args.rounds)
+        return
     data = make_data()
     run_dir = Path("runs/bench-overhead")
     if args.child:  # one default AutoTrainer run for --compare-with, in whatever autotune PYTHONPATH gives

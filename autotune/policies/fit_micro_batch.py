@@ -126,14 +126,14 @@ class FitMicroBatch:
         self.room = memory.room_bytes - kept  # the room the next step starts with
         target = min(snap.batch_size, self.largest_fitting(self.room) or micro)
         failed = self._recent_failure(snap.step)
-        why = (f"needed {format_bytes(memory.need_bytes)} of {format_bytes(memory.room_bytes)} room at {micro}; "
-               f"predicted to fit {target}")
-        if failed is not None and target >= failed:
-            # The prediction says the failed size fits: the last stretch is searched, not predicted.
+        searching = failed is not None and target >= failed
+        if searching:  # the prediction says the failed size fits: the last stretch is searched, not predicted
             target = (micro + failed) // 2
-            why = f"{micro} works, {failed} failed at step {self.failed_step}; trying {target}"
         if target <= micro + max(1, int(self.margin * micro)):
             return []  # within the margin of the prediction (or of the failure): stay
+        why = (f"{micro} works, {failed} failed at step {self.failed_step}; trying {target}" if searching else
+               f"needed {format_bytes(memory.need_bytes)} of {format_bytes(memory.room_bytes)} room at {micro}; "
+               f"predicted to fit {target}")
         return [SetMicroBatch(target, reason=why)]
 
     def _after_oom(self, snap: Snapshot) -> Sequence[Action]:
