@@ -7,6 +7,7 @@ does not fit there (and the final one fits, since the run trained at it)."""
 import concurrent.futures
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -69,7 +70,7 @@ ABOUT = {"cnn": 128, "lm": 64}  # about the largest micro-batch that fits (probe
 
 
 def run(tmp_path, model, start, batch, steps, policies="default"):
-    run_dir = tmp_path / f"{model}-{start}-{policies}"
+    run_dir = tmp_path / f"{model}-{start}-{Path(str(policies)).stem}"
     run_dir.mkdir()
     head = (f"MODEL={model!r}\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nROOM_MIB={ROOM_MIB[model]}\n"
             f"RUN_DIR={str(run_dir / 'run')!r}\nPOLICIES={policies!r}\n")
@@ -83,10 +84,10 @@ def run(tmp_path, model, start, batch, steps, policies="default"):
     return result, journal(run_dir / "run"), {r["step"]: r["micro_batch_size"] for r in steps}
 
 
-def fits(tmp_path, model, size, batch):
-    """Whether micro-batches of `size` train in a fresh process under the same cap, on the same
-    batches (the loader's batch is memory too)."""
-    result, _, _ = run(tmp_path, model, start=size, batch=batch, steps=1, policies=[])
+def fits(tmp_path, model, size, batch, steps=1):
+    """Whether micro-batches of `size` train `steps` steps in a fresh process under the same cap, on
+    the same batches (the loader's batch is memory too)."""
+    result, _, _ = run(tmp_path, model, start=size, batch=batch, steps=steps, policies=[])
     return "out_of_memory" not in result and result["ooms"] == 0
 
 
