@@ -174,7 +174,8 @@ def tiny(rounds: int) -> None:
              "| loop | median step (us) | autotune's own work per step (us, median of paired differences) |",
              "| --- | --- | --- |"]
     for name, values in cost.items():
-        base = cost["plain + DataLoader" if name.startswith("AutoTrainer") else "plain"]
+        loads = name.startswith("AutoTrainer") or name == "plain + DataLoader"  # against the loop that loads too
+        base = cost["plain + DataLoader" if loads else "plain"]
         own = median([v - p for v, p in zip(values, base)])
         lines.append(f"| {name} | {median(values) * 1e6:.1f} | {own * 1e6:.1f} |")
     write_results("overhead_tiny", "Overhead per step on a tiny model: autotune's own work (CPU)", lines)
