@@ -35,11 +35,14 @@ def tensor_bytes(tensors: Any, device: torch.device) -> int:
     return total
 
 
+def gradient_bytes(model: nn.Module, device: torch.device) -> int:
+    """Bytes of the gradients `model`'s parameters hold on `device`."""
+    return tensor_bytes([p.grad for p in model.parameters() if p.grad is not None], device)
+
+
 def model_bytes(model: nn.Module, device: torch.device) -> tuple[int, int]:
     """(weights and buffers, gradients) of `model` on `device`."""
-    weights = tensor_bytes([*model.parameters(), *model.buffers()], device)
-    gradients = tensor_bytes([p.grad for p in model.parameters() if p.grad is not None], device)
-    return weights, gradients
+    return tensor_bytes([*model.parameters(), *model.buffers()], device), gradient_bytes(model, device)
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer | None, device: torch.device) -> int:

@@ -286,7 +286,6 @@ class StepDemand:
         self.last: float | None = None  # the last step's need over its room
         self.last_memory: StepMemory | None = None
         self.allocator: AllocatorStats | None = None  # CUDA: the last step's allocator figures
-        self.source = ""  # what the cap is (DeviceSample.source)
         self._cap: int | None = None  # the binding cap, in its measure
         self._others = 0  # CUDA: device memory others hold (and the context)
         self._room_at: tuple[int, int] | None = None  # resident caps: (in use, room) when measured
@@ -305,7 +304,6 @@ class StepDemand:
         """Find the binding cap and what is in use: at the start of a fit, after an OOM, and after
         a relief changed what stays resident. Later steps are measured against it cheaply."""
         sample = device_sample(self.device, self.cap_bytes)
-        self.source = sample.source
         self._exact_sizes.clear()
         self._cap = self._room_at = None
         if sample.cap_bytes is None or sample.used_bytes is None or not self.peak.available:
@@ -325,7 +323,6 @@ class StepDemand:
         if self._virtual:
             self._cap = sample.cap_bytes
             self._in_use = status.virtual
-            self._sampler = self._sampler or virtual_peak_sampler()
         else:
             self._room_at = (status.resident, sample.cap_bytes - sample.used_bytes)
             self._in_use = status.resident

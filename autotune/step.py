@@ -38,7 +38,7 @@ from torch import nn
 
 from autotune.batching import SplitFn, map_tensors, micro_batches
 from autotune.distributed import Ranks, Solo
-from autotune.breakdown import tensor_bytes
+from autotune.breakdown import gradient_bytes
 from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.progress import Progress
 from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
@@ -85,7 +85,7 @@ class Attempt:
     started: float = 0.0  # perf_counter when the work an OOM throws away began
 
 
-def _plus(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+def sum_losses(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     # The first term as it is: no zeros tensor and addition per step (a tiny model's step pays for each op).
     return value if total is None else total + value
 
@@ -151,7 +151,7 @@ class StepCore:
                     weight = m if items is None else items
                     if additive:
                         self._backward(loss)
-                        result.loss_sum = _plus(result.loss_sum, loss.detach())
+                        result.loss_sum = sum_losses(result.loss_sum, loss.detach())
                         result.weight = 1  # the losses add up to the batch's
                         del loss
                         continue
@@ -171,15 +171,14 @@ class StepCore:
                             result.ref = _at_least_one(items * (n / m) if m != n else items)
                         self._backward(loss * (items / result.ref))
                         result.items = items if result.items is None else result.items + items
-                    result.loss_sum = _plus(result.loss_sum, loss.detach() * weight)
+                    result.loss_sum = sum_losses(result.loss_sum, loss.detach() * weight)
                     result.weight = result.weight + weight
                     del loss
         except Exception as exc:
             if not is_oom(exc):
                 raise
             if self.held_now is not None:  # while the failed step's tensors are alive: what it held (the breakdown)
-                self.at_failure = (self.held_now(), tensor_bytes(
-                    [p.grad for p in self.model.parameters() if p.grad is not None], self.device))
+                self.at_failure = (self.held_now(), gradient_bytes(self.model, self.device))
             result.failed_size, result.message = size, oom_message(exc)
             result.injected = "injected by autotune" in result.message
             if maybe_not_memory(exc):

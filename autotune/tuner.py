@@ -60,7 +60,7 @@ from autotune.presets import resolve_policies
 from autotune.progress import Progress
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
 from autotune.snapshot import InputState, Snapshot, StepTiming
-from autotune.step import Attempt, LossFn, StepCore, StepFn
+from autotune.step import Attempt, LossFn, StepCore, StepFn, sum_losses
 from autotune.validate import check_int
 
 
@@ -279,7 +279,7 @@ class Tuner:
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
             done = attempt.done
             if attempt.loss_sum is not None:  # with keep_effective_batch=False: the chunks already stepped
-                loss_sum = attempt.loss_sum if loss_sum is None else loss_sum + attempt.loss_sum
+                loss_sum = sum_losses(loss_sum, attempt.loss_sum)
             weight = weight + attempt.weight
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
             # rank that ran out of memory.

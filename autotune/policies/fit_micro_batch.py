@@ -16,8 +16,9 @@ size whose predicted need is within `headroom` of the room:
 On OOM, with sizes measured, it moves to the prediction below the failed size; when the
 prediction said the failed size would fit, the line is raised to agree with the failure (the
 fixed part was more than it looked), so the next move is below it. A failure at or below a size
-measured to fit says nothing about the line (something else took the room): halve_on_oom answers. With nothing measured yet,
-a quarter of the failed size (halving, from 8x above, would take three OOMs to get there). A size
+measured to fit says nothing about the line (something else took the room): halve_on_oom answers.
+With nothing measured yet, a quarter of the failed size (halving, from 8x above, would take three
+OOMs to get there). A size
 that failed is not tried again for `forget_failure_steps` steps (memory needs change over a
 run): between the largest size that worked and the failure, binary search the last stretch.
 Where a step's need cannot be measured it does nothing (grow_back doubles blind).
