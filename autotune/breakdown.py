@@ -78,9 +78,13 @@ def library_bytes(virtual: bool) -> int | None:
 
 def oom_breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
                   held_at_start: int | None, held_at_failure: int | None, gradients_at_failure: int,
-                  cap: int | None, measure: str) -> dict[str, Any] | None:
+                  cap: int | None, measure: str, allocator_cache: int | None = None,
+                  outside_torch: int | None = None) -> dict[str, Any] | None:
     """The parts of what the process held when a step ran out of memory, in bytes (None where a
-    reading is missing). `measure`: what the cap binds ("virtual", "resident", "cuda")."""
+    reading is missing). `measure`: what the cap binds ("virtual", "resident", "cuda"). On CUDA,
+    beside the parts of `held` (live tensors): `allocator_cache`, what the caching allocator kept
+    beyond them at the failure, and `outside_torch`, what the device held outside this process's
+    allocator (the CUDA context, other processes); the cap is already net of the latter."""
     if held_at_start is None or held_at_failure is None:
         return None
     weights, _ = model_bytes(model, device)
@@ -92,7 +96,8 @@ def oom_breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, dev
     other = held_at_start - weights - state - (libraries or 0)
     parts = {"weights": weights, "gradients": gradients_at_failure, "optimizer_state": state,
              "activations_and_temporaries": step, "libraries": libraries, "other": other}
-    return {"measure": measure, **parts, "held": held_at_failure, "cap": cap}
+    cuda = {"allocator_cache": allocator_cache, "outside_torch": outside_torch} if measure == "cuda" else {}
+    return {"measure": measure, **parts, "held": held_at_failure, "cap": cap, **cuda}
 
 
 def describe_breakdown(breakdown: dict[str, Any]) -> str:
@@ -101,4 +106,8 @@ def describe_breakdown(breakdown: dict[str, Any]) -> str:
     parts = sorted(((breakdown[n], n) for n in names if breakdown.get(n) is not None), reverse=True)
     text = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for value, name in parts)
     cap = f" of a {format_bytes(breakdown['cap'])} cap" if breakdown.get("cap") else ""
-    return f"held {format_bytes(breakdown['held'])}{cap} ({breakdown['measure']}): {text}"
+    beside = "".join(f"; {label} {format_bytes(breakdown[key])}"
+                     for key, label in (("allocator_cache", "allocator cache beside it"),
+                                        ("outside_torch", "outside torch on the device"))
+                     if breakdown.get(key) is not None)
+    return f"held {format_bytes(breakdown['held'])}{cap} ({breakdown['measure']}): {text}{beside}"

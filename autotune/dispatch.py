@@ -27,6 +27,7 @@ class Dispatcher:
 
     def __init__(self, policies: Sequence[Policy], knobs: knob_module.Knobs, journal: Journal):
         self.policies = list(policies)
+        self.events = frozenset(event for p in self.policies for event in p.events)  # what anyone listens to
         self.knobs = knobs
         self.journal = journal
         self._relief_asked: tuple[Action, Policy] | None = None  # the relief to carry out, and who asked

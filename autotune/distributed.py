@@ -37,6 +37,9 @@ from torch import nn
 from autotune.actions import Relief, relief_from_ints, relief_to_ints
 
 
+_NOTHING_TO_SYNC = contextlib.nullcontext()  # reusable: one for every step alone
+
+
 @dataclasses.dataclass(frozen=True)
 class Agreement:
     """What every rank knows after an attempt at a batch (alone: what this process proposed)."""
@@ -68,7 +71,7 @@ class Solo:
         return model
 
     def no_sync(self) -> ContextManager[Any]:
-        return contextlib.nullcontext()
+        return _NOTHING_TO_SYNC
 
     def agree(self, mine: Agreement, device: torch.device) -> Agreement:
         return mine

@@ -16,7 +16,8 @@ class Event(str, enum.Enum):
     FIT_START = "fit_start"
     EPOCH_START = "epoch_start"
     OOM = "oom"
-    BATCH_END = "batch_end"
+    BATCH_END = "batch_end"  # after every batch
+    BATCH_MEASURED = "batch_measured"  # after a batch whose memory was measured (cadence.py): the step's need
     MEMORY_HIGH = "memory_high"
     MEMORY_PRESSURE = "memory_pressure"
     IO_BOUND = "io_bound"

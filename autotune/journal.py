@@ -120,11 +120,11 @@ class RunLog:
 
     def step(self, step: int, epoch: int, *, samples: int, samples_seen: int, micro_batch_size: int,
              step_seconds: float, data_wait_fraction: float, demand: float | None, allocated_bytes: int | None,
-             reserved_bytes: int | None, batch_loss: Any, loss_weight: Any, sample: Callable[[], Any],
+             reserved_bytes: int | None, loss: Callable[[], Any], sample: Callable[[], Any],
              grad_norm: Any = None) -> None:
         """One step's figures: to steps.jsonl and TensorBoard when due (thinned: a two-day run
         writes megabytes, and reads the loss off the device rarely), and to the bar.
-        `batch_loss` is summed over `loss_weight` (samples, or the step's items)."""
+        `loss()`: the batch's mean loss (read off the device only when written)."""
         if self.bar is not None:
             self.bar.update(1)
         if not self.steps.due():
@@ -137,7 +137,7 @@ class RunLog:
         if self.tensorboard is not None:
             now = sample()
             self.tensorboard.step(
-                step, loss=float(batch_loss / loss_weight), samples_seen=samples_seen, step_samples=samples, **norm,
+                step, loss=float(loss()), samples_seen=samples_seen, step_samples=samples, **norm,
                 step_seconds=step_seconds, micro_batch_size=micro_batch_size, data_wait_fraction=data_wait_fraction,
                 used_bytes=now.used_bytes, cap_bytes=now.cap_bytes, allocated_bytes=allocated_bytes,
                 reserved_bytes=reserved_bytes, demand=demand)

@@ -299,6 +299,7 @@ class StepDemand:
         self._sampler = virtual_peak_sampler() if device.type == "cpu" and self.peak.available else None
         self._sampling = False
         self._micro: int | None = None
+        self.cached_at_failure: int | None = None  # CUDA, read by note_failure()
 
     def measure_room(self) -> None:
         """Find the binding cap and what is in use: at the start of a fit, after an OOM, and after
@@ -329,6 +330,21 @@ class StepDemand:
         self._resident_start = status.resident
         self._virtual_peak_before = status.virtual_peak
 
+    def _rebase(self) -> None:
+        # What `_measure` keeps from one measured step for the next, read now.
+        if self._in_use is None:
+            return  # nothing to measure against (no cap, no peak)
+        if self.device.type == "cuda":
+            self._in_use = torch.cuda.memory_allocated(self.device)
+            return
+        status = self.peak.status()
+        if status is None:
+            self._in_use = None
+            return
+        self._in_use = status.virtual if self._virtual else status.resident
+        self._resident_start = status.resident
+        self._virtual_peak_before = status.virtual_peak
+
     @property
     def measure(self) -> str:
         """What the cap binds, in which `need_bytes` and `held_now()` are counted."""
@@ -348,6 +364,17 @@ class StepDemand:
             return self._cap
         return None if self._room_at is None else self._room_at[0] + self._room_at[1]
 
+    def note_failure(self) -> None:
+        """In an OOM's except block: what the CUDA caching allocator holds beyond live tensors then
+        (reserved - allocated: its cache and fragments), for the breakdown."""
+        if self.device.type == "cuda":
+            self.cached_at_failure = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+
+    @property
+    def others_bytes(self) -> int | None:
+        """CUDA: what the device holds outside this process's allocator (the context, other processes)."""
+        return self._others if self.device.type == "cuda" and self._cap is not None else None
+
     def held_now(self) -> int | None:
         """What is in use now, in the measure the cap binds (one read: cheap enough for an OOM's except block)."""
         if self.device.type == "cuda":
@@ -357,8 +384,11 @@ class StepDemand:
             return None
         return status.virtual if self._virtual else status.resident
 
-    def start(self, micro_batch_size: int | None = None) -> None:
-        """At the start of a step (and of each retry of it)."""
+    def start(self, micro_batch_size: int | None = None, rebase: bool = False) -> None:
+        """At the start of a step (and of each retry of it). `rebase`: steps ran unmeasured since
+        the last measured one, so what is in use now is read afresh."""
+        if rebase:
+            self._rebase()
         self.peak.start()
         self._micro = micro_batch_size
         self._sampling = (self._virtual and self._sampler is not None and micro_batch_size is not None

@@ -148,7 +148,10 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                  "by_micro_batch": {str(k): v for k, v in collections.Counter(o["micro_batch_size"] for o in ooms).items()},
                  "gave_up": len(by_kind["out_of_memory"]),
                  # where the memory went at the last OOM that measured it (journals since issue 16)
-                 "last_breakdown": next((o["breakdown"] for o in reversed(ooms) if o.get("breakdown")), None)},
+                 "last_breakdown": next((o["breakdown"] for o in reversed(ooms) if o.get("breakdown")), None),
+                 # memory_snapshot=True (CUDA): the allocator's state at the last OOM, and its largest sites
+                 "last_snapshot": next((o["memory_snapshot"] for o in reversed(ooms) if o.get("memory_snapshot")),
+                                       None)},
         "actions": dict(actions),
         "reliefs": [{"step": r["step"], "relief": r["relief"], "demand_before": r.get("demand_before")}
                     for r in reliefs],
@@ -206,6 +209,11 @@ def render(summary: dict[str, Any]) -> str:
                  + (f"; gave up {ooms['gave_up']} time(s)" if ooms["gave_up"] else ""))
     if ooms.get("last_breakdown"):
         lines.append(f"  at the last OOM: {describe_breakdown(ooms['last_breakdown'])}")
+    if ooms.get("last_snapshot"):
+        snapshot = ooms["last_snapshot"]
+        lines.append(f"  allocator snapshot: {snapshot['path']} (open it on https://pytorch.org/memory_viz); "
+                     "largest sites:")
+        lines += [f"    {format_bytes(s['bytes'])}  {s['site']}" for s in snapshot["largest_sites"]]
     evaluations = summary.get("evaluations", [])
     if evaluations:
         eval_ooms = sum(e["ooms"] for e in evaluations)

@@ -73,8 +73,7 @@ class Attempt:
 
     failed_size: int | None  # the micro-batch size that ran out of memory, or None
     done: int  # samples of the batch in completed optimizer steps (keep_effective_batch=False)
-    loss_sum: torch.Tensor | None  # summed (not mean) loss of what was kept, over `weight`; None: nothing kept
-    weight: Any = 0  # what loss_sum is summed over: samples, or items (an int or a tensor)
+    losses: "Losses"  # of the micro-batches kept
     items: Any = None  # the batch's items, when step_fn reports them (None: weighted by samples)
     ref: Any = None  # the items each micro-batch's weight was taken against (see the module docstring)
     message: str = ""  # the OOM's first line
@@ -85,9 +84,56 @@ class Attempt:
     started: float = 0.0  # perf_counter when the work an OOM throws away began
 
 
-def sum_losses(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    # The first term as it is: no zeros tensor and addition per step (a tiny model's step pays for each op).
-    return value if total is None else total + value
+@dataclasses.dataclass
+class Losses:
+    """The mean losses of a batch's kept micro-batches with their weights (samples, or items),
+    combined only when read: a tiny model's step pays for every tensor op, and a batch in one
+    piece needs none (its mean is its one micro-batch's loss)."""
+
+    parts: list[tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=list)  # (mean loss, weight)
+    additive: bool = False  # the parts add up to the batch's loss as they are (a trainer's own scaling)
+
+    @property
+    def weight(self) -> Any:
+        """What the sum is over: samples or items (an int or a tensor); 1 for additive parts; 0: none kept."""
+        if self.additive:
+            return 1 if self.parts else 0
+        total: Any = 0
+        for _, weight in self.parts:
+            total = total + weight
+        return total
+
+    def total(self, device: torch.device) -> torch.Tensor:
+        """The summed (not mean) loss over `weight`; a zero on `device` when nothing was kept."""
+        total: torch.Tensor | None = None
+        for loss, weight in self.parts:
+            term = loss if self.additive else loss * weight
+            total = term if total is None else total + term
+        return total if total is not None else torch.zeros((), device=device)
+
+    def mean(self, device: torch.device) -> torch.Tensor:
+        """The batch's mean loss (0-d, on the device)."""
+        if len(self.parts) == 1:
+            return self.parts[0][0]
+        weight = self.weight
+        total = self.total(device)
+        return total if is_zero(weight) else total / weight
+
+    def add_into(self, total: torch.Tensor) -> None:
+        """Add the summed loss into `total` in place (an epoch's), one op per part."""
+        for loss, weight in self.parts:
+            if self.additive:
+                total.add_(loss)
+            elif isinstance(weight, torch.Tensor):
+                total.add_(loss * weight)
+            else:
+                total.add_(loss, alpha=weight)
+
+
+def is_zero(weight: Any) -> bool:
+    """Whether a loss weight (samples or items) is a plain zero."""
+    # Only a plain count can be told zero without reading the device; a tensor never is (items >= 1 by then).
+    return not isinstance(weight, torch.Tensor) and weight == 0
 
 
 class StepCore:
@@ -121,6 +167,7 @@ class StepCore:
         # What is in use now, read in an OOM's except block, with the gradients then (the OOM breakdown)
         self.held_now: Callable[[], int | None] | None = None
         self.at_failure: tuple[int | None, int] | None = None
+        self.on_failure: Callable[[], None] | None = None  # also in the except block (the CUDA allocator's state)
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
 
     @property
@@ -136,7 +183,7 @@ class StepCore:
         that normalises its own loss); each is backpropagated as it is, and nothing steps."""
         stepping = not (self.keep_effective_batch or additive)
         size = min(micro_batch_size, n) if stepping else micro_batch_size
-        result = Attempt(None, done, None, started=time.perf_counter())
+        result = Attempt(None, done, Losses(additive=additive), started=time.perf_counter())
         if self.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
         try:
@@ -151,8 +198,7 @@ class StepCore:
                     weight = m if items is None else items
                     if additive:
                         self._backward(loss)
-                        result.loss_sum = sum_losses(result.loss_sum, loss.detach())
-                        result.weight = 1  # the losses add up to the batch's
+                        result.losses.parts.append((loss.detach(), 1))  # the losses add up to the batch's
                         del loss
                         continue
                     if stepping:
@@ -171,14 +217,15 @@ class StepCore:
                             result.ref = _at_least_one(items * (n / m) if m != n else items)
                         self._backward(loss * (items / result.ref))
                         result.items = items if result.items is None else result.items + items
-                    result.loss_sum = sum_losses(result.loss_sum, loss.detach() * weight)
-                    result.weight = result.weight + weight
+                    result.losses.parts.append((loss.detach(), weight))
                     del loss
         except Exception as exc:
             if not is_oom(exc):
                 raise
             if self.held_now is not None:  # while the failed step's tensors are alive: what it held (the breakdown)
                 self.at_failure = (self.held_now(), gradient_bytes(self.model, self.device))
+            if self.on_failure is not None:
+                self.on_failure()
             result.failed_size, result.message = size, oom_message(exc)
             result.injected = "injected by autotune" in result.message
             if maybe_not_memory(exc):
@@ -186,8 +233,8 @@ class StepCore:
                     raise  # nothing smaller to try, and it may not be memory: the error as it is
                 result.not_supported = exc.with_traceback(None)
             if not stepping:
-                result.loss_sum = None
-                result.weight, result.items, result.ref = 0, None, None
+                result.losses.parts.clear()
+                result.items, result.ref = None, None
         return result
 
     def _draw_injection(self, size: int) -> str | None:

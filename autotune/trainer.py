@@ -20,6 +20,8 @@ The loop, and where each `Event` fires (the one copy of this picture; events.py 
               at the smallest size, a relief if a policy asked (checkpoint first), else
               raise autotune.OutOfMemory with the figures (checkpoint first)
                                                     BATCH_END
+            a measured batch (cadence.py: while the run changes or
+            nears the cap, every one; steady, 1 in 32)  BATCH_MEASURED
           a relief a policy asked for (relief/ladder.py): autocast, checkpointing, pruning
           monitor samples, step timing -> detectors MEMORY_HIGH | MEMORY_PRESSURE | IO_BOUND
           a policy changed workers or caching: rebuild the loader at this position
@@ -73,8 +75,8 @@ from autotune.policy import Policy
 from autotune.preemption import StopRequests
 from autotune.progress import FitResult, Progress
 from autotune.snapshot import StepTiming
-from autotune.step import LossFn, StepFn, compile_count
-from autotune.tuner import Tuner, is_zero
+from autotune.step import LossFn, StepFn, compile_count, is_zero
+from autotune.tuner import Tuner
 from autotune.validate import check_int
 
 
@@ -149,6 +151,10 @@ class AutoTrainer:
         tensorboard: write loss, throughput, memory, micro-batch and every action to
             TensorBoard in `run_dir/tb` (True) or in the folder given; needs the optional
             `tensorboard` package.
+        memory_snapshot: CUDA only: keep the allocator's last 100,000 allocations (an int: that
+            many) with their Python stacks, and write `run_dir/oom-<step>.pickle` at each OOM,
+            for https://pytorch.org/memory_viz; the journal and `autotune report` name the
+            largest allocation sites (see memory_history.py).
     """
 
     def __init__(self, model: nn.Module, dataset: Dataset | DataLoader, *,
@@ -167,7 +173,8 @@ class AutoTrainer:
                  scheduler_interval: str = "step", scheduler_metric: str | None = None,
                  eval_dataset: Dataset | DataLoader | None = None, eval_every: int | str | None = None,
                  eval_batch_size: int | None = None, metrics: Mapping[str, Metric] | None = None,
-                 callbacks: Sequence[Any] | None = None, compile: bool | dict[str, Any] = False):
+                 callbacks: Sequence[Any] | None = None, compile: bool | dict[str, Any] = False,
+                 memory_snapshot: bool | int = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if (loss_fn is None) == (step_fn is None):
@@ -196,7 +203,7 @@ class AutoTrainer:
                            scheduler_interval=scheduler_interval, split_fn=split_fn, run_dir=run_dir,
                            monitor=monitor, monitor_interval=monitor_interval, tensorboard=tensorboard,
                            inject_oom=inject_oom, seed=seed, compile=compile, progress=progress, ranks=ranks,
-                           counters=self.progress)
+                           counters=self.progress, memory_snapshot=memory_snapshot)
         self.tuner.input_state = self.input.state
         self.tuner.save_checkpoints_with(self._checkpoint)
         self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
@@ -353,7 +360,7 @@ class AutoTrainer:
             n = batch_len(batch)
             outcome = self.tuner.train_batch(batch, n, proposal=self._proposal)
             step_end = time.perf_counter()
-            loss_sum += outcome.loss_sum
+            outcome.losses.add_into(loss_sum)
             loss_weight = loss_weight + outcome.weight
             self.progress.position += n
             self.progress.batches_done += 1

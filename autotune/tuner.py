@@ -8,14 +8,17 @@
 One batch, and where each `Event` fires (AutoTrainer's loop around it is in trainer.py)::
 
     step(batch):
+      measured = cadence says so (cadence.py)       # a changing run: every batch; steady: 1 in 32
       while the batch is not done:                  # retry the same batch until it fits
+        measured: the step's peak memory from here (memory.py's StepDemand)
         attempt (step.py): forward/backward per micro-batch; except OOM: note the size
         agree (distributed.py): one small all-reduce under torchrun, failed or not
         no failure: reduce gradients; unscale, clip; optimizer.step(); zero_grad()
         failure: zero_grad, free memory             OOM -> policies -> e.g. SetMicroBatch(n // 2)
           at the smallest size: a relief if a policy asked (checkpoint first), else
-          checkpoint and raise autotune.OutOfMemory with the figures
+          checkpoint and raise autotune.OutOfMemory with the figures; the retry is measured
                                                     BATCH_END
+      measured: the step's need and room            BATCH_MEASURED
       a relief a policy asked for; monitor samples  MEMORY_HIGH | MEMORY_PRESSURE
 
 `accumulate(batch, step_fn)` is the same attempt without the optimizer step, for a trainer
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import time
 import weakref
 from pathlib import Path
@@ -44,6 +48,7 @@ from torch import nn
 from autotune.actions import Relief
 from autotune.batching import SplitFn, batch_len
 from autotune.breakdown import describe_breakdown, oom_breakdown
+from autotune.cadence import MeasureCadence
 from autotune.checkpoint import Checkpointer, RankFailed, rank_rng_state, rng_state, set_rng_state
 from autotune.config import (OptimizerFactory, check_step_options, injection_rate, make_optimizer, make_scheduler,
                              resolve_device, resolve_memory_cap)
@@ -53,6 +58,7 @@ from autotune.events import Event
 from autotune.journal import RunLog
 from autotune.knobs import Knobs
 from autotune.memory import StepDemand, describe_memory, free_memory, warm_up_oom_path
+from autotune.memory_history import AllocationHistory
 from autotune.monitor.link import MonitorLink
 from autotune.oom import OutOfMemory
 from autotune.policy import Policy
@@ -60,7 +66,7 @@ from autotune.presets import resolve_policies
 from autotune.progress import Progress
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
 from autotune.snapshot import InputState, Snapshot, StepTiming
-from autotune.step import Attempt, LossFn, StepCore, StepFn, sum_losses
+from autotune.step import Attempt, LossFn, Losses, StepCore, StepFn
 from autotune.validate import check_int
 
 
@@ -69,8 +75,22 @@ class BatchOutcome:
     """What training one batch did."""
 
     retries: int  # OOMs survived on it
-    loss_sum: torch.Tensor  # summed (not mean) loss over `weight`
-    weight: Any  # samples, or the step's items
+    losses: Losses  # its kept micro-batches' losses, combined when read
+    device: torch.device
+
+    @property
+    def weight(self) -> Any:
+        """What `loss_sum` is summed over: samples, or the step's items."""
+        return self.losses.weight
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        """The summed (not mean) loss over `weight`."""
+        return self.losses.total(self.device)
+
+    def mean_loss(self) -> torch.Tensor:
+        """The batch's mean loss (0-d, on the device; no op when the batch ran in one piece)."""
+        return self.losses.mean(self.device)
 
 
 def default_run_dir(ranks: Solo | Ranks) -> Path:
@@ -95,8 +115,8 @@ class Tuner:
         keep_effective_batch: on OOM, accumulate smaller micro-batches into the same optimizer
             step (True), or step on each smaller chunk (False).
         device, policies, memory_cap, precision, clip_grad_norm, clip_grad_value, split_fn,
-        run_dir, monitor, monitor_interval, tensorboard, inject_oom, seed, compile: as for
-            `AutoTrainer`.
+        run_dir, monitor, monitor_interval, tensorboard, inject_oom, seed, compile,
+        memory_snapshot: as for `AutoTrainer`.
         reliefs: let policies change the model (autocast, activation checkpointing, pruning)
             at the smallest micro-batch; False where another framework owns the optimizer.
         owns_optimizer: False where another trainer steps the optimizer and wraps the model
@@ -115,13 +135,16 @@ class Tuner:
                  monitor: bool = True, monitor_interval: float = 0.5, tensorboard: bool | str | Path = False,
                  inject_oom: float | None = None, seed: int = 0, compile: bool | dict[str, Any] = False,
                  reliefs: bool = True, progress: bool = False, owns_optimizer: bool = True,
-                 ranks: Solo | Ranks | None = None, counters: Progress | None = None):
+                 ranks: Solo | Ranks | None = None, counters: Progress | None = None,
+                 memory_snapshot: bool | int = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and step_fn is not None:
             raise ValueError("pass one of loss_fn(outputs, targets) or step_fn(model, micro_batch), not both")
         check_int("", "micro_batch_size", micro_batch_size, 1, optional=True)
         check_int("", "batch_size", batch_size, 1, optional=True)
+        if not isinstance(memory_snapshot, bool):
+            check_int("", "memory_snapshot", memory_snapshot, 1)
         if micro_batch_size is not None and batch_size is not None and micro_batch_size > batch_size:
             raise ValueError(f"micro_batch_size ({micro_batch_size}) cannot exceed batch_size ({batch_size})")
         check_step_options(precision=precision, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
@@ -136,6 +159,9 @@ class Tuner:
         # Before any file is written: a bad optimizer is an error with nothing left behind
         # (and the first optimizer of a process imports torch._dynamo: seconds).
         optimizer = make_optimizer(optimizer, self.model) if owns_optimizer else None
+        # Before any file is written too: memory_snapshot where the allocator keeps no history is an error.
+        self.history = (AllocationHistory(self.device, max_entries=100_000 if memory_snapshot is True else memory_snapshot)
+                        if memory_snapshot else None)
         self.keep_effective_batch = keep_effective_batch
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(self.ranks)
         self.is_main = self.ranks.is_main
@@ -161,6 +187,8 @@ class Tuner:
                                         interval=monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
                                         journal=self.journal)
         self.demand = StepDemand(self.device, self.knobs.memory_cap_bytes)
+        self.cadence = MeasureCadence()
+        self.measured = False  # whether the last batch was measured (its demand read, BATCH_MEASURED fired)
         self.allocator = None  # the last step's allocator figures (CUDA)
         self.agreed: Agreement | None = None  # the last attempt's agreement
         self.last_good_micro: int | None = None
@@ -170,6 +198,8 @@ class Tuner:
         self._checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=3, every=None, interval=None,
                                           ranks=self.ranks, journal=self.journal)
         self.core.held_now = self.demand.held_now  # the demand's method, not ours: no reference cycle
+        self.core.on_failure = functools.partial(_read_at_failure, self.demand, self.history)
+        self.last_snapshot: dict[str, Any] | None = None  # the allocator's state at the last OOM: path, sites
         self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
         self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"
         self._started = False  # the standalone run's start is journaled on the first step
@@ -195,7 +225,7 @@ class Tuner:
         n = self._begin_batch(batch)
         outcome = self.train_batch(batch, n)
         self._end_own_batch(n, outcome)
-        return outcome.loss_sum / outcome.weight if not is_zero(outcome.weight) else outcome.loss_sum
+        return outcome.mean_loss()
 
     def accumulate(self, batch: Any, step_fn: StepFn, *, n: int | None = None) -> BatchOutcome:
         """Forward and backward over `batch` in micro-batches with OOM retries, and no optimizer
@@ -261,6 +291,8 @@ class Tuner:
                            precision=self.core.precision, clip_grad_norm=self.core.clip_grad_norm,
                            clip_grad_value=self.core.clip_grad_value, compiled=self.core.compiled_model, **fit_start)
         self.monitor_link.start(self.step_count, self.progress.epoch)
+        if self.history is not None:
+            self.history.start()
         self._last_step_end = time.perf_counter()
 
     # ------------------------------------------------------------------------- one batch
@@ -271,16 +303,18 @@ class Tuner:
         fields to each attempt's agreement (a stop signal, a checkpoint due)."""
         done = 0  # samples whose optimizer step has completed
         tried: list[int] = []
-        loss_sum: torch.Tensor | None = None
-        weight: Any = 0
         additive = not optimizer_step
+        losses = Losses(additive=additive)
+        cadence = self.cadence
+        measured = self.measured = cadence.due(self.knobs.micro_batch_size)
+        rebase = not cadence.last_measured
         while done < n:
-            self.demand.start(self.knobs.micro_batch_size)  # a retry is measured afresh
+            if measured:
+                self.demand.start(self.knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
+                rebase = False
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
             done = attempt.done
-            if attempt.loss_sum is not None:  # with keep_effective_batch=False: the chunks already stepped
-                loss_sum = sum_losses(loss_sum, attempt.loss_sum)
-            weight = weight + attempt.weight
+            losses.parts += attempt.losses.parts  # with keep_effective_batch=False, a failed attempt's stepped chunks too
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
             # rank that ran out of memory.
             agreed = self.agreed = self.ranks.agree(Agreement(
@@ -306,10 +340,11 @@ class Tuner:
             # the tensors they pinned (activations, partial gradients) can be freed.
             tried.append(agreed.failed_size)
             self._recover_from_oom(agreed.failed_size, tried, attempt)
+            measured = self.measured = True  # the retry is measured, whatever the cadence said
+            rebase = False  # the room was measured after the clean-up
         self.last_good_micro = self.knobs.micro_batch_size
-        self.demand.finish()
-        return BatchOutcome(len(tried), loss_sum if loss_sum is not None else torch.zeros((), device=self.device),
-                            weight)
+        cadence.done(measured, self.demand.finish() if measured else None)
+        return BatchOutcome(len(tried), losses, self.device)
 
     def _recover_from_oom(self, failed_size: int, tried: list[int], attempt: Attempt) -> None:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""
@@ -320,13 +355,17 @@ class Tuner:
         self.last_breakdown = None if attempt.injected else oom_breakdown(
             self.model, self.core.optimizer, self.device, held_at_start=self.demand.held_at_start,
             held_at_failure=held, gradients_at_failure=gradients, cap=self.demand.binding_cap,
-            measure=self.demand.measure)
+            measure=self.demand.measure, allocator_cache=self.demand.cached_at_failure,
+            outside_torch=self.demand.others_bytes)
+        self.last_snapshot = self.history.write(self.run_dir, self.step_count) if self.history is not None else None
         self.demand.measure_room()  # what is in use after the clean-up, against the cap now
+        self.cadence.changed()
         self.progress.ooms += 1
         lost = time.perf_counter() - attempt.started  # the failed work and the clean-up: what the OOM cost
         self.journal.write("oom", self.step_count, self.progress.epoch, micro_batch_size=failed_size,
                            device=str(self.device), message=attempt.message, injected=attempt.injected,
-                           lost_seconds=round(lost, 4), ooms=self.ooms, breakdown=self.last_breakdown)
+                           lost_seconds=round(lost, 4), ooms=self.ooms, breakdown=self.last_breakdown,
+                           **({"memory_snapshot": self.last_snapshot} if self.last_snapshot else {}))
         logger.warning(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch")
         self.fire(Event.OOM, failed_micro_batch=failed_size, force=True)
         # Every rank's next move is rank 0's: the size to retry at, and any relief first.
@@ -370,21 +409,29 @@ class Tuner:
                           f"whatever the micro-batch. Memory: {memory}. {why}")
 
     def end_batch(self, timing: StepTiming, n: int, outcome: BatchOutcome) -> None:
-        """After a batch: its figures logged, BATCH_END, an agreed relief carried out, and what the
-        monitor's samples show (MEMORY_HIGH, MEMORY_PRESSURE) sent to the policies."""
-        # One memory_stats() call a step (CUDA), made when the step's need was measured.
+        """After a batch: its figures logged, BATCH_END, BATCH_MEASURED (a measured batch: see
+        cadence.py), an agreed relief carried out, and what the monitor's samples show
+        (MEMORY_HIGH, MEMORY_PRESSURE) sent to the policies."""
+        # One memory_stats() call a measured step (CUDA), made when the step's need was measured.
         allocator = self.allocator = self.demand.allocator
+        demand = self.demand.last if self.measured else None
         self.log.step(self.step_count, self.progress.epoch, samples=n, samples_seen=self.samples_seen,
                       micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
-                      data_wait_fraction=timing.data_wait_fraction, demand=self.demand.last,
+                      data_wait_fraction=timing.data_wait_fraction, demand=demand,
                       allocated_bytes=allocator.allocated_bytes if allocator else None,
                       reserved_bytes=allocator.reserved_bytes if allocator else None,
-                      batch_loss=outcome.loss_sum, loss_weight=outcome.weight, sample=self.monitor_link.latest,
+                      loss=outcome.mean_loss, sample=self.monitor_link.latest,
                       grad_norm=self.core.grad_norm)
         self.fire(Event.BATCH_END, timing=timing)
-        self.ladder.effect(self.demand.last, self.step_count, self.progress.epoch)
-        self.carry_out(self.ranks.relief_now(self.knobs, self.ladder.take_agreed()))
-        for event in self.monitor_link.watch(self.allocator, self.step_count, self.progress.epoch):
+        if self.measured:
+            self.fire(Event.BATCH_MEASURED, timing=timing)
+            self.ladder.effect(demand, self.step_count, self.progress.epoch)
+        relief = self.ranks.relief_now(self.knobs, self.ladder.take_agreed())
+        if relief is not None:
+            self.carry_out(relief)
+        # The allocator's figures are fresh only on a measured step: the detectors see those.
+        for event in self.monitor_link.watch(allocator if self.measured else None, self.step_count,
+                                             self.progress.epoch):
             self.fire(event, force=True)
 
     def carry_out(self, relief: Relief | None) -> bool:
@@ -403,13 +450,14 @@ class Tuner:
             # What stays resident changed (pruning shrinks weights and optimizer state): demand
             # is measured from here on against the room there is now.
             self.demand.measure_room()
+            self.cadence.changed()
         return applied
 
     def fire(self, event: Event, failed_micro_batch: int | None = None, timing: StepTiming | None = None,
              force: bool = False) -> None:
         """Tell the policies subscribed to `event`, with a snapshot of the run now."""
         # Building a snapshot reads memory figures; skip it when nobody listens.
-        if not force and not any(event in p.events for p in self.dispatcher.policies):
+        if not force and event not in self.dispatcher.events:
             return
         self.dispatcher.fire(event, Snapshot(
             step=self.step_count, epoch=self.progress.epoch, batch_size=self.knobs.batch_size,
@@ -494,6 +542,8 @@ class Tuner:
         self._closed = True
         self.ladder.close()
         self.monitor_link.stop()
+        if self.history is not None:
+            self.history.stop()
         if self._memory_fraction_set:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
         self.log.close()
@@ -525,7 +575,8 @@ def _no_input() -> None:
     return None
 
 
-def is_zero(weight: Any) -> bool:
-    """Whether a loss weight (samples or items) is a plain zero."""
-    # Only a plain count can be told zero without reading the device; a tensor never is (items >= 1 by then).
-    return not isinstance(weight, torch.Tensor) and weight == 0
+def _read_at_failure(demand: StepDemand, history: AllocationHistory | None) -> None:
+    # In the failed step's except block, while its tensors are alive (StepCore.on_failure).
+    demand.note_failure()
+    if history is not None:
+        history.take_at_failure()

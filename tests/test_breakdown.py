@@ -52,3 +52,14 @@ def test_the_report_shows_the_last_oom_breakdown(tmp_path):
     assert summary["ooms"]["last_breakdown"] == parts
     assert ("at the last OOM: held 7.5 GiB of a 8.0 GiB cap (cuda): activations and temporaries 3.0 GiB, "
             "optimizer state 2.0 GiB") in render(summary)
+
+
+def test_on_cuda_the_allocator_cache_and_what_is_outside_torch_stand_beside_the_parts():
+    # The figures a CUDA run reads (scripted here: the real ones are in tests/test_trainer_gpu.py).
+    parts = {"measure": "cuda", "weights": 2**30, "gradients": 2**30, "optimizer_state": 2 * 2**30,
+             "activations_and_temporaries": 3 * 2**30, "libraries": None, "other": 0, "held": 7 * 2**30,
+             "cap": 8 * 2**30, "allocator_cache": 512 * 2**20, "outside_torch": 600 * 2**20}
+    assert describe_breakdown(parts).endswith(
+        "; allocator cache beside it 512.0 MiB; outside torch on the device 600.0 MiB")
+    assert "allocator_cache" not in oom_breakdown(nn.Linear(4, 2), None, CPU, held_at_start=1, held_at_failure=2,
+                                                  gradients_at_failure=0, cap=None, measure="virtual")

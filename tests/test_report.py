@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 from autotune import AutoTrainer
 from autotune import Event
 from autotune.cli import main
+from autotune.journal import Journal
 from autotune.report import NotARun, render, summarize
 
 
@@ -32,7 +33,8 @@ def test_a_normal_run(tmp_path, capsys):
     result = trainer.fit(epochs=2)
     summary = summarize(tmp_path / "run")
     assert summary["status"] == "finished" and summary["samples_seen"] == 1024 and summary["steps"] == result.steps
-    assert summary["ooms"] == {"survived": 0, "seconds_lost": 0, "by_micro_batch": {}, "gave_up": 0, "last_breakdown": None}
+    assert summary["ooms"] == {"survived": 0, "seconds_lost": 0, "by_micro_batch": {}, "gave_up": 0, "last_breakdown": None,
+                              "last_snapshot": None}
     assert summary["micro_batch_size"] == {"start": 32, "end": 32}
     windows = summary["throughput_over_time"]
     assert len(windows) >= 4 and all(w["samples_per_second"] > 0 for w in windows)
@@ -122,3 +124,16 @@ def test_the_timeline_plot_is_a_png_with_the_expected_axes(run_with_ooms, tmp_pa
     assert any(t.get_text() == "OOM" for t in memory.texts)
     assert main(["report", str(run_with_ooms), "--plot"]) == 0
     assert (run_with_ooms / "timeline.png").exists() and "timeline:" in capsys.readouterr().err
+
+
+def test_the_report_names_the_largest_sites_of_an_oom_snapshot(tmp_path):
+    # The journal line a CUDA run with memory_snapshot=True writes (tests/test_trainer_gpu.py makes a real one).
+    log = Journal(tmp_path / "run" / "events.jsonl")
+    log.write("fit_start", 0, 0, device="cuda:0", micro_batch_size=64)
+    log.write("oom", 3, 0, micro_batch_size=64, device="cuda:0", message="CUDA out of memory", injected=False,
+              lost_seconds=0.1, ooms=1, breakdown=None,
+              memory_snapshot={"path": str(tmp_path / "run" / "oom-3.pickle"),
+                               "largest_sites": [{"site": "model.py:12 in forward", "bytes": 512 * 2**20}]})
+    log.close()
+    text = render(summarize(tmp_path / "run"))
+    assert "oom-3.pickle" in text and "512.0 MiB  model.py:12 in forward" in text

@@ -129,7 +129,8 @@ def check_breakdown(oom, param_bytes):
     assert parts["measure"] == "virtual"  # what RLIMIT_AS counts
     assert parts["weights"] == param_bytes  # no buffers in these models
     assert 2 * param_bytes <= parts["optimizer_state"] <= 2 * param_bytes + 4096  # two moments (+ step counters)
-    assert parts["activations_and_temporaries"] > 0 and parts["libraries"] > 0 and parts["other"] >= 0
+    # The step's growth may be nothing: at 8x above, the first large allocation is the one refused
+    assert parts["activations_and_temporaries"] >= 0 and parts["libraries"] > 0 and parts["other"] >= 0
     assert parts["held"] <= parts["cap"]
     refused = re.search(r"allocate (\d+) bytes", oom["message"])
     if refused:  # read as the error reached Python: the failing kernel's own scratch is already freed

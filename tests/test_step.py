@@ -264,3 +264,23 @@ def test_a_step_that_returns_something_else_is_a_clear_error(tmp_path):
     run, _ = trainer(tmp_path, lambda model, micro: (plain(model, micro), "many"))
     with pytest.raises(TypeError, match="n_items must be an int"):
         run.fit(epochs=1)
+
+
+def test_a_batch_in_one_piece_returns_its_loss_with_no_op_and_pieces_combine_by_weight():
+    from autotune.step import Losses
+
+    cpu = torch.device("cpu")
+    whole = torch.tensor(2.0)
+    one = Losses(parts=[(whole, 8)])
+    assert one.mean(cpu) is whole and one.weight == 8  # no tensor op for the common batch
+    pieces = Losses(parts=[(torch.tensor(1.0), 6), (torch.tensor(4.0), 2)])
+    assert pieces.weight == 8 and pieces.total(cpu).item() == 14.0 and pieces.mean(cpu).item() == 1.75
+    by_items = Losses(parts=[(torch.tensor(1.0), torch.tensor(3)), (torch.tensor(3.0), torch.tensor(1))])
+    assert by_items.mean(cpu).item() == 1.5
+    additive = Losses(parts=[(torch.tensor(0.5), 1), (torch.tensor(0.25), 1)], additive=True)
+    assert additive.weight == 1 and additive.mean(cpu).item() == 0.75
+    assert Losses().weight == 0 and Losses().mean(cpu).item() == 0.0
+    epoch = torch.zeros(())
+    for losses in (one, pieces, by_items, additive):
+        losses.add_into(epoch)
+    assert epoch.item() == 16.0 + 14.0 + 6.0 + 0.75

@@ -308,8 +308,10 @@ def test_resume_from_a_named_checkpoint_file(tmp_path):
 def test_close_leaves_the_model_as_given_and_the_journal_closed(tmp_path):
     net = make_model()
     with trainer(tmp_path, model=net) as run:
+        assert net._forward_pre_hooks  # the input catcher (for pruning), until the first forward
         run.fit(epochs=1)
-        assert net._forward_pre_hooks  # the input catcher (for pruning), while the trainer lives
+        assert not net._forward_pre_hooks  # it took the inputs and itself off: hooks slow every call
+        assert run.tuner.ladder._inputs.example is not None
     assert not net._forward_pre_hooks and not net._forward_hooks
     assert run.log.journal._file is None
     with pytest.raises(RuntimeError, match="closed"):

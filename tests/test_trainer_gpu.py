@@ -93,3 +93,59 @@ def test_close_gives_back_the_memory_fraction_and_bf16_trains(tmp_path):
         result = trainer.fit(epochs=1)
     assert result.samples_seen == 64
     assert torch.cuda.get_per_process_memory_fraction(trainer.device) == 1.0
+
+
+def test_an_oom_writes_the_allocator_snapshot_and_its_largest_sites(tmp_path):
+    import pickle
+
+    from autotune.report import render, summarize
+
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(2048, 256, generator=g), torch.randint(0, 8, (2048,), generator=g))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 32768), nn.ReLU(), nn.Linear(32768, 8))
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=2048, device=device,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.01), run_dir=tmp_path / "run", progress=False,
+                          memory_snapshot=10_000)
+    torch.cuda.set_per_process_memory_fraction((base + 400 * 2**20) / total, device)
+    try:
+        result = trainer.fit(epochs=1)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert result.ooms >= 1
+    oom = next(r for r in journal(tmp_path / "run") if r["kind"] == "oom")
+    snapshot = oom["memory_snapshot"]
+    with open(snapshot["path"], "rb") as f:
+        assert pickle.load(f)["segments"]  # what memory_viz reads
+    sites = snapshot["largest_sites"]
+    assert sites and sites[0]["bytes"] >= 128 * 2**20  # a 2048 x 32768 activation, at least half of one
+    assert any("test_trainer_gpu.py" in s["site"] or "torch" not in s["site"] for s in sites)
+    breakdown = oom["breakdown"]
+    assert breakdown["measure"] == "cuda" and breakdown["allocator_cache"] is not None
+    assert breakdown["outside_torch"] is not None
+    assert "largest sites" in render(summarize(tmp_path / "run"))
+
+
+def test_steady_steps_make_no_host_device_synchronisation(tmp_path):
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    x, y = torch.randn(32, 64, device=device), torch.randint(0, 4, (32,), device=device)
+    from autotune import Tuner
+
+    with Tuner(model, lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.functional.cross_entropy, device=device,
+               run_dir=tmp_path / "run", monitor=False) as tuner:
+        for _ in range(60):  # past the start's measured steps: the steady state
+            tuner.step((x, y))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(100):  # measured steps (one in 32) among them
+                tuner.step((x, y))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert tuner.step_count == 160

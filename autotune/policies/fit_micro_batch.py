@@ -1,6 +1,6 @@
 """fit_micro_batch: go straight to the largest micro-batch that fits, predicted from what steps needed.
 
-When: `Event.BATCH_END` (a measured step) and `Event.OOM` (a size that did not fit).
+When: `Event.BATCH_MEASURED` (a step whose need was measured) and `Event.OOM` (a size that did not fit).
 What: every step's need is measured (its peak above the memory in use when it began, against
 the room the cap left: `Snapshot.step_memory`). Need is close to linear in the micro-batch
 (the activations grow with it; weights, gradients and optimizer state do not), so from the
@@ -46,7 +46,7 @@ class FitMicroBatch:
     """Predict the largest micro-batch within `headroom` of the room from the needs measured so far, and go there."""
 
     name: ClassVar[str] = "fit_micro_batch"
-    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM})
+    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_MEASURED, Event.OOM})
 
     headroom: float = 0.95
     margin: float = 0.05

@@ -1,6 +1,6 @@
 """grow_back: after calm steps, grow the micro-batch back toward the batch, by binary search.
 
-When: `Event.BATCH_END` (and `Event.OOM`, to learn the failing size and restart the count).
+When: `Event.BATCH_MEASURED` (and `Event.OOM`, to learn the failing size and restart the count).
 What: while no failure is known, a step is calm when it demanded less than `headroom` of
 the room it had (its peak over the cap, less what was in use before training:
 `Snapshot.step_demand`), or when that is not measured. After `calm_steps` calm steps
@@ -40,7 +40,7 @@ class GrowBack:
     """Grow the micro-batch back after calm steps: double, then binary-search below the last failure."""
 
     name: ClassVar[str] = "grow_back"
-    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM})
+    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_MEASURED, Event.OOM})
 
     calm_steps: int = 10
     search_calm_steps: int = 2

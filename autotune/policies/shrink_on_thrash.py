@@ -1,8 +1,8 @@
 """shrink_on_thrash: shrink the micro-batch before the OOM comes, when the CUDA caching
 allocator keeps having to free its cache and retry (`num_alloc_retries` growing).
 
-When: `Event.BATCH_END`, with allocator figures (CUDA only; on CPU there are none).
-What: after `steps` consecutive steps each with new allocator retries,
+When: `Event.BATCH_MEASURED`, with allocator figures (CUDA only; on CPU there are none).
+What: after `steps` consecutive measured steps each with new allocator retries,
 `SetMicroBatch(max(1, int(micro * factor)))`. Retries are slow (a cache flush and a
 synchronisation each) and usually precede an OOM by a few steps.
 
@@ -27,7 +27,7 @@ class ShrinkOnThrash:
     """Shrink the micro-batch after consecutive steps with new CUDA allocator retries."""
 
     name: ClassVar[str] = "shrink_on_thrash"
-    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END})
+    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_MEASURED})
 
     steps: int = 2
     factor: float = 0.75

@@ -1,7 +1,7 @@
 """tune_workers: when the loop waits on its data and cores are idle, load with more workers;
 go back when it did not help.
 
-When: `Event.IO_BOUND` to add workers; `Event.BATCH_END` to judge the change.
+When: `Event.IO_BOUND` to add workers; `Event.BATCH_MEASURED` to judge the change.
 What: `SetLoaderWorkers` to twice the current count (at least `step_workers`), up to the
 cores this process may use less one for the training loop (or `max_workers`). The loader
 is rebuilt at the next batch with the same sample order (and pinned memory on CUDA).
@@ -34,7 +34,7 @@ class TuneWorkers(PolicyBase):
     """Raise DataLoader workers while input-bound with idle cores; revert a change that did not help."""
 
     name: ClassVar[str] = "tune_workers"
-    events: ClassVar[frozenset[Event]] = frozenset({Event.IO_BOUND, Event.BATCH_END})
+    events: ClassVar[frozenset[Event]] = frozenset({Event.IO_BOUND, Event.BATCH_MEASURED})
 
     max_workers: int = 0
     step_workers: int = 2
@@ -55,7 +55,7 @@ class TuneWorkers(PolicyBase):
         state = snap.input
         if state is None or not state.loader_owned:
             return []
-        if event is Event.BATCH_END:
+        if event is Event.BATCH_MEASURED:
             return self._judge(snap)
         if self.trial is not None:
             return []  # still measuring the last change

@@ -2,7 +2,7 @@
 
 A relief changes the model or the kernels it runs: bf16 autocast, activation checkpointing,
 structured pruning. Policies ask for one (`knobs.relief`); the trainer hands it here at a
-safe point (between attempts: after BATCH_END, or after an OOM at the smallest micro-batch).
+safe point (between attempts: after a batch, or after an OOM at the smallest micro-batch).
 
 Owns: the reliefs applied so far and their order, the model's captured example inputs (for
 tracing it when pruning), the pruning history (to prune a fresh model the same way on
@@ -41,15 +41,19 @@ class ReliefFailed(Exception):
 
 class _InputCatcher:
     """A forward pre-hook keeping the model's first inputs (two samples, copied: a view would
-    keep the whole batch alive), for tracing the model if it is ever pruned. Copies of the
-    model (Torch-Pruning's, the meta dry run) share it rather than copy what holds it."""
+    keep the whole batch alive), for tracing the model if it is ever pruned. It takes itself
+    off the model once it has them: a module with a hook is called through a slower path,
+    microseconds that a tiny model's every step would pay. Copies of the model (Torch-Pruning's,
+    the meta dry run) share it rather than copy what holds it."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.example: tuple[tuple, dict] | None = None
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.example is None and not _on_meta(args):
             self.example = (_first_rows_copied(args), _first_rows_copied(kwargs))
+            self.handle.remove()
 
     def __deepcopy__(self, memo: dict) -> "_InputCatcher":
         return self
@@ -98,14 +102,13 @@ class ReliefLadder:
         self.pruned_fraction = 0.0  # share of the model's parameters removed so far
         # Under torchrun: rank 0's relief, agreed by every rank, carried out at the next safe point.
         self.agreed: Relief | None = None
-        self._inputs = _InputCatcher()
-        self._hook = model.register_forward_pre_hook(self._inputs, with_kwargs=True)
+        self._inputs = _InputCatcher(model)
         self._watch: dict[str, Any] | None = None
         self._history: list[dict[str, Any]] = []  # each prune: the traced example and Torch-Pruning's history
 
     def close(self) -> None:
         """Take the input catcher off the model (the reliefs applied stay)."""
-        self._hook.remove()
+        self._inputs.handle.remove()
         self._inputs.example = None
 
     def take_agreed(self) -> Relief | None:

@@ -4,9 +4,10 @@ A relief changes the model or its numerics, so it is the last resort after the f
 remedies (a smaller micro-batch with gradient accumulation). It is due only at the
 smallest micro-batch (`floor_micro_batch`), and then when either
 - an OOM happened there (nothing else can make room: without a relief the run would stop), or
-- `persist_steps` steps in a row demanded at least `high` of the room under the cap
+- `persist_steps` measured steps in a row demanded at least `high` of the room under the cap
   (`Snapshot.step_demand`: the step peak, not the raw device figure, which the CUDA
-  caching allocator and RLIMIT_AS's virtual size keep high without any step needing it),
+  caching allocator and RLIMIT_AS's virtual size keep high without any step needing it; near
+  the cap every step is measured, see cadence.py),
 and at least `settle_steps` steps after the previous relief, so its effect is measured first.
 
 A relief policy is this skeleton plus what differs: `relief` (its name in `Snapshot.reliefs`),
@@ -30,7 +31,7 @@ from autotune.validate import check_fraction, check_int
 class NearCapRelief(PolicyBase):
     """The skeleton of a relief policy (see the module docstring)."""
 
-    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_END, Event.OOM})
+    events: ClassVar[frozenset[Event]] = frozenset({Event.BATCH_MEASURED, Event.OOM})
     relief: ClassVar[str]
 
     high: float = 0.9
@@ -67,7 +68,7 @@ class NearCapRelief(PolicyBase):
             if failed <= self.floor_micro_batch:
                 return f"out of memory at micro-batch {failed}, the smallest: nothing else can make room"
             return None
-        if event is not Event.BATCH_END:
+        if event is not Event.BATCH_MEASURED:
             return None
         demand = snap.step_demand
         if snap.micro_batch_size > self.floor_micro_batch or demand is None or demand < self.high:

@@ -39,7 +39,7 @@ def simulate(start, fixed, per_sample, room=1000 * MiB, batch=4096, steps=30, ne
             continue
         good = micro
         sizes.append(micro)
-        actions = fit.decide(Event.BATCH_END, snap(step, micro, batch=batch, need=need, room=room, good=good,
+        actions = fit.decide(Event.BATCH_MEASURED, snap(step, micro, batch=batch, need=need, room=room, good=good,
                                                    kept=kept))
         room -= kept
         if actions:
@@ -88,12 +88,12 @@ def test_a_failure_the_line_did_not_predict_raises_it():
     """The steps measured say 600 fits; it does not (something the line does not see): the next
     move is below the failure and the failed size is not tried again."""
     fit = FitMicroBatch()
-    fit.decide(Event.BATCH_END, snap(0, 100, need=300 * MiB))
-    fit.decide(Event.BATCH_END, snap(1, 200, need=400 * MiB))  # 1 MiB a sample, 200 MiB fixed
+    fit.decide(Event.BATCH_MEASURED, snap(0, 100, need=300 * MiB))
+    fit.decide(Event.BATCH_MEASURED, snap(1, 200, need=400 * MiB))  # 1 MiB a sample, 200 MiB fixed
     (action,) = fit.decide(Event.OOM, snap(2, 700, failed=700, good=200))
     assert 200 <= action.size < 700
     assert fit.predict_need(700) > 1000 * MiB  # raised to agree with the failure
-    later = fit.decide(Event.BATCH_END, snap(3, action.size, need=(200 + action.size) * MiB, good=action.size))
+    later = fit.decide(Event.BATCH_MEASURED, snap(3, action.size, need=(200 + action.size) * MiB, good=action.size))
     assert all(a.size < 700 for a in later)
 
 
@@ -104,15 +104,15 @@ def test_with_nothing_measured_an_oom_drops_to_a_quarter():
 
 def test_a_relief_forgets_what_the_model_needed_before():
     fit = FitMicroBatch()
-    fit.decide(Event.BATCH_END, snap(0, 100, need=300 * MiB))
-    fit.decide(Event.BATCH_END, snap(1, 100, need=150 * MiB, reliefs=("autocast",)))
+    fit.decide(Event.BATCH_MEASURED, snap(0, 100, need=300 * MiB))
+    fit.decide(Event.BATCH_MEASURED, snap(1, 100, need=150 * MiB, reliefs=("autocast",)))
     assert fit.needs == {100: 150 * MiB}
 
 
 def test_unmeasured_steps_change_nothing_and_the_state_survives_a_checkpoint():
     fit = FitMicroBatch()
-    assert fit.decide(Event.BATCH_END, snap(0, 64)) == []
-    fit.decide(Event.BATCH_END, snap(1, 64, need=100 * MiB))
+    assert fit.decide(Event.BATCH_MEASURED, snap(0, 64)) == []
+    fit.decide(Event.BATCH_MEASURED, snap(1, 64, need=100 * MiB))
     fit.decide(Event.OOM, snap(2, 512, failed=512, good=64))
     restored = FitMicroBatch()
     restored.load_state_dict(fit.state_dict())

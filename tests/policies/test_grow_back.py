@@ -12,7 +12,7 @@ def snap(step, micro, batch=1024, demand=None, failed=None, good=None):
 
 def run_until_action(policy, micro, start_step=0, **kwargs):
     for step in range(start_step, start_step + 10_000):
-        actions = policy.decide(Event.BATCH_END, snap(step, micro, **kwargs))
+        actions = policy.decide(Event.BATCH_MEASURED, snap(step, micro, **kwargs))
         if actions:
             return step, actions[0]
     return None, None
@@ -29,16 +29,16 @@ def test_doubles_after_calm_steps_up_to_the_batch():
 def test_a_step_that_demanded_most_of_its_room_is_not_calm():
     policy = GrowBack(calm_steps=3, headroom=0.9)
     for step in range(20):
-        assert policy.decide(Event.BATCH_END, snap(step, 64, demand=0.95)) == []
+        assert policy.decide(Event.BATCH_MEASURED, snap(step, 64, demand=0.95)) == []
 
 
 def test_growth_stops_where_the_demand_predicts_the_edge():
     policy = GrowBack(calm_steps=1)
-    (action,) = policy.decide(Event.BATCH_END, snap(0, 300, demand=0.6))
+    (action,) = policy.decide(Event.BATCH_MEASURED, snap(0, 300, demand=0.6))
     assert action.size == 500  # 300 / 0.6: doubling to 600 would be predicted not to fit
-    (action,) = policy.decide(Event.BATCH_END, snap(1, 500, demand=0.89))  # still calm (< 0.9)
+    (action,) = policy.decide(Event.BATCH_MEASURED, snap(1, 500, demand=0.89))  # still calm (< 0.9)
     assert action.size == 561  # 500 / 0.89
-    assert policy.decide(Event.BATCH_END, snap(2, 561, demand=0.995)) == []  # at the edge: stays
+    assert policy.decide(Event.BATCH_MEASURED, snap(2, 561, demand=0.995)) == []  # at the edge: stays
 
 
 def test_binary_search_below_a_failure_converges_then_stays():
@@ -55,7 +55,7 @@ def test_binary_search_below_a_failure_converges_then_stays():
             micro = halve.decide(Event.OOM, s)[0].size
             continue
         good = micro
-        actions = grow.decide(Event.BATCH_END, snap(step, micro, batch=4096, good=good))
+        actions = grow.decide(Event.BATCH_MEASURED, snap(step, micro, batch=4096, good=good))
         if actions:
             micro = actions[0].size
         step += 1
@@ -63,7 +63,7 @@ def test_binary_search_below_a_failure_converges_then_stays():
     assert failures <= 6  # 4096 -> 2048 -> 1024 -> 512 (3), then at most a few probes above 600
     history = []
     for extra in range(500, 1500):  # converged: no more probes while the failure is remembered
-        history += grow.decide(Event.BATCH_END, snap(extra, micro, batch=4096, good=micro))
+        history += grow.decide(Event.BATCH_MEASURED, snap(extra, micro, batch=4096, good=micro))
     assert history == []
 
 

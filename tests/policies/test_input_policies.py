@@ -52,15 +52,15 @@ def test_adds_workers_up_to_the_idle_cores():
 def test_keeps_a_change_that_helped():
     policy = TuneWorkers(judge_steps=20, min_gain=0.1)
     policy.decide(Event.IO_BOUND, snap(step=100, workers=0, rate=100.0))
-    assert policy.decide(Event.BATCH_END, snap(step=110, workers=2, rate=300.0, steps=10)) == []  # too soon to judge
-    assert policy.decide(Event.BATCH_END, snap(step=120, workers=2, rate=300.0, steps=20)) == []
+    assert policy.decide(Event.BATCH_MEASURED, snap(step=110, workers=2, rate=300.0, steps=10)) == []  # too soon to judge
+    assert policy.decide(Event.BATCH_MEASURED, snap(step=120, workers=2, rate=300.0, steps=20)) == []
     assert policy.decide(Event.IO_BOUND, snap(step=140, workers=2, cores=8))[0].num_workers == 4  # and tries more
 
 
 def test_goes_back_when_a_change_did_not_help_and_never_tries_it_again():
     policy = TuneWorkers(judge_steps=20, min_gain=0.1)
     policy.decide(Event.IO_BOUND, snap(workers=2, cores=8, rate=100.0))
-    (back,) = policy.decide(Event.BATCH_END, snap(step=130, workers=4, rate=105.0, steps=20))
+    (back,) = policy.decide(Event.BATCH_MEASURED, snap(step=130, workers=4, rate=105.0, steps=20))
     assert back.num_workers == 2 and "going back" in back.reason
     assert policy.decide(Event.IO_BOUND, snap(step=200, workers=2, cores=8)) == []  # 4 did not help: 2 is the most
     fresh = TuneWorkers()

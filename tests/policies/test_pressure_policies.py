@@ -25,12 +25,12 @@ def test_empty_cache_not_when_memory_is_not_tight():
 
 def test_shrink_after_consecutive_steps_with_new_retries():
     policy = ShrinkOnThrash(steps=2, factor=0.75)
-    assert policy.decide(Event.BATCH_END, snap(0, retries=0)) == []
-    assert policy.decide(Event.BATCH_END, snap(1, retries=1)) == []  # one step with retries
-    (action,) = policy.decide(Event.BATCH_END, snap(2, retries=3))  # two in a row
+    assert policy.decide(Event.BATCH_MEASURED, snap(0, retries=0)) == []
+    assert policy.decide(Event.BATCH_MEASURED, snap(1, retries=1)) == []  # one step with retries
+    (action,) = policy.decide(Event.BATCH_MEASURED, snap(2, retries=3))  # two in a row
     assert action == SetMicroBatch(48, action.reason)
-    assert policy.decide(Event.BATCH_END, snap(3, retries=3)) == []  # no new retries: streak broken
+    assert policy.decide(Event.BATCH_MEASURED, snap(3, retries=3)) == []  # no new retries: streak broken
 
 
 def test_shrink_needs_allocator_figures():
-    assert ShrinkOnThrash().decide(Event.BATCH_END, snap(0)) == []  # CPU: none
+    assert ShrinkOnThrash().decide(Event.BATCH_MEASURED, snap(0)) == []  # CPU: none

@@ -70,17 +70,17 @@ DRIVE = [
     (Event.OOM, at(10, failed_micro_batch=64)),
     (Event.MEMORY_HIGH, at(11, sample=sample(0.95))),
     (Event.IO_BOUND, at(12, input=INPUT_BOUND)),
-    (Event.BATCH_END, at(13, allocator=dataclasses.replace(CALM.allocator, num_alloc_retries=6), **NEAR_CAP)),
-    (Event.BATCH_END, at(14, allocator=dataclasses.replace(CALM.allocator, num_alloc_retries=9),
+    (Event.BATCH_MEASURED, at(13, allocator=dataclasses.replace(CALM.allocator, num_alloc_retries=6), **NEAR_CAP)),
+    (Event.BATCH_MEASURED, at(14, allocator=dataclasses.replace(CALM.allocator, num_alloc_retries=9),
                          input=MORE_WORKERS_NO_GAIN, **NEAR_CAP)),
 ]
 # What comes next: a policy restored from the driven one's state must decide the same.
 FOLLOW = [
-    (Event.BATCH_END, at(15, allocator=dataclasses.replace(CALM.allocator, num_alloc_retries=12), **NEAR_CAP)),
+    (Event.BATCH_MEASURED, at(15, allocator=dataclasses.replace(CALM.allocator, num_alloc_retries=12), **NEAR_CAP)),
     (Event.OOM, at(16, failed_micro_batch=1, **NEAR_CAP)),
     (Event.MEMORY_HIGH, at(30, sample=sample(0.95))),
     (Event.IO_BOUND, at(31, input=INPUT_BOUND)),
-    *[(Event.BATCH_END, at(40 + i, micro_batch_size=8)) for i in range(12)],
+    *[(Event.BATCH_MEASURED, at(40 + i, micro_batch_size=8)) for i in range(12)],
 ]
 
 
