@@ -118,6 +118,11 @@ class RunLog:
     def open_bar(self, total: int | None) -> None:
         self.bar = _ProgressBar(total=total, disable=not self.show_progress, unit="batch", dynamic_ncols=True)
 
+    def step_due(self) -> bool:
+        """Whether `step` has anything to do for the next step (a bar to move, a line due): a
+        caller may skip gathering its figures otherwise."""
+        return self.bar is not None or self.steps.due()
+
     def step(self, step: int, epoch: int, *, samples: int, samples_seen: int, micro_batch_size: int,
              step_seconds: float, data_wait_fraction: float, demand: float | None, allocated_bytes: int | None,
              reserved_bytes: int | None, loss: Callable[[], Any], sample: Callable[[], Any],

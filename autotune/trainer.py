@@ -286,7 +286,7 @@ class AutoTrainer:
             self.log.flush()
             if freeze:
                 gc.unfreeze()
-            self.tuner.monitor_link.stop()
+            self.tuner.monitor_link.stop(wait=False)  # reaped on a thread: the fit's end does not wait
         wall = time.perf_counter() - started
         step_size = self.knobs.batch_size if self.keep_effective_batch else min(self.knobs.micro_batch_size,
                                                                                  self.knobs.batch_size)
@@ -367,7 +367,8 @@ class AutoTrainer:
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
                                 retries=outcome.retries)
             self.tuner.end_batch(timing, n, outcome)
-            for event in self.input.on_step(timing, n, self.journal, self.step, self.epoch):
+            for event in self.input.on_step(timing, n, self.journal, self.step, self.epoch,
+                                            profile=Event.IO_BOUND in self.tuner.dispatcher.events):
                 self._fire(event, timing=timing)
             if self.knobs.loader_version != self._loader_version:  # a policy changed workers or caching
                 del batches  # its workers exit before the new loader's start

@@ -415,13 +415,14 @@ class Tuner:
         # One memory_stats() call a measured step (CUDA), made when the step's need was measured.
         allocator = self.allocator = self.demand.allocator
         demand = self.demand.last if self.measured else None
-        self.log.step(self.step_count, self.progress.epoch, samples=n, samples_seen=self.samples_seen,
-                      micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
-                      data_wait_fraction=timing.data_wait_fraction, demand=demand,
-                      allocated_bytes=allocator.allocated_bytes if allocator else None,
-                      reserved_bytes=allocator.reserved_bytes if allocator else None,
-                      loss=outcome.mean_loss, sample=self.monitor_link.latest,
-                      grad_norm=self.core.grad_norm)
+        if self.log.step_due():  # most steps of a long run write nothing: their figures are not gathered
+            self.log.step(self.step_count, self.progress.epoch, samples=n, samples_seen=self.samples_seen,
+                          micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
+                          data_wait_fraction=timing.data_wait_fraction, demand=demand,
+                          allocated_bytes=allocator.allocated_bytes if allocator else None,
+                          reserved_bytes=allocator.reserved_bytes if allocator else None,
+                          loss=outcome.mean_loss, sample=self.monitor_link.latest,
+                          grad_norm=self.core.grad_norm)
         self.fire(Event.BATCH_END, timing=timing)
         if self.measured:
             self.fire(Event.BATCH_MEASURED, timing=timing)
@@ -530,7 +531,7 @@ class Tuner:
         self.journal.write("fit_end", self.step_count, self.progress.epoch, samples_seen=self.samples_seen,
                            ooms=self.ooms, micro_batch_size=self.knobs.micro_batch_size, tuner=True)
         self.fire(Event.FIT_END)
-        self.monitor_link.stop()
+        self.monitor_link.stop(wait=False)
         self.log.flush()
 
     def close(self) -> None:

@@ -110,15 +110,17 @@ class InputPipeline:
         return batches
 
     # ------------------------------------------------------------------------- watching
-    def on_step(self, timing: StepTiming, samples: int, journal: Journal, step: int, epoch: int) -> list[Event]:
+    def on_step(self, timing: StepTiming, samples: int, journal: Journal, step: int, epoch: int,
+                profile: bool = True) -> list[Event]:
         """Feed one step's timing; returns [Event.IO_BOUND] when the loop waits on its data. The
         first time, the dataset's load/decode is timed apart from its transforms (once per run: it
-        reads a few samples) and journaled, so the policies asked about IO_BOUND see the profile."""
+        reads a few samples) and journaled, so the policies asked about IO_BOUND see the profile;
+        `profile=False` where no policy listens (the reading costs a fraction of a second)."""
         if self._skip_next:
             self._skip_next = False
             return []
         events = self.detector.on_step(timing, samples)
-        if events and self.profile is None:
+        if events and profile and self.profile is None:
             self.profile = self._profile()
             journal.write("input_profile", step, epoch, load_ms=round(self.profile.load_seconds * 1e3, 3),
                           transform_ms=round(self.profile.transform_seconds * 1e3, 3),

@@ -44,9 +44,10 @@ class MonitorLink:
         self.process.start()
         self.journal.write("monitor_start", step, epoch, pid=self.process.pid, interval=self.interval)
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop the monitor; `wait=False` does not wait for its exit (see MonitorProcess.stop)."""
         if self.process is not None:
-            self.process.stop()
+            self.process.stop(wait=wait)
             self.process = None
 
     def watch(self, allocator: AllocatorStats | None, step: int, epoch: int) -> list[Event]:

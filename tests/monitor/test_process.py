@@ -52,6 +52,21 @@ def test_samples_arrive_and_the_timeline_is_written(tmp_path):
     assert not monitor.alive() and not monitor.board.path.exists()
 
 
+def test_the_monitor_runs_below_the_trainers_priority_and_stops_without_a_wait(tmp_path):
+    monitor = MonitorProcess(tmp_path, interval=0.05)
+    monitor.start()
+    try:
+        first_sample(monitor)
+        assert monitor.lowered and psutil.Process(monitor.pid).nice() == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    finally:
+        started = time.perf_counter()
+        monitor.stop(wait=False)
+        returned = time.perf_counter() - started
+    assert returned < 0.03  # its exit (~60 ms) happens on a reaper thread
+    assert wait_for(lambda: monitor.returncode is not None, 5)  # reaped: no zombie left
+    assert not monitor.board.path.exists()
+
+
 def test_the_monitor_loads_neither_torch_nor_cuda(tmp_path):
     monitor = MonitorProcess(tmp_path, interval=0.1)
     monitor.start()
