@@ -51,7 +51,18 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 def to_device(obj: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to `device` (one already there is passed as it is:
     `.to()` would return it too, at a few microseconds a call)."""
+    if _flat_and_there(obj, device):  # the common batch, already moved by the loader (or on CPU)
+        return obj
     return map_tensors(lambda t: t if t.device == device else t.to(device, non_blocking=True), obj)
+
+
+def _flat_and_there(obj: Any, device: torch.device) -> bool:
+    # `(inputs, targets)` or `{name: tensor}` with every tensor on `device`: nothing to rebuild.
+    parts = obj.values() if type(obj) is dict else obj if type(obj) in (tuple, list) else (obj,)
+    for part in parts:
+        if type(part) is not torch.Tensor or part.device != device:
+            return False
+    return True
 
 
 def loss_and_items(out: Any) -> tuple[torch.Tensor, Any]:

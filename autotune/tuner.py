@@ -304,7 +304,7 @@ class Tuner:
         done = 0  # samples whose optimizer step has completed
         tried: list[int] = []
         additive = not optimizer_step
-        losses = Losses(additive=additive)
+        losses: Losses | None = None
         cadence = self.cadence
         measured = self.measured = cadence.due(self.knobs.micro_batch_size)
         rebase = not cadence.last_measured
@@ -314,7 +314,10 @@ class Tuner:
                 rebase = False
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
             done = attempt.done
-            losses.parts += attempt.losses.parts  # with keep_effective_batch=False, a failed attempt's stepped chunks too
+            if losses is None:
+                losses = attempt.losses
+            else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
+                losses.parts += attempt.losses.parts
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
             # rank that ran out of memory.
             agreed = self.agreed = self.ranks.agree(Agreement(
@@ -344,7 +347,7 @@ class Tuner:
             rebase = False  # the room was measured after the clean-up
         self.last_good_micro = self.knobs.micro_batch_size
         cadence.done(measured, self.demand.finish() if measured else None)
-        return BatchOutcome(len(tried), losses, self.device)
+        return BatchOutcome(len(tried), losses if losses is not None else Losses(additive=additive), self.device)
 
     def _recover_from_oom(self, failed_size: int, tried: list[int], attempt: Attempt) -> None:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""

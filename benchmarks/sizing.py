@@ -1,16 +1,22 @@
 """Sizing under a real RLIMIT_AS cap: how fast each way finds the largest micro-batch that fits.
 
-The scenario of tests/test_sizing_e2e.py (a CNN and a transformer LM, AutoTrainer, the cap
-after a warm-up): from 8x below and 8x above the largest micro-batch that fits, the default
-preset (fit_micro_batch) beside the blind way it replaced (halve_on_oom + grow_back). For each:
-the optimizer steps and OOMs until the run is within 10% of the largest size (and stays), the
-final size over the largest, and the run's time against a run that starts at the largest size.
-The largest size is found by bisection in fresh processes, on the same batches.
+The scenario of tests/test_sizing_e2e.py (a CNN and a transformer LM, the cap after a warm-up):
+from 8x below and 8x above the largest micro-batch that fits, AutoTrainer's default preset
+(fit_micro_batch) beside the blind way it replaced (halve_on_oom + grow_back) and the peers on the
+same model, data and cap:
+
+- Accelerate's `find_executable_batch_size` with halving: a hand-written loop (the same batches,
+  accumulated in micro-batches of the size it tries) that starts over at half the size on an OOM;
+- Lightning's `BatchSizeFinder` (`Tuner.scale_batch_size`, modes "power" and "binsearch", one
+  step a trial, from the same start), then training at the size it found (Lightning's batch is
+  the size found: it trains the same samples in batches of that size).
+
+For each: the optimizer steps (or probe trials) and OOMs until the run is within 10% of the
+largest size, the final size over the largest, and the time to train the run's samples
+(search included, imports and set-up not) against an AutoTrainer run that starts at the largest
+size. The largest size is found by bisection in fresh processes, on the same batches.
 
     python benchmarks/sizing.py [--steps 12]
-
-Not here yet (issue 16): Lightning's BatchSizeFinder and Accelerate's halving on this scenario
-(benchmarks/integrations.py and batch_efficiency.py compare them on other models).
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
@@ -26,7 +31,92 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_results  # noqa: E402
 
-from tests.test_sizing_e2e import ABOUT, fits, run  # noqa: E402  the same scenario as the tests
+from tests.conftest import run_python  # noqa: E402
+from tests.test_sizing_e2e import ABOUT, ROOM_MIB, SETUP, fits, run  # noqa: E402  the same scenario as the tests
+
+MODEL_SETUP = SETUP[:SETUP.index("from autotune import AutoTrainer")]  # the model, data, step and warm-up
+
+BATCHES = """
+import copy
+def batch_at(i):  # the batches AutoTrainer trains (shuffle=False): consecutive slices
+    if MODEL == "cnn":
+        return data.tensors[0][i * BATCH:(i + 1) * BATCH], data.tensors[1][i * BATCH:(i + 1) * BATCH]
+    return data[i * BATCH:(i + 1) * BATCH]
+def slice_of(batch, a, b):
+    return tuple(t[a:b] for t in batch) if isinstance(batch, tuple) else batch[a:b]
+"""
+
+ACCELERATE = MODEL_SETUP + BATCHES + """
+from accelerate.utils import find_executable_batch_size
+initial, initial_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+tried = []
+from autotune.limits import cap_address_space
+cap_address_space(ROOM_MIB * 2**20)
+began = time.perf_counter()
+def halve():  # Accelerate calls it with no arguments: the size it halves is the last one tried
+    return tried[-1] // 2
+@find_executable_batch_size(starting_batch_size=START, reduce_batch_size_fn=halve)
+def train(micro):
+    tried.append(micro)  # a start over: the model and optimizer as they were
+    model.load_state_dict(initial); optimizer.load_state_dict(initial_optimizer)
+    for step in range(STEPS):
+        batch = batch_at(step)
+        for a in range(0, BATCH, micro):
+            b = min(a + micro, BATCH)
+            (step_fn(model, slice_of(batch, a, b)) * ((b - a) / BATCH)).backward()
+        optimizer.step(); optimizer.zero_grad(set_to_none=True)
+    return micro
+final = train()
+save({"micro": final, "ooms": len(tried) - 1, "tried": tried, "seconds": time.perf_counter() - began})
+"""
+
+LIGHTNING = MODEL_SETUP + BATCHES + """
+import logging
+import lightning as L
+from lightning.pytorch.tuner import Tuner as LightningTuner
+from torch.utils.data import DataLoader
+logging.getLogger("lightning").setLevel(logging.ERROR)
+samples = data if MODEL == "cnn" else data[:BATCH * STEPS]
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net, self.batch_size = model, START
+        self.starts = self.ends = 0
+    def training_step(self, batch, index):
+        return step_fn(self.net, batch)
+    def on_train_batch_start(self, batch, index):
+        self.starts += 1
+    def on_train_batch_end(self, outputs, batch, index):
+        self.ends += 1
+    def configure_optimizers(self):
+        return optimizer
+    def train_dataloader(self):
+        return DataLoader(samples, batch_size=self.batch_size, shuffle=False)
+lit = Lit()
+options = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, default_root_dir=RUN_DIR)
+search = L.Trainer(max_steps=10**6, **options)
+from autotune.limits import cap_address_space
+cap_address_space(ROOM_MIB * 2**20)
+began = time.perf_counter()
+found = LightningTuner(search).scale_batch_size(lit, mode=MODE, init_val=START, steps_per_trial=1, max_trials=25)
+trials, ooms = lit.starts, lit.starts - lit.ends
+lit.batch_size = found
+L.Trainer(max_steps=max(1, BATCH * STEPS // found), **options).fit(lit)
+save({"micro": found, "ooms": ooms, "trials": trials, "seconds": time.perf_counter() - began})
+"""
+
+
+def peer(tmp: Path, script: str, model: str, start: int, batch: int, steps: int, mode: str = "") -> dict:
+    """One peer's run under the same cap (ACCELERATE or LIGHTNING); what it saved, or why it stopped."""
+    head = (f"MODEL={model!r}\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nROOM_MIB={ROOM_MIB[model]}\n"
+            f"RUN_DIR={str(tmp / 'run')!r}\nMODE={mode!r}\n")
+    proc, result = run_python(head + script, tmp, timeout=600,
+                              env={"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0 or result is None:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"failed": f"exit {proc.returncode}: {last[:160]}"}
+    return result
 
 GROW_BACK = '[[policy]]\nuse = "halve_on_oom"\n\n[[policy]]\nuse = "grow_back"\n'
 
@@ -69,24 +159,39 @@ def main() -> None:
                                         ("8x above", ABOUT[model] * 8, ABOUT[model] * 8)):
             best = largest(tmp, model, batch, args.steps)
             for _ in range(4):  # at the edge a size can fit one run and not the next: then 2% lower
-                began = time.perf_counter()
                 reference_run, _, _ = run(fresh(tmp), model, start=best, batch=batch, steps=args.steps, policies=[])
-                reference = time.perf_counter() - began
                 if "out_of_memory" not in reference_run:
                     break
                 best = int(best * 0.98)
             else:
                 raise RuntimeError(f"{model}: no run at the largest size found fits twice")
+            reference = reference_run["seconds"]  # the fit itself: imports and set-up are not sizing
             for name, policies in (("fit_micro_batch (default)", "default"), ("grow_back", str(preset))):
-                began = time.perf_counter()
                 result, records, sizes = run(fresh(tmp), model, start=start, batch=batch,
                                              steps=args.steps, policies=policies)
-                wall = time.perf_counter() - began
                 at = settled_at(sizes, best)
                 ooms_by = sum(1 for r in records if r["kind"] == "oom" and (at is None or r["step"] < at))
                 rows.append(f"| {model} | {direction} ({start}) | {name} | {best} | "
                             f"{at if at is not None else 'never'} | {ooms_by} | {result['ooms']} | "
-                            f"{result['micro'] / best:.2f} | {wall / reference:.2f} |")
+                            f"{result['micro'] / best:.2f} | {result['seconds'] / reference:.2f} |")
+                print(rows[-1], file=sys.stderr)
+            peers = [("Accelerate find_executable_batch_size (halving)", ACCELERATE, ""),
+                     ("Lightning BatchSizeFinder (power)", LIGHTNING, "power"),
+                     ("Lightning BatchSizeFinder (binsearch)", LIGHTNING, "binsearch")]
+            for name, script, mode in peers:
+                result = peer(fresh(tmp), script, model, start, batch, args.steps, mode)
+                if "failed" in result:
+                    rows.append(f"| {model} | {direction} ({start}) | {name} | {best} | failed: {result['failed']} "
+                                "| | | | |")
+                else:
+                    # Each trains the whole run at the size its search ended on: within 10% from its first
+                    # real step, or never; the search before it is restarts (Accelerate) or probe steps.
+                    close = abs(result["micro"] - best) <= 0.1 * best
+                    before = (f"after {result['ooms']} restarts" if "tried" in result
+                              else f"after {result['trials']} probe steps")
+                    rows.append(f"| {model} | {direction} ({start}) | {name} | {best} | "
+                                f"{'0' if close else 'never'} ({before}) | {result['ooms']} | {result['ooms']} | "
+                                f"{result['micro'] / best:.2f} | {result['seconds'] / reference:.2f} |")
                 print(rows[-1], file=sys.stderr)
     lines = [f"AutoTrainer, {args.steps} optimizer steps a run, batch 4x (from below) or 8x (from above) the "
              "largest micro-batch; the models and caps of tests/test_sizing_e2e.py (CNN: three convs at 64x64, "
@@ -97,8 +202,13 @@ def main() -> None:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
              "'Settled at step': the first step from which every step is within 10% of the largest size (the "
              "micro-batch a step ran at is the one logged with it). 'Largest that fits': bisection of whole runs "
-             "in fresh processes, then lowered 2% at a time until a second run at it fits too."]
-    write_results("sizing", "Sizing under RLIMIT_AS: fit_micro_batch vs grow_back (CPU)", lines)
+             "in fresh processes, then lowered 2% at a time until a second run at it fits too. Time: the "
+             "training (search included) measured inside each process, over the same in an AutoTrainer run that "
+             "starts at the largest size and never changes it. Lightning trains batches of the size it found "
+             "(the same samples in all); Accelerate's loop and autotune accumulate micro-batches into the "
+             "run's batch."]
+    write_results("sizing", "Sizing under RLIMIT_AS: fit_micro_batch vs grow_back, Accelerate, Lightning (CPU)",
+                  lines)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from tests.conftest import journal, run_python
 pytestmark = pytest.mark.slow
 
 SETUP = """
+import time
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -56,8 +57,10 @@ trainer = AutoTrainer(model, data, step_fn=step_fn, optimizer=optimizer, batch_s
 cap_address_space(ROOM_MIB * 2**20)
 from autotune import is_oom
 try:
+    began = time.perf_counter()
     result = trainer.fit(epochs=1)
     save({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen,
+          "seconds": time.perf_counter() - began,
           "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())})
 except Exception as exc:  # a probe (no policies): the first OOM, in a step or in the loader, ends the run
     if POLICIES or not (is_oom(exc) or "even at micro-batch" in str(exc)):
