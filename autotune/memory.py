@@ -323,10 +323,13 @@ class StepDemand:
         self._virtual = sample.source == "rlimit_as"
         if self._virtual:
             self._cap = sample.cap_bytes
-            self._in_use = status.virtual
         else:
             self._room_at = (status.resident, sample.cap_bytes - sample.used_bytes)
-            self._in_use = status.resident
+        self._start_from(status)
+
+    def _start_from(self, status: HostStatus) -> None:
+        # What a step is measured against (CPU): in use, in the binding measure; resident; the virtual peak.
+        self._in_use = status.virtual if self._virtual else status.resident
         self._resident_start = status.resident
         self._virtual_peak_before = status.virtual_peak
 
@@ -341,9 +344,7 @@ class StepDemand:
         if status is None:
             self._in_use = None
             return
-        self._in_use = status.virtual if self._virtual else status.resident
-        self._resident_start = status.resident
-        self._virtual_peak_before = status.virtual_peak
+        self._start_from(status)
 
     @property
     def measure(self) -> str:

@@ -1,6 +1,6 @@
 """Batch efficiency under a real RLIMIT_AS cap: the micro-batch each tool ends with over the
 largest that fits, the OOM cycles it took and the samples it had to redo, starting 8x above
-and 8x below. AutoTrainer (default grow_back/halve policies, gradients accumulated, batch
+and 8x below. AutoTrainer (default preset: fit_micro_batch and halve_on_oom, gradients accumulated, batch
 fixed) side by side with Accelerate's `find_executable_batch_size` (its default x0.9 and
 halving), which restarts the training function with a smaller batch on every OOM.
 

@@ -47,12 +47,17 @@ def test_real_cuda_oom_is_recovered_with_the_same_weights(tmp_path):
         torch.testing.assert_close(free_weights[key], capped_weights[key], rtol=1e-4, atol=1e-5)
 
 
+def wide(samples):
+    """`samples` of 256 features in 8 classes, and a model whose 32768-wide activations fill the memory."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(samples, 256, generator=g), torch.randint(0, 8, (samples,), generator=g))
+    torch.manual_seed(0)
+    return data, nn.Sequential(nn.Linear(256, 32768), nn.ReLU(), nn.Linear(32768, 8))
+
+
 def test_memory_cap_is_enforced_and_recovered_from(tmp_path):
     device = torch.device("cuda")
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(4096, 256, generator=g), torch.randint(0, 8, (4096,), generator=g))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 32768), nn.ReLU(), nn.Linear(32768, 8))
+    data, model = wide(4096)
     torch.cuda.empty_cache()
     cap = torch.cuda.memory_allocated(device) + 1 * 2**30  # activations at 4096 x 32768 floats need ~1.5 GiB
     peaks = RecordReservedPeaks()
@@ -101,10 +106,7 @@ def test_an_oom_writes_the_allocator_snapshot_and_its_largest_sites(tmp_path):
     from autotune.report import render, summarize
 
     device = torch.device("cuda")
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(2048, 256, generator=g), torch.randint(0, 8, (2048,), generator=g))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 32768), nn.ReLU(), nn.Linear(32768, 8))
+    data, model = wide(2048)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
     total = torch.cuda.get_device_properties(device).total_memory
