@@ -130,15 +130,45 @@ class Losses:
         total = self.total(device)
         return total if is_zero(weight) else total / weight
 
-    def add_into(self, total: torch.Tensor) -> None:
-        """Add the summed loss into `total` in place (an epoch's), one op per part."""
-        for loss, weight in self.parts:
-            if self.additive:
-                total.add_(loss)
-            elif isinstance(weight, torch.Tensor):
-                total.add_(loss * weight)
+
+
+class LossSum:
+    """An epoch's summed loss over its weight, on the device: batches' parts are gathered and folded
+    every `fold_every` of them, a few ops for the lot instead of one or two a batch."""
+
+    def __init__(self, device: torch.device, fold_every: int = 32):
+        self.device, self.fold_every = device, fold_every
+        self.total = torch.zeros((), device=device)
+        self.weight: Any = 0  # samples, or items where the step reports them
+        self._pending: list[tuple[torch.Tensor, Any]] = []  # (loss, weight it is multiplied by)
+
+    def add(self, losses: Losses) -> None:
+        """A batch's losses (kept by reference until the next fold)."""
+        self._pending += [(loss, 1) for loss, _ in losses.parts] if losses.additive else losses.parts
+        self.weight = self.weight + losses.weight
+        if len(self._pending) >= self.fold_every:
+            self._fold()
+
+    def mean(self) -> torch.Tensor | None:
+        """The epoch's mean loss so far (0-d, on the device); None before any weight."""
+        self._fold()
+        return None if is_zero(self.weight) else self.total / self.weight
+
+    def _fold(self) -> None:
+        if not self._pending:
+            return
+        by_count: dict[int, list[torch.Tensor]] = {}  # plain weights: most batches share one (the batch size)
+        weighted: list[torch.Tensor] = []
+        for loss, weight in self._pending:
+            if isinstance(weight, torch.Tensor):
+                weighted.append(loss * weight)
             else:
-                total.add_(loss, alpha=weight)
+                by_count.setdefault(weight, []).append(loss)
+        for count, values in by_count.items():
+            self.total += torch.stack(values).sum() * count
+        if weighted:
+            self.total += torch.stack(weighted).sum()
+        self._pending.clear()
 
 
 def is_zero(weight: Any) -> bool:

@@ -75,7 +75,7 @@ from autotune.policy import Policy
 from autotune.preemption import StopRequests
 from autotune.progress import FitResult, Progress
 from autotune.snapshot import StepTiming
-from autotune.step import LossFn, StepFn, compile_count, is_zero
+from autotune.step import LossFn, LossSum, StepFn, compile_count
 from autotune.tuner import Tuner
 from autotune.validate import check_int
 
@@ -346,8 +346,7 @@ class AutoTrainer:
     def _train_epoch(self, max_steps: int | None) -> float | None:
         self._fire(Event.EPOCH_START)
         self.model.train()
-        loss_sum = torch.zeros((), device=self.device)  # summed on the device: no sync per step
-        loss_weight: Any = 0  # samples, or items where the step reports them
+        epoch_loss_sum = LossSum(self.device)  # summed on the device: no sync per step
         batches = self.input.batches(self.epoch, self.position, self.batches_done)
         finished_epoch = True
         while True:
@@ -360,8 +359,7 @@ class AutoTrainer:
             n = batch_len(batch)
             outcome = self.tuner.train_batch(batch, n, proposal=self._proposal)
             step_end = time.perf_counter()
-            outcome.losses.add_into(loss_sum)
-            loss_weight = loss_weight + outcome.weight
+            epoch_loss_sum.add(outcome.losses)
             self.progress.position += n
             self.progress.batches_done += 1
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
@@ -373,7 +371,7 @@ class AutoTrainer:
             if self.knobs.loader_version != self._loader_version:  # a policy changed workers or caching
                 del batches  # its workers exit before the new loader's start
                 batches = self._rebuild_loader()
-            self.log.show(step_end, loss=lambda: f"{float(loss_sum / loss_weight) if not is_zero(loss_weight) else 0:.4f}",
+            self.log.show(step_end, loss=lambda: f"{_float_or_zero(epoch_loss_sum.mean()):.4f}",
                           micro=self.knobs.micro_batch_size,
                           mem=lambda: memory_text(self.device, self.knobs.memory_cap_bytes))
             agreed = self.tuner.agreed
@@ -393,7 +391,8 @@ class AutoTrainer:
             if max_steps is not None and self.step >= max_steps:
                 finished_epoch = False
                 break
-        epoch_loss = float(loss_sum / loss_weight) if not is_zero(loss_weight) else None
+        mean = epoch_loss_sum.mean()
+        epoch_loss = float(mean) if mean is not None else None
         if finished_epoch:
             self.progress.epoch += 1
             self.progress.position = self.progress.batches_done = 0
@@ -467,3 +466,7 @@ class AutoTrainer:
         except RankFailed as exc:  # another rank's optimizer step ran out of memory
             self.tuner.give_up_on_the_step(str(exc))
             return None
+
+
+def _float_or_zero(value: torch.Tensor | None) -> float:
+    return float(value) if value is not None else 0.0

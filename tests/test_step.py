@@ -267,7 +267,7 @@ def test_a_step_that_returns_something_else_is_a_clear_error(tmp_path):
 
 
 def test_a_batch_in_one_piece_returns_its_loss_with_no_op_and_pieces_combine_by_weight():
-    from autotune.step import Losses
+    from autotune.step import Losses, LossSum
 
     cpu = torch.device("cpu")
     whole = torch.tensor(2.0)
@@ -280,7 +280,9 @@ def test_a_batch_in_one_piece_returns_its_loss_with_no_op_and_pieces_combine_by_
     additive = Losses(parts=[(torch.tensor(0.5), 1), (torch.tensor(0.25), 1)], additive=True)
     assert additive.weight == 1 and additive.mean(cpu).item() == 0.75
     assert Losses().weight == 0 and Losses().mean(cpu).item() == 0.0
-    epoch = torch.zeros(())
+    epoch = LossSum(cpu, fold_every=2)  # folds after the second batch's parts, and when read
     for losses in (one, pieces, by_items, additive):
-        losses.add_into(epoch)
-    assert epoch.item() == 16.0 + 14.0 + 6.0 + 0.75
+        epoch.add(losses)
+    assert epoch.weight == 8 + 8 + 4 + 1
+    assert epoch.mean().item() == pytest.approx((16.0 + 14.0 + 6.0 + 0.75) / 21)
+    assert LossSum(cpu).mean() is None
