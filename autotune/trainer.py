@@ -286,7 +286,7 @@ class AutoTrainer:
             self.log.flush()
             if freeze:
                 gc.unfreeze()
-            self.tuner.monitor_link.stop(wait=False)  # reaped on a thread: the fit's end does not wait
+            self.tuner.monitor_link.stop(wait=False)  # signalled, not waited for (reaped later)
         wall = time.perf_counter() - started
         step_size = self.knobs.batch_size if self.keep_effective_batch else min(self.knobs.micro_batch_size,
                                                                                  self.knobs.batch_size)

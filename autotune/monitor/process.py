@@ -187,6 +187,7 @@ class MonitorProcess:
         self.lowered = False  # whether it runs below the trainer's priority
 
     def start(self) -> None:
+        _reap_exited()
         log = open(self.run_dir / "monitor.log", "ab")
         try:
             self._proc = subprocess.Popen(
@@ -224,15 +225,16 @@ class MonitorProcess:
         return self.board.read_new()
 
     def stop(self, timeout: float = 2.0, wait: bool = True) -> None:
-        """Stop the monitor. `wait=False`: signal it and reap it on a thread (its exit takes ~60 ms,
-        which the end of a fit need not wait for)."""
+        """Stop the monitor. `wait=False`: signal it and go on (its exit takes ~60 ms, which the end
+        of a fit need not wait for); it is reaped at the next start or stop of any monitor. No
+        thread is started for it: under a hard memory cap a new thread's stack may not fit."""
+        _reap_exited()
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             if wait:
                 _reap(self._proc, timeout)
             else:
-                threading.Thread(target=_reap, args=(self._proc, timeout), name="autotune-monitor-reaper",
-                                 daemon=True).start()
+                _EXITING.append(self._proc)
         self.board.close(unlink=True)
 
 
@@ -245,6 +247,14 @@ def _lower_priority(pid: int) -> bool:
     except OSError:  # it exited at once: its monitor.log says why, and the link restarts it
         return False
     return True
+
+
+_EXITING: list[subprocess.Popen] = []  # monitors signalled to stop and not reaped yet
+
+
+def _reap_exited() -> None:
+    # poll() reaps a child that has exited; the others stay listed (a signalled monitor exits in ~60 ms).
+    _EXITING[:] = [proc for proc in _EXITING if proc.poll() is None]
 
 
 def _reap(proc: subprocess.Popen, timeout: float) -> None:
