@@ -147,9 +147,13 @@ class RunLog:
                 used_bytes=now.used_bytes, cap_bytes=now.cap_bytes, allocated_bytes=allocated_bytes,
                 reserved_bytes=reserved_bytes, demand=demand)
 
+    def show_due(self, now: float) -> bool:
+        """Whether `show` would refresh the bar now (a caller may skip gathering its figures otherwise)."""
+        return self.bar is not None and self.show_progress and now - self._last_shown > 0.5
+
     def show(self, now: float, **figures: Any) -> None:
         """Refresh the bar's figures, at most twice a second (each may read the device)."""
-        if self.bar is None or not self.show_progress or now - self._last_shown <= 0.5:
+        if not self.show_due(now):
             return
         self._last_shown = now
         self.bar.set_postfix(**{k: v() if callable(v) else v for k, v in figures.items()}, refresh=False)

@@ -58,7 +58,7 @@ class AllocationHistory:
         path = Path(run_dir) / f"oom-{step}.pickle"
         with open(path, "wb") as f:
             pickle.dump(snapshot, f)
-        return {"path": str(path), "largest_sites": largest_sites(snapshot)}
+        return {"path": str(path), "largest_sites": largest_sites(snapshot), "refused": refused(snapshot)}
 
 
 def largest_sites(snapshot: dict[str, Any], top: int = 5) -> list[dict[str, Any]]:
@@ -69,6 +69,15 @@ def largest_sites(snapshot: dict[str, Any], top: int = 5) -> list[dict[str, Any]
             if block.get("state") == "active_allocated":
                 held[site(block.get("frames", []))] += block.get("requested_size", block.get("size", 0))
     return [{"site": name, "bytes": size} for name, size in held.most_common(top)]
+
+
+def refused(snapshot: dict[str, Any]) -> dict[str, Any] | None:
+    """The allocation that failed (the history's last `oom` entry): its size and site; None if not kept."""
+    for traces in snapshot.get("device_traces", []):
+        for entry in reversed(traces):
+            if entry.get("action") == "oom":
+                return {"site": site(entry.get("frames", [])), "bytes": entry.get("size", 0)}
+    return None
 
 
 def site(frames: list[dict[str, Any]]) -> str:

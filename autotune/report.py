@@ -214,6 +214,8 @@ def render(summary: dict[str, Any]) -> str:
         lines.append(f"  allocator snapshot: {snapshot['path']} (open it on https://pytorch.org/memory_viz); "
                      "largest sites:")
         lines += [f"    {format_bytes(s['bytes'])}  {s['site']}" for s in snapshot["largest_sites"]]
+        if snapshot.get("refused"):
+            lines.append(f"    refused: {format_bytes(snapshot['refused']['bytes'])} at {snapshot['refused']['site']}")
     evaluations = summary.get("evaluations", [])
     if evaluations:
         eval_ooms = sum(e["ooms"] for e in evaluations)

@@ -371,9 +371,10 @@ class AutoTrainer:
             if self.knobs.loader_version != self._loader_version:  # a policy changed workers or caching
                 del batches  # its workers exit before the new loader's start
                 batches = self._rebuild_loader()
-            self.log.show(step_end, loss=lambda: f"{_float_or_zero(epoch_loss_sum.mean()):.4f}",
-                          micro=self.knobs.micro_batch_size,
-                          mem=lambda: memory_text(self.device, self.knobs.memory_cap_bytes))
+            if self.log.show_due(step_end):
+                self.log.show(step_end, loss=lambda: f"{_float_or_zero(epoch_loss_sum.mean()):.4f}",
+                              micro=self.knobs.micro_batch_size,
+                              mem=lambda: memory_text(self.device, self.knobs.memory_cap_bytes))
             agreed = self.tuner.agreed
             if agreed.stop_signal:  # agreed by all ranks under torchrun
                 signum = agreed.stop_signal

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from autotune import AutoTrainer, Tuner
-from autotune.memory_history import largest_sites, site
+from autotune.memory_history import largest_sites, refused, site
 
 TORCH = os.path.dirname(torch.__file__)
 
@@ -37,6 +37,11 @@ def test_the_largest_sites_are_the_innermost_frames_outside_torch_summed():
         {"site": "no Python stack (autograd's backward thread, or C++)", "bytes": 50},
     ]
     assert site([inside]) == f"{TORCH}/nn/modules/linear.py:125 in forward"  # only torch: its innermost
+    snapshot["device_traces"] = [[{"action": "alloc", "size": 8, "frames": [forward]},
+                                  {"action": "oom", "size": 4096, "frames": [inside, forward]},
+                                  {"action": "free_requested", "size": 8, "frames": []}]]
+    assert refused(snapshot) == {"site": "/home/me/model.py:12 in forward", "bytes": 4096}
+    assert refused({"segments": []}) is None
 
 
 def test_memory_snapshot_on_cpu_is_a_clear_error_before_any_file(tmp_path):

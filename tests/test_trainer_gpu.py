@@ -125,6 +125,7 @@ def test_an_oom_writes_the_allocator_snapshot_and_its_largest_sites(tmp_path):
         assert pickle.load(f)["segments"]  # what memory_viz reads
     sites = snapshot["largest_sites"]
     assert sites and sites[0]["bytes"] >= 128 * 2**20  # a 2048 x 32768 activation, at least half of one
+    assert snapshot["refused"]["bytes"] >= 2**20  # the allocation that failed, from the history
     assert any("test_trainer_gpu.py" in s["site"] or "torch" not in s["site"] for s in sites)
     breakdown = oom["breakdown"]
     assert breakdown["measure"] == "cuda" and breakdown["allocator_cache"] is not None
