@@ -131,7 +131,6 @@ class Losses:
         return total if is_zero(weight) else total / weight
 
 
-
 class LossSum:
     """An epoch's summed loss over its weight, on the device: batches' parts are gathered and folded
     every `fold_every` of them, a few ops for the lot instead of one or two a batch."""
