@@ -148,10 +148,10 @@ class LossSum:
         if len(self._pending) >= self.fold_every:
             self._fold()
 
-    def mean(self) -> torch.Tensor | None:
-        """The epoch's mean loss so far (0-d, on the device); None before any weight."""
+    def mean(self) -> float | None:
+        """The epoch's mean loss so far (read off the device: a synchronisation); None before any weight."""
         self._fold()
-        return None if is_zero(self.weight) else self.total / self.weight
+        return None if is_zero(self.weight) else float(self.total / self.weight)
 
     def _fold(self) -> None:
         if not self._pending:

@@ -372,7 +372,7 @@ class AutoTrainer:
                 del batches  # its workers exit before the new loader's start
                 batches = self._rebuild_loader()
             if self.log.show_due(step_end):
-                self.log.show(step_end, loss=lambda: f"{_float_or_zero(epoch_loss_sum.mean()):.4f}",
+                self.log.show(step_end, loss=lambda: f"{epoch_loss_sum.mean() or 0:.4f}",
                               micro=self.knobs.micro_batch_size,
                               mem=lambda: memory_text(self.device, self.knobs.memory_cap_bytes))
             agreed = self.tuner.agreed
@@ -392,8 +392,7 @@ class AutoTrainer:
             if max_steps is not None and self.step >= max_steps:
                 finished_epoch = False
                 break
-        mean = epoch_loss_sum.mean()
-        epoch_loss = float(mean) if mean is not None else None
+        epoch_loss = epoch_loss_sum.mean()
         if finished_epoch:
             self.progress.epoch += 1
             self.progress.position = self.progress.batches_done = 0
@@ -467,7 +466,3 @@ class AutoTrainer:
         except RankFailed as exc:  # another rank's optimizer step ran out of memory
             self.tuner.give_up_on_the_step(str(exc))
             return None
-
-
-def _float_or_zero(value: torch.Tensor | None) -> float:
-    return float(value) if value is not None else 0.0

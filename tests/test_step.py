@@ -284,5 +284,5 @@ def test_a_batch_in_one_piece_returns_its_loss_with_no_op_and_pieces_combine_by_
     for losses in (one, pieces, by_items, additive):
         epoch.add(losses)
     assert epoch.weight == 8 + 8 + 4 + 1
-    assert epoch.mean().item() == pytest.approx((16.0 + 14.0 + 6.0 + 0.75) / 21)
+    assert epoch.mean() == pytest.approx((16.0 + 14.0 + 6.0 + 0.75) / 21)
     assert LossSum(cpu).mean() is None
