@@ -299,7 +299,7 @@ class StepDemand:
         self._sampler = virtual_peak_sampler() if device.type == "cpu" and self.peak.available else None
         self._sampling = False
         self._micro: int | None = None
-        self.cached_at_failure: int | None = None  # CUDA, read by note_failure()
+        self.at_failure: tuple[int | None, int, int | None] | None = None  # see note_failure
 
     def measure_room(self) -> None:
         """Find the binding cap and what is in use: at the start of a fit, after an OOM, and after
@@ -365,11 +365,18 @@ class StepDemand:
             return self._cap
         return None if self._room_at is None else self._room_at[0] + self._room_at[1]
 
-    def note_failure(self) -> None:
-        """In an OOM's except block: what the CUDA caching allocator holds beyond live tensors then
-        (reserved - allocated: its cache and fragments), for the breakdown."""
-        if self.device.type == "cuda":
-            self.cached_at_failure = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+    def note_failure(self, gradients: int) -> None:
+        """In an OOM's except block, while the failed step's tensors are alive, for the breakdown:
+        what is held (`held_now`), the `gradients` among it, and on CUDA what the caching allocator
+        holds beside live tensors (reserved - allocated: its cache and fragments)."""
+        cached = (torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+                  if self.device.type == "cuda" else None)
+        self.at_failure = (self.held_now(), gradients, cached)
+
+    def take_failure(self) -> tuple[int | None, int, int | None]:
+        """What `note_failure` read (held, gradients, allocator cache), now taken; (None, 0, None) if nothing."""
+        reading, self.at_failure = self.at_failure, None
+        return reading or (None, 0, None)
 
     @property
     def others_bytes(self) -> int | None:

@@ -38,7 +38,6 @@ from torch import nn
 
 from autotune.batching import SplitFn, map_tensors, micro_batches
 from autotune.distributed import Ranks, Solo
-from autotune.breakdown import gradient_bytes
 from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.progress import Progress
 from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
@@ -204,10 +203,9 @@ class StepCore:
         self.compiled_model = self.compiled is not None or is_compiled(model)
         self.grad_norm: torch.Tensor | None = None  # the last step's gradient norm before clipping
         self.backward_fn: Callable[[torch.Tensor], None] | None = None  # another trainer's (HF's accelerator)
-        # What is in use now, read in an OOM's except block, with the gradients then (the OOM breakdown)
-        self.held_now: Callable[[], int | None] | None = None
-        self.at_failure: tuple[int | None, int] | None = None
-        self.on_failure: Callable[[], None] | None = None  # also in the except block (the CUDA allocator's state)
+        # Called in an OOM's except block, while the failed step's tensors are alive: what they held
+        # (the OOM breakdown) and the CUDA allocator's state are read there (the Tuner's).
+        self.on_failure: Callable[[], None] | None = None
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
 
     @property
@@ -262,8 +260,6 @@ class StepCore:
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            if self.held_now is not None:  # while the failed step's tensors are alive: what it held (the breakdown)
-                self.at_failure = (self.held_now(), gradient_bytes(self.model, self.device))
             if self.on_failure is not None:
                 self.on_failure()
             result.failed_size, result.message = size, oom_message(exc)

@@ -47,7 +47,7 @@ from torch import nn
 
 from autotune.actions import Relief
 from autotune.batching import SplitFn, batch_len
-from autotune.breakdown import describe_breakdown, oom_breakdown
+from autotune.breakdown import describe_breakdown, gradient_bytes, oom_breakdown
 from autotune.cadence import MeasureCadence
 from autotune.checkpoint import Checkpointer, RankFailed, rank_rng_state, rng_state, set_rng_state
 from autotune.config import (OptimizerFactory, check_step_options, injection_rate, make_optimizer, make_scheduler,
@@ -197,8 +197,8 @@ class Tuner:
         self._save: weakref.WeakMethod | None = None
         self._checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=3, every=None, interval=None,
                                           ranks=self.ranks, journal=self.journal)
-        self.core.held_now = self.demand.held_now  # the demand's method, not ours: no reference cycle
-        self.core.on_failure = functools.partial(_read_at_failure, self.demand, self.history)
+        # The demand's and the history's, not ours: no reference cycle
+        self.core.on_failure = functools.partial(_read_at_failure, self.demand, self.history, self.model, self.device)
         self.last_snapshot: dict[str, Any] | None = None  # the allocator's state at the last OOM: path, sites
         self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
         self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"
@@ -353,12 +353,11 @@ class Tuner:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""
         self.core.zero_grad()  # partial gradients of the failed batch must not leak into the retry
         free_memory(self.device)
-        held, gradients = self.core.at_failure or (None, 0)
-        self.core.at_failure = None
+        held, gradients, cached = self.demand.take_failure()
         self.last_breakdown = None if attempt.injected else oom_breakdown(
             self.model, self.core.optimizer, self.device, held_at_start=self.demand.held_at_start,
             held_at_failure=held, gradients_at_failure=gradients, cap=self.demand.binding_cap,
-            measure=self.demand.measure, allocator_cache=self.demand.cached_at_failure,
+            measure=self.demand.measure, allocator_cache=cached,
             outside_torch=self.demand.others_bytes)
         self.last_snapshot = self.history.write(self.run_dir, self.step_count) if self.history is not None else None
         self.demand.measure_room()  # what is in use after the clean-up, against the cap now
@@ -579,8 +578,9 @@ def _no_input() -> None:
     return None
 
 
-def _read_at_failure(demand: StepDemand, history: AllocationHistory | None) -> None:
+def _read_at_failure(demand: StepDemand, history: AllocationHistory | None, model: nn.Module,
+                     device: torch.device) -> None:
     # In the failed step's except block, while its tensors are alive (StepCore.on_failure).
-    demand.note_failure()
+    demand.note_failure(gradient_bytes(model, device))
     if history is not None:
         history.take_at_failure()
