@@ -5,6 +5,7 @@ refuse a large micro-batch and admit a small one. Parameters have no batch-depen
 layers, so a run that hit OOMs must end with the same weights as one that did not.
 """
 
+import concurrent.futures
 import re
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def train(tmp_path, name, budget_mib, n=512, width=16384, batch=512, micro=None,
     settings = (f"N={n}\nWIDTH={width}\nBATCH={batch}\nMICRO={micro}\nKEEP={keep}\nEPOCHS={epochs}\n"
                 f"BUDGET_MIB={budget_mib}\nRUN_DIR={str(run_dir)!r}\nSHUFFLE={shuffle}\nHEAVY_FROM={heavy_from}\n"
                 f"POLICIES={policies!r}\n")
-    proc, result = run_python(settings + TRAIN, tmp_path)
+    proc, result = run_python(settings + TRAIN, run_dir)  # its result in its own folder: runs may run at once
     assert proc.returncode == 0, proc.stderr[-3000:]
     return result, run_dir
 
@@ -109,8 +110,9 @@ def test_a_run_that_starts_too_big_completes(tmp_path):
 
 def test_ooms_do_not_change_the_trained_weights(tmp_path):
     # 500 samples: micro-batches of unequal size, so their loss weights must be len(micro)/len(batch)
-    free, free_dir = train(tmp_path, "free", budget_mib=0, n=500)
-    capped, capped_dir = train(tmp_path, "capped", budget_mib=60, n=500)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two processes, each under its own cap (or none)
+        (free, free_dir), (capped, capped_dir) = pool.map(lambda case: train(tmp_path, case[0], case[1], n=500),
+                                                          [("free", 0), ("capped", 60)])
     assert free["ooms"] == 0 and capped["ooms"] >= 1
     a = torch.load(free_dir / "weights.pt", weights_only=True)
     b = torch.load(capped_dir / "weights.pt", weights_only=True)

@@ -197,8 +197,10 @@ def test_spawned_workers_reopen_the_same_region(jpeg_folder):
     cache = SampleCache(len(dataset), 16 * 2**20, context="spawn")
     try:
         cached = CachedDataset(split_for_caching(dataset), cache)
-        for _ in range(2):
-            for _ in DataLoader(cached, batch_size=8, num_workers=2, multiprocessing_context="spawn", collate_fn=len):
+        # One worker fills the region; two fresh ones read it back, each what another process wrote.
+        for workers in (1, 2):
+            for _ in DataLoader(cached, batch_size=8, num_workers=workers, multiprocessing_context="spawn",
+                                collate_fn=len):
                 pass
         stats = cache.stats()
         assert stats["entries"] == len(dataset) and stats["hits"] == len(dataset), stats  # filled, then all hits

@@ -120,8 +120,8 @@ PEAK_MODELS = {
     "mlp": "(nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10)), "
            "torch.randn(64, 256))",
     "cnn": "(nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), "
-           "nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10)), torch.randn(32, 3, 64, 64))",
-    "resnet18": "(torchvision.models.resnet18(num_classes=10), torch.randn(16, 3, 64, 64))",
+           "nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10)), torch.randn(32, 3, 32, 32))",
+    "resnet18": "(torchvision.models.resnet18(num_classes=10), torch.randn(16, 3, 32, 32))",
 }
 
 
