@@ -9,6 +9,7 @@ memory, a user cap counts resident memory, and the host as a whole has MemAvaila
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from pathlib import Path
@@ -52,16 +53,41 @@ def rss_bytes(pid: int | None = None, children: bool = True, exclude: int | None
     try:
         total = proc.memory_info().rss
         if children:
-            for child in proc.children(recursive=True):
-                if child.pid == exclude:
+            for child in descendants(proc.pid):
+                if child == exclude:
                     continue
                 try:
-                    total += child.memory_info().rss
+                    total += psutil.Process(child).memory_info().rss
                 except psutil.Error:
                     continue  # a worker that exited between listing and reading
         return total
     except psutil.Error:
         return None
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of `pid`'s children, theirs, and so on. Linux lists each thread's children in
+    /proc/PID/task/TID/children: a read per thread, where `psutil.Process.children` reads the stat
+    file of every process on the host (milliseconds, at every sample). Elsewhere, psutil's."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+            kids = []
+            for task in tasks:
+                with open(f"/proc/{parent}/task/{task}/children", "rb") as f:
+                    kids += [int(k) for k in f.read().split()]
+        except FileNotFoundError:
+            if parent == pid and not os.path.exists(f"/proc/{pid}/task/{pid}/children"):
+                return [child.pid for child in psutil.Process(pid).children(recursive=True)]  # no such files here
+            continue  # a child that exited while we looked, or a thread that ended
+        except OSError:
+            continue
+        found += kids
+        pending += kids
+    return found
 
 
 def virtual_bytes(pid: int | None = None) -> int | None:
@@ -137,13 +163,13 @@ def host_sample(soft_cap_bytes: int | None = None, pid: int | None = None, rss: 
         candidates.append((cg_current, cg_max, "cgroup"))
     if soft_cap_bytes is not None and rss is not None:
         candidates.append((rss, soft_cap_bytes, "memory_cap"))
-    available = mem_available_bytes()
+    try:
+        memory = psutil.virtual_memory()  # one read of /proc/meminfo for both figures
+        available, total = memory.available, memory.total
+    except (psutil.Error, OSError):
+        available = total = None
     if available is not None and rss is not None:
         candidates.append((rss, rss + available, "host"))
-    try:
-        total = psutil.virtual_memory().total
-    except (psutil.Error, OSError):
-        total = None
     if not candidates:
         return DeviceSample(time=time.time(), used_bytes=rss, total_bytes=total, source="host")
     used, cap, source = min(candidates, key=lambda c: c[1] - c[0])

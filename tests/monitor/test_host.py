@@ -1,8 +1,12 @@
 import os
+import signal
 import subprocess
 import sys
+import time
 
-from autotune.monitor.host import cgroup_memory, host_sample, parse_proc_cgroup, rss_bytes
+import psutil
+
+from autotune.monitor.host import cgroup_memory, descendants, host_sample, parse_proc_cgroup, rss_bytes
 from autotune.units import format_bytes
 from tests.conftest import run_python
 
@@ -25,6 +29,31 @@ def test_rss_rises_when_a_child_allocates():
         assert rss_bytes(os.getpid(), exclude=child.pid) - before < 100 * 2**20
     finally:
         child.communicate("")
+
+
+def test_descendants_are_children_and_grandchildren_as_psutil_sees_them():
+    # A shell with two children of its own, and a child started from another thread of this process.
+    import threading
+
+    shell = subprocess.Popen(["bash", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
+    from_thread = []
+    thread = threading.Thread(target=lambda: from_thread.append(subprocess.Popen(["sleep", "30"])))
+    thread.start()
+    thread.join()
+    try:
+        expected = set()
+        for _ in range(100):  # until the shell has started its two
+            expected = {c.pid for c in psutil.Process().children(recursive=True)}
+            if len(expected) == 4:
+                break
+            time.sleep(0.02)
+        assert len(expected) == 4
+        assert set(descendants(os.getpid())) == expected
+    finally:
+        os.killpg(shell.pid, signal.SIGKILL)  # the shell and its two
+        for proc in (shell, *from_thread):
+            proc.kill()
+            proc.wait()
 
 
 def test_the_tightest_cap_is_reported():
