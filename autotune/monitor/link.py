@@ -57,6 +57,7 @@ class MonitorLink:
         if self.process is not None:
             got = self.process.latest()
             if got is not None:
+                self.process.settle()  # started: its sampling gets a share of the cores from now on
                 sample = got[0]
                 if sample.used_bytes is None and self.device.type == "cuda":
                     # NVML not available here: CUDA's own figure, read in-process, stands in.

@@ -52,11 +52,18 @@ def test_samples_arrive_and_the_timeline_is_written(tmp_path):
     assert not monitor.alive() and not monitor.board.path.exists()
 
 
-def test_the_monitor_runs_below_the_trainers_priority_and_stops_without_a_wait(tmp_path):
+def test_the_monitor_starts_on_idle_cores_then_runs_below_the_trainers_priority_and_stops_without_a_wait(tmp_path):
     monitor = MonitorProcess(tmp_path, interval=0.05)
     monitor.start()
     try:
+        assert monitor.idle and os.sched_getscheduler(monitor.pid) == os.SCHED_IDLE  # its start-up
         first_sample(monitor)
+        monitor.settle()  # what the link does at its first sample
+        # Leaving SCHED_IDLE needs RLIMIT_NICE or CAP_SYS_NICE: without them it stays (and says so)
+        policy = os.sched_getscheduler(monitor.pid)
+        assert policy == (os.SCHED_IDLE if monitor.idle else os.SCHED_OTHER)
+        if os.geteuid() == 0:
+            assert not monitor.idle  # root may leave it: it did
         assert monitor.lowered and psutil.Process(monitor.pid).nice() == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
     finally:
         started = time.perf_counter()
