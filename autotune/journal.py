@@ -9,6 +9,7 @@ they are written so a crashed run keeps everything up to the crash.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -26,6 +27,7 @@ class Journal:
         self.path = path
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self._file = None
+        self._lock = threading.Lock()  # a background checkpoint's line comes from its writer thread
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", buffering=1, encoding="utf-8")
@@ -33,16 +35,18 @@ class Journal:
     def write(self, kind: str, step: int, epoch: int, **fields: Any) -> dict[str, Any]:
         """Append one record and return it."""
         record = {"time": time.time(), "kind": kind, "step": step, "epoch": epoch, **fields}
-        if self._file is not None:
-            self._file.write(json.dumps(record, default=str) + "\n")
-            for listener in self.listeners:
-                listener(record)
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps(record, default=str) + "\n")
+                for listener in self.listeners:
+                    listener(record)
         return record
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def read_journal(path: Path) -> Iterator[dict[str, Any]]:

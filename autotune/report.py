@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,11 @@ def throughput_over_time(steps: list[dict[str, Any]], windows: int = 8) -> list[
 
 def summarize(run_dir: str | Path) -> dict[str, Any]:
     """The summary of a run as plain data (what `--json` prints)."""
+    # A checkpoint this process is still writing: its journal line comes when it is on disk. (Asked
+    # without importing torch: if nothing imported the checkpoint module, nothing is being written.)
+    checkpoint = sys.modules.get("autotune.checkpoint")
+    if checkpoint is not None:
+        checkpoint.wait_for_writes()
     run_dir = Path(run_dir)
     run = _read_run(run_dir)
     records, bad_lines, samples, steps = run.records, run.unreadable, run.samples, run.steps

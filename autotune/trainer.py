@@ -49,6 +49,7 @@ optimizer step), distributed.py (Solo/Ranks, the agreement), knobs.py + dispatch
 
 from __future__ import annotations
 
+import functools
 import gc
 import signal
 import time
@@ -70,6 +71,7 @@ from autotune.distributed import from_environment
 from autotune.evaluation import Evaluator, Metric
 from autotune.events import Event
 from autotune.memory import memory_text
+from autotune.monitor.host import host_sample
 from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
@@ -220,7 +222,8 @@ class AutoTrainer:
                                    metrics=metrics, journal=self.journal)
         self.metrics: dict[str, float] = {}  # the last evaluation's
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=keep_checkpoints, every=checkpoint_every,
-                                         interval=checkpoint_interval, ranks=self.ranks, journal=self.journal)
+                                         interval=checkpoint_interval, ranks=self.ranks, journal=self.journal,
+                                         room_bytes=functools.partial(_host_room, self.knobs, self.device))
         self._loader_version = self.knobs.loader_version
         self._stop_request: str | None = None  # request_stop's reason
         self._closed = False
@@ -275,7 +278,9 @@ class AutoTrainer:
                 while self.epoch < epochs and (max_steps is None or self.step < max_steps) \
                         and self._stop_request is None:
                     epoch_loss = self._train_epoch(max_steps)
-            self._checkpoint("end" if self._stop_request is None else "stop_requested")
+            # Written in the background: fit returns while it is fsynced (close(), the next save or
+            # load, and the interpreter's exit wait for it).
+            self._checkpoint("end" if self._stop_request is None else "stop_requested", background=True)
         except BaseException as exc:
             # On the record before it propagates, so a crashed run's journal says why it ended.
             self.journal.write("fit_failed", self.step, self.epoch, error=f"{type(exc).__name__}: {exc}"[:500],
@@ -335,6 +340,7 @@ class AutoTrainer:
         if self._closed:
             return
         self._closed = True
+        self.checkpointer.wait()  # a checkpoint still being written: on disk, and journaled, first
         self.tuner.close()
 
     def __enter__(self) -> "AutoTrainer":
@@ -385,7 +391,8 @@ class AutoTrainer:
                 self.evaluate()
             # After the step's callbacks and evaluation: a resume from this checkpoint has seen them.
             if agreed.checkpoint_due:
-                self._checkpoint("every" if agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
+                self._checkpoint("every" if agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval",
+                                 background=True)
             if self._stop_requested():
                 finished_epoch = False
                 break
@@ -458,11 +465,20 @@ class AutoTrainer:
             self.evaluator.load_state_dict(state["evaluation"])
         self.callbacks.load_state_dict(state.get("callbacks", {}))
 
-    def _checkpoint(self, reason: str, report_failure: bool = True) -> Path | None:
+    def _checkpoint(self, reason: str, report_failure: bool = True, background: bool = False) -> Path | None:
         try:
             return self.checkpointer.save(reason, self.state_dict, self.step, self.epoch,
                                           failure=self.core.failure if report_failure else None,
-                                          position=self.position, samples_seen=self.samples_seen)
+                                          background=background, position=self.position,
+                                          samples_seen=self.samples_seen)
         except RankFailed as exc:  # another rank's optimizer step ran out of memory
             self.tuner.give_up_on_the_step(str(exc))
             return None
+
+
+def _host_room(knobs: Any, device: torch.device) -> int | None:
+    # A background checkpoint copies the state into host memory: the room under the host's
+    # tightest limit (the memory cap too, training on CPU); None where it cannot be told.
+    # A function of the knobs, not a method: the checkpointer holds it, and no cycle holds the trainer.
+    sample = host_sample(knobs.memory_cap_bytes if device.type == "cpu" else None)
+    return None if sample.cap_bytes is None or sample.used_bytes is None else sample.cap_bytes - sample.used_bytes

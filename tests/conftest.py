@@ -45,7 +45,12 @@ def run_python(script: str, tmp_path: Path, timeout: float = 120,
 
 
 def journal(run_dir: Path) -> list[dict]:
+    """The run's journal records, once any checkpoint this process writes in the background is on disk
+    (its line is written then)."""
+    from autotune.checkpoint import wait_for_writes
     from autotune.journal import read_journal
+
+    wait_for_writes()
 
     return list(read_journal(Path(run_dir) / "events.jsonl"))
 

@@ -29,7 +29,8 @@ def test_a_normal_run(tmp_path, capsys):
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(512, 8), torch.randint(0, 2, (512,)))
     trainer = AutoTrainer(nn.Linear(8, 2), data, loss_fn=nn.functional.cross_entropy, batch_size=32, device="cpu",
-                          progress=False, monitor=False, run_dir=tmp_path / "run", policies="conservative")
+                          progress=False, monitor=False, run_dir=tmp_path / "run", policies="conservative",
+                          num_workers=1)  # as tune_workers would pick at step 20: its 0.3 s start-up no longer a gap
     result = trainer.fit(epochs=2)
     summary = summarize(tmp_path / "run")
     assert summary["status"] == "finished" and summary["samples_seen"] == 1024 and summary["steps"] == result.steps
