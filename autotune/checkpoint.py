@@ -5,13 +5,13 @@ to a temporary file, fsynced, renamed into place and the folder fsynced, so a ki
 moment leaves either the old set or the new one, never a half file under a real name.
 Loading uses `weights_only=True`: a checkpoint holds tensors and plain data, never code.
 
-The checkpoints training goes on from (every N steps, every T seconds, the end of a fit) are
-written in the background: the state is serialized in the caller's thread, so what is saved is
-the state at that moment, and the bytes are written, fsynced and renamed on a thread while
-training goes on (the fsync of a 22 MB file took 40-300 ms here). One write at a time per
-folder: the next save, a load, a listing and `close()` wait for it, and so does the interpreter's
-exit. Where a copy of the state would not fit in a quarter of the memory left, or the thread
-cannot start, the write is synchronous, as are the checkpoints before an error or a stop.
+The end-of-fit checkpoint is written in the background: the state is serialized in the caller's
+thread, so what is saved is the state at that moment, and the bytes are written, fsynced and
+renamed on a thread while `fit` returns (the fsync of a 22 MB file took 40-300 ms here). One
+write at a time per folder: the next save, a load, a listing and `close()` wait for it, and so
+does the interpreter's exit. Where a copy of the state would not fit in a quarter of the memory
+left, or the thread cannot start, the write is synchronous. Periodic checkpoints stay
+synchronous: one of step N is on disk before step N+1 starts, whatever kills the run after.
 """
 
 from __future__ import annotations

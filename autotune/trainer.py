@@ -391,8 +391,7 @@ class AutoTrainer:
                 self.evaluate()
             # After the step's callbacks and evaluation: a resume from this checkpoint has seen them.
             if agreed.checkpoint_due:
-                self._checkpoint("every" if agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval",
-                                 background=True)
+                self._checkpoint("every" if agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
             if self._stop_requested():
                 finished_epoch = False
                 break
