@@ -57,7 +57,8 @@ def test_accumulating_micro_batches_matches_the_whole_batch(tmp_path):
     data = make_data(n=60)
     whole = trainer(tmp_path / "a", data=data, batch_size=20, shuffle=False)
     whole.fit(epochs=2)
-    micro = trainer(tmp_path / "b", data=data, batch_size=20, micro_batch_size=7, shuffle=False)
+    # No policies: fit_micro_batch would (rightly) grow the micro-batch of 7 that this test keeps
+    micro = trainer(tmp_path / "b", data=data, batch_size=20, micro_batch_size=7, shuffle=False, policies=[])
     result = micro.fit(epochs=2)
     for a, b in zip(whole.model.parameters(), micro.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -65,7 +66,8 @@ def test_accumulating_micro_batches_matches_the_whole_batch(tmp_path):
 
 
 def test_without_keep_effective_batch_each_micro_batch_is_a_step(tmp_path):
-    t = trainer(tmp_path, data=make_data(n=50), batch_size=20, micro_batch_size=8, keep_effective_batch=False)
+    t = trainer(tmp_path, data=make_data(n=50), batch_size=20, micro_batch_size=8, keep_effective_batch=False,
+                policies=[])  # the size stays 8 (fit_micro_batch would grow it)
     result = t.fit(epochs=1)
     # batches of 20, 20, 10 -> chunks of 8, 8, 4, 8, 8, 4, 8, 2
     assert result.steps == 8 and result.samples_seen == 50 and result.batch_size == 8
