@@ -248,3 +248,14 @@ def check_splittable(batch: Any, split_fn: SplitFn | None = None) -> int:
     if split_fn is None and n > 1:
         slice_batch(batch, 0, 1, n)
     return n
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the tensors in a (nested) structure: parameters, an optimizer's state, a checkpoint."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    if isinstance(tensors, dict):
+        return sum(tensor_bytes(v) for v in tensors.values())
+    if isinstance(tensors, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tensors)
+    return 0

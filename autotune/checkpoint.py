@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from loguru import logger
 
+from autotune.batching import tensor_bytes
 from autotune.preemption import Preempted
 
 _NAME = re.compile(r"^step-(\d{9,})\.pt$")
@@ -94,17 +95,6 @@ def _write_atomically(data: Any, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
-def state_bytes(state: Any) -> int:
-    """The bytes of the tensors in a (nested) state: about what serializing it takes."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(state_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(state_bytes(v) for v in state)
-    return 0
-
-
 _writing: dict[Path, threading.Thread] = {}  # folder -> its background write (one at a time)
 _writing_lock = threading.Lock()
 
@@ -156,7 +146,7 @@ class Checkpoints:
         `room_bytes` (the memory left, None: unknown), or the copy or the thread failed."""
         wait_for_writes(self.folder)
         started = time.perf_counter()
-        if room_bytes is not None and 4 * state_bytes(state) > room_bytes:
+        if room_bytes is not None and 4 * tensor_bytes(state) > room_bytes:
             return None
         try:
             buffer = io.BytesIO()

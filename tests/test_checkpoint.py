@@ -144,13 +144,14 @@ def test_close_waits_for_the_write_and_a_failed_one_is_journaled(tmp_path, monke
 
 
 def test_a_state_that_would_not_fit_beside_itself_is_written_at_once(tmp_path):
-    from autotune.checkpoint import Checkpointer, state_bytes
+    from autotune.batching import tensor_bytes
+    from autotune.checkpoint import Checkpointer
     from autotune.distributed import Solo
     from autotune.journal import Journal
 
     journal_file = tmp_path / "events.jsonl"
     state = {"w": torch.zeros(1000), "rng": rng_state()}
-    size = state_bytes(state)
+    size = tensor_bytes(state)
     assert size >= 4000  # the weights' 4000 bytes and the random states'
     checkpointer = Checkpointer(tmp_path / "ckpt", keep=2, every=None, interval=None, ranks=Solo(),
                                 journal=Journal(journal_file), room_bytes=lambda: 4 * size - 1)  # a copy: a quarter at most

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from autotune.batching import map_tensors
+from autotune.batching import map_tensors, tensor_bytes  # noqa: F401 (tensor_bytes: imported from here too)
 
 PRUNABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -251,14 +251,3 @@ def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         scheduler.optimizer = optimizer
     for inner in getattr(scheduler, "_schedulers", []):  # SequentialLR, ChainedScheduler
         rebind_scheduler(inner, optimizer)
-
-
-def tensor_bytes(tensors: Any) -> int:
-    """Bytes of the tensors in a (nested) structure: parameters, an optimizer's state."""
-    if isinstance(tensors, torch.Tensor):
-        return tensors.numel() * tensors.element_size()
-    if isinstance(tensors, dict):
-        return sum(tensor_bytes(v) for v in tensors.values())
-    if isinstance(tensors, (list, tuple)):
-        return sum(tensor_bytes(v) for v in tensors)
-    return 0
