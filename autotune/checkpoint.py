@@ -128,12 +128,15 @@ class Checkpoints:
         found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := _NAME.match(p.name))]
         return [p for _, p in sorted(found, reverse=True)]
 
+    def _path(self, step: int) -> Path:
+        return self.folder / f"step-{step:09d}.pt"  # what _NAME reads back
+
     def save(self, state: dict[str, Any], step: int) -> tuple[Path, float]:
         """Write `state` atomically as the checkpoint of `step`; returns (path, seconds taken)."""
         wait_for_writes(self.folder)  # in order: an older one in progress first
         started = time.perf_counter()
         self.folder.mkdir(parents=True, exist_ok=True)
-        final = self.folder / f"step-{step:09d}.pt"
+        final = self._path(step)
         _write_atomically(state, final)
         self._prune()
         return final, time.perf_counter() - started
@@ -155,7 +158,7 @@ class Checkpoints:
             logger.debug(f"checkpoint of step {step}: no background write ({type(exc).__name__}: {exc})")
             return None
         self.folder.mkdir(parents=True, exist_ok=True)
-        final = self.folder / f"step-{step:09d}.pt"
+        final = self._path(step)
         serialized = time.perf_counter() - started
         thread = threading.Thread(target=self._write, args=(buffer, final, done), name="autotune-checkpoint")
         with _writing_lock:
