@@ -26,6 +26,8 @@ def tensor_bytes(tensors: Any, device: torch.device) -> int:
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != device.type:
             continue
+        if hasattr(tensor, "to_local"):  # a DTensor (FSDP2's parameters): this rank's shard is what it holds
+            tensor = tensor.to_local()
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key in seen or storage.nbytes() == 0:

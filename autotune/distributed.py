@@ -32,9 +32,11 @@ from typing import Any, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
+from loguru import logger
 from torch import nn
 
 from autotune.actions import Relief, relief_from_ints, relief_to_ints
+from autotune.sharded import ShardedSteps, is_sharded, shard as shard_blocks
 
 
 _NOTHING_TO_SYNC = contextlib.nullcontext()  # reusable: one for every step alone
@@ -56,6 +58,7 @@ class Solo:
     """A process training alone: every agreement is its own proposal; no collective, no wrapper."""
 
     rank, world, local_rank, is_main = 0, 1, 0, True
+    sharded: ShardedSteps | None = None  # alone, nothing is sharded (FSDP2 needs torchrun)
 
     def device_for(self, device: str | torch.device | None, keep_effective_batch: bool) -> str | torch.device | None:
         return device
@@ -63,7 +66,7 @@ class Solo:
     def join(self, device: torch.device) -> None:
         pass
 
-    def wrap(self, model: nn.Module, device: torch.device) -> None:
+    def wrap(self, model: nn.Module, device: torch.device, shard: bool = False) -> None:
         pass
 
     def module(self, model: nn.Module) -> nn.Module:
@@ -72,6 +75,13 @@ class Solo:
 
     def no_sync(self) -> ContextManager[Any]:
         return _NOTHING_TO_SYNC
+
+    def end_attempt(self, failed: bool, peer_failed: bool) -> bool:
+        """After an attempt: whether another rank failed after this one's was done (alone: never)."""
+        return False
+
+    def reset_after_failure(self) -> None:
+        """After a failed attempt, before its gradients are dropped (alone: nothing to reset)."""
 
     def agree(self, mine: Agreement, device: torch.device) -> Agreement:
         return mine
@@ -124,6 +134,7 @@ class Ranks:
         self.is_main = rank == 0
         self.ddp: nn.parallel.DistributedDataParallel | None = None
         self.bucket: GradientBucket | None = None
+        self.sharded: ShardedSteps | None = None  # an FSDP2 model's checks and resets (sharded.py)
 
     def __repr__(self) -> str:
         return f"Ranks(rank={self.rank}, world={self.world}, local_rank={self.local_rank})"
@@ -149,9 +160,18 @@ class Ranks:
             atexit.register(_leave_process_group)
         atexit.register(_drop_wrapper, weakref.ref(self))
 
-    def wrap(self, model: nn.Module, device: torch.device) -> None:
+    def wrap(self, model: nn.Module, device: torch.device, shard: bool = False) -> None:
         """Wrap the model in DDP and bind its gradients to one flat buffer; again after pruning
-        replaced its parameters (every rank prunes alike, at the same step)."""
+        replaced its parameters (every rank prunes alike, at the same step). A model sharded
+        with FSDP2 (by its user, or here with `shard=True`) is not wrapped: its exchanges are
+        checked instead (sharded.py)."""
+        if shard and not is_sharded(model):
+            blocks = shard_blocks(model)
+            logger.info(f"sharded with FSDP2: {len(blocks)} blocks ({', '.join(blocks[:3])}"
+                        f"{', ...' if len(blocks) > 3 else ''}) and the root")
+        if is_sharded(model):
+            self.sharded = ShardedSteps(model, device)
+            return
         # DDP broadcasts rank 0's weights and buffers now; its own gradient sync is never
         # used (always no_sync): gradients are averaged after the ranks agree.
         # Buffers are synced once at init, never in forward (a forward-time broadcast is a
@@ -169,6 +189,14 @@ class Ranks:
     def no_sync(self) -> ContextManager[Any]:
         # DDP must not all-reduce inside backward: a rank may still fail.
         return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+
+    def end_attempt(self, failed: bool, peer_failed: bool) -> bool:
+        # Sharded: the attempt's last check (a rank that failed late meets it here).
+        return self.sharded.end_attempt(failed, peer_failed) if self.sharded is not None else False
+
+    def reset_after_failure(self) -> None:
+        if self.sharded is not None:
+            self.sharded.reset()
 
     def agree(self, mine: Agreement, device: torch.device) -> Agreement:
         """One small all-reduce (element-wise maximum) per attempt; every rank must call it."""
@@ -208,6 +236,13 @@ class Ranks:
             self.bucket.average(self.world)
 
     def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
+        if self.sharded is not None:
+            # Sharded, every rank weighted its micro-batches by raw items (ref 1: see StepCore.attempt)
+            # and FSDP2 averaged the gradients over ranks: times world over every rank's items.
+            total = torch.as_tensor(items, dtype=torch.float64).reshape(1).to(grads[0].device if grads else "cpu")
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            torch._foreach_mul_(grads, self.world / max(float(total), 1.0))
+            return
         # Each rank's gradient back to its raw sum over items, summed over ranks with the items
         # themselves in the same all-reduce, then divided by every rank's items together.
         self.bucket.sum_over_items(ref, items)

@@ -41,6 +41,7 @@ from autotune.distributed import Ranks, Solo
 from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.progress import Progress
 from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
+from autotune.sharded import PeerFailed
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 StepFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]"]
@@ -92,6 +93,12 @@ class Attempt:
     # failed attempt's tensors) to re-raise as it is if it persists at micro-batch 1
     not_supported: BaseException | None = None
     started: float = 0.0  # perf_counter when the work an OOM throws away began
+    peer_failed: bool = False  # another rank ran out of memory in this attempt (sharded.py)
+
+    def discard(self) -> None:
+        """The attempt failed: its accumulated losses and items count for nothing."""
+        self.losses.parts.clear()
+        self.items, self.ref = None, None
 
 
 @dataclasses.dataclass
@@ -224,9 +231,14 @@ class StepCore:
         result = Attempt(None, done, Losses(additive=additive), started=time.perf_counter())
         if self.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
+        sharded = self.ranks.sharded
+        seen = done
         try:
             with self.ranks.no_sync():
                 for micro, m in micro_batches(batch, size, start=done, split_fn=self.split_fn, total=n):
+                    seen += m
+                    if sharded is not None:  # FSDP2 reduce-scatters in the batch's last backward only
+                        sharded.micro_batch(last=seen >= n)
                     inject = self._draw_injection(size)
                     if inject == "forward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
@@ -252,11 +264,17 @@ class StepCore:
                         self._backward(loss * (m / n) if m != n else loss)
                     else:
                         if result.ref is None:
-                            result.ref = _at_least_one(items * (n / m) if m != n else items)
+                            # Sharded, FSDP2 sums the ranks' gradients before anyone knows every
+                            # rank's items: each weights by raw items (ref 1), divided after.
+                            result.ref = 1 if sharded is not None else _at_least_one(items * (n / m) if m != n else items)
                         self._backward(loss * (items / result.ref))
                         result.items = items if result.items is None else result.items + items
                     result.losses.parts.append((loss.detach(), weight))
                     del loss
+        except PeerFailed:
+            # Another rank ran out of memory: this one's attempt stops at the same check, and is retried with it.
+            result.peer_failed = True
+            result.discard()
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -269,8 +287,7 @@ class StepCore:
                     raise  # nothing smaller to try, and it may not be memory: the error as it is
                 result.not_supported = exc.with_traceback(None)
             if not stepping:
-                result.losses.parts.clear()
-                result.items, result.ref = None, None
+                result.discard()
         return result
 
     def _draw_injection(self, size: int) -> str | None:
@@ -380,7 +397,7 @@ class StepCore:
                 "injector": [version, list(keys), gauss]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.optimizer is not None:
+        if self.optimizer is not None and state["optimizer"] is not None:  # None: loaded by the caller (sharded)
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])

@@ -157,6 +157,10 @@ class AutoTrainer:
             many) with their Python stacks, and write `run_dir/oom-<step>.pickle` at each OOM,
             for https://pytorch.org/memory_viz; the journal and `autotune report` name the
             largest allocation sites (see memory_history.py).
+        shard: under torchrun, shard the model with FSDP2 (`fully_shard` on each repeated block,
+            then the root) instead of replicating it with DDP. A model you sharded yourself is
+            trained as it is. Either way an OOM on any rank, in forward or backward, is retried
+            by every rank at the same smaller micro-batch (see sharded.py). Alone, ignored.
     """
 
     def __init__(self, model: nn.Module, dataset: Dataset | DataLoader, *,
@@ -176,7 +180,7 @@ class AutoTrainer:
                  eval_dataset: Dataset | DataLoader | None = None, eval_every: int | str | None = None,
                  eval_batch_size: int | None = None, metrics: Mapping[str, Metric] | None = None,
                  callbacks: Sequence[Any] | None = None, compile: bool | dict[str, Any] = False,
-                 memory_snapshot: bool | int = False):
+                 memory_snapshot: bool | int = False, shard: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if (loss_fn is None) == (step_fn is None):
@@ -205,7 +209,7 @@ class AutoTrainer:
                            scheduler_interval=scheduler_interval, split_fn=split_fn, run_dir=run_dir,
                            monitor=monitor, monitor_interval=monitor_interval, tensorboard=tensorboard,
                            inject_oom=inject_oom, seed=seed, compile=compile, progress=progress, ranks=ranks,
-                           counters=self.progress, memory_snapshot=memory_snapshot)
+                           counters=self.progress, memory_snapshot=memory_snapshot, shard=shard)
         self.tuner.input_state = self.input.state
         self.tuner.save_checkpoints_with(self._checkpoint)
         self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir

@@ -65,6 +65,7 @@ from autotune.policy import Policy
 from autotune.presets import resolve_policies
 from autotune.progress import Progress
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
+from autotune.sharded import full_state, load_full_state
 from autotune.snapshot import InputState, Snapshot, StepTiming
 from autotune.step import Attempt, LossFn, Losses, StepCore, StepFn
 from autotune.validate import check_int
@@ -116,7 +117,7 @@ class Tuner:
             step (True), or step on each smaller chunk (False).
         device, policies, memory_cap, precision, clip_grad_norm, clip_grad_value, split_fn,
         run_dir, monitor, monitor_interval, tensorboard, inject_oom, seed, compile,
-        memory_snapshot: as for `AutoTrainer`.
+        memory_snapshot, shard: as for `AutoTrainer`.
         reliefs: let policies change the model (autocast, activation checkpointing, pruning)
             at the smallest micro-batch; False where another framework owns the optimizer.
         owns_optimizer: False where another trainer steps the optimizer and wraps the model
@@ -136,7 +137,7 @@ class Tuner:
                  inject_oom: float | None = None, seed: int = 0, compile: bool | dict[str, Any] = False,
                  reliefs: bool = True, progress: bool = False, owns_optimizer: bool = True,
                  ranks: Solo | Ranks | None = None, counters: Progress | None = None,
-                 memory_snapshot: bool | int = False):
+                 memory_snapshot: bool | int = False, shard: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and step_fn is not None:
@@ -155,7 +156,7 @@ class Tuner:
             self.ranks.join(self.device)
         self.model = model.to(self.device)
         if owns_optimizer:
-            self.ranks.wrap(self.model, self.device)
+            self.ranks.wrap(self.model, self.device, shard=shard)
         # Before any file is written: a bad optimizer is an error with nothing left behind
         # (and the first optimizer of a process imports torch._dynamo: seconds).
         optimizer = make_optimizer(optimizer, self.model) if owns_optimizer else None
@@ -312,7 +313,11 @@ class Tuner:
             if measured:
                 self.demand.start(self.knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
                 rebase = False
+            if self.ranks.sharded is not None:
+                self.knobs.follow(self.ranks.sharded.same_size(self.knobs.micro_batch_size))
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
+            if self.ranks.end_attempt(attempt.failed_size is not None, attempt.peer_failed):
+                attempt.discard()  # sharded: another rank failed, during this attempt or after it
             done = attempt.done
             if losses is None:
                 losses = attempt.losses
@@ -351,6 +356,7 @@ class Tuner:
 
     def _recover_from_oom(self, failed_size: int, tried: list[int], attempt: Attempt) -> None:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""
+        self.ranks.reset_after_failure()  # sharded: FSDP2's state as before the attempt
         self.core.zero_grad()  # partial gradients of the failed batch must not leak into the retry
         free_memory(self.device)
         held, gradients, cached = self.demand.take_failure()
@@ -477,8 +483,11 @@ class Tuner:
         """What continuing exactly needs, for your own checkpoints: the model's weights, the
         optimizer, scheduler and gradient scaler, the micro-batch, reliefs, policy states,
         counters and random states. Load it with `load_state_dict` on a Tuner built alike."""
-        return {"format": 1, "model": self.model.state_dict(), **self.core.state_dict(), **self.tuning_state(),
-                **self.progress.state_dict(), "rng": rng_state()}
+        state = {"format": 1, "model": self.model.state_dict(), **self.core.state_dict(), **self.tuning_state(),
+                 **self.progress.state_dict(), "rng": rng_state()}
+        if self.ranks.sharded is not None:  # the whole model and optimizer, gathered from the shards
+            state["model"], state["optimizer"] = full_state(self.model, self.core.optimizer)
+        return state
 
     def tuning_state(self) -> dict[str, Any]:
         """Only what the tuner itself decided: micro-batch, reliefs, policy states (an integration's
@@ -490,7 +499,11 @@ class Tuner:
         """Restore what `state_dict` returned (the reliefs first: a pruned model's weights fit
         only a pruned model)."""
         self.load_tuning_state(state)
-        self.model.load_state_dict(state["model"])
+        if self.ranks.sharded is not None:  # each rank takes its shards of the whole
+            load_full_state(self.model, self.core.optimizer, state["model"], state["optimizer"])
+            state = {**state, "optimizer": None}
+        else:
+            self.model.load_state_dict(state["model"])
         self.core.load_state_dict(state)
         self.progress.load_state_dict(state)
         set_rng_state(rank_rng_state(state, self.ranks.rank, self.ranks.world))

@@ -1,0 +1,209 @@
+"""FSDP2 (`fully_shard`) under torchrun: an OOM on any rank, and no rank left in a collective.
+
+DDP exchanges gradients once, after the ranks agree (distributed.py). FSDP2 exchanges inside
+every forward and backward: an all-gather of a block's parameters before the block runs
+(forward, and again in backward), a reduce-scatter of its gradients after its backward. A rank
+that runs out of memory in between leaves the others waiting in the next exchange. So every
+FSDP2 exchange is preceded here by a *check*: a one-number all-reduce on a side gloo group
+that says whether any rank has failed. On the host: a CUDA OOM is raised on the host when an
+allocation fails, so the check needs no device synchronisation.
+
+    every rank, one attempt at a batch:
+      before each FSDP2 all-gather / reduce-scatter:  check(0); a 1 back -> raise PeerFailed
+      the attempt done:                               check(0); a 1 back -> the attempt failed elsewhere
+    a rank whose attempt ran out of memory:           check(1), once, outside its `except`
+
+The check sits inside FSDP2's communication hook (`set_custom_all_gather` /
+`set_custom_reduce_scatter`), after FSDP2 allocated the exchange's buffers: an OOM while
+allocating them is caught like any other. Every rank makes the same checks in the same
+order until one fails; the failing rank's check(1) meets the others' next check, whichever it
+is, so each rank makes exactly as many checks as the others, and the agreement that follows
+(distributed.py's `Agreement`) pairs up as it does under DDP.
+
+After a failed attempt every rank resets FSDP2's state: `reset_iter_state()` on the root
+(in-flight exchanges waited for, parameters resharded, iteration trackers cleared), and the
+unsharded gradients it leaves behind dropped (those of a backward cut short, and those a
+`no_sync` accumulation held). Micro-batches accumulate through FSDP2's own no-sync path:
+gradients are reduce-scattered in the last micro-batch's backward only.
+
+FSDP2's parameter groups and their unsharded gradients are private in torch 2.14; this file
+is the only one that reads them (`_param_groups`, `_drop_unsharded_gradients`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autotune.relief.checkpointing import repeated_blocks
+
+
+class PeerFailed(RuntimeError):
+    """Raised out of forward or backward on a rank whose peer ran out of memory in this attempt."""
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that `fully_shard` was applied to (the root first, if it is one)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` is (or holds) a module sharded with FSDP2's `fully_shard`."""
+    return bool(fsdp_modules(model))
+
+
+def shard(model: nn.Module) -> list[str]:
+    """`fully_shard` the model's repeated blocks (the ones the checkpointing relief finds: transformer
+    layers, ResNet blocks), then the root. Returns the blocks' names."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = repeated_blocks(model)
+    for _, block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return [name for name, _ in blocks]
+
+
+class ShardedSteps:
+    """The checks around FSDP2's exchanges, the no-sync switch, and the reset after a failure,
+    for one sharded model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        root = fsdp_modules(model)
+        if not root or root[0] is not model:
+            raise ValueError("a sharded model must be fully_shard-ed at its root too (fully_shard(model) after its "
+                             "blocks): autotune resets FSDP2's state through the root after an OOM")
+        self.model, self.modules = model, root
+        # Checks on a gloo group of their own: host memory, never in the way of the device's
+        # streams, and never interleaved with FSDP2's own (possibly asynchronous) exchanges.
+        self.group = dist.new_group(backend="gloo")
+        self.flag = torch.zeros(1, dtype=torch.int64)
+        self.checks = 0  # made in this process (a test reads it: every rank makes as many)
+        self._syncing = True  # what set_requires_gradient_sync was last told
+        for module in self.modules:
+            _check_exchanges(module, self.check)
+
+    def check(self, failed: bool = False) -> bool:
+        """Join the other ranks' check (each rank makes it at the same point): whether any rank failed."""
+        self.checks += 1
+        self.flag.fill_(int(failed))
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(self.flag.item())
+
+    def same_size(self, micro_batch_size: int) -> int:
+        """Rank 0's micro-batch, before an attempt: every rank must run as many micro-batches (as many
+        exchanges). Under DDP a rank may differ until the agreement; here a policy that moved one
+        rank's size after the last agreement would leave the ranks in different exchanges."""
+        size = torch.tensor([micro_batch_size], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        return int(size.item())
+
+    def micro_batch(self, last: bool) -> None:
+        """Before a micro-batch's backward: reduce-scatter gradients only in the batch's last one."""
+        if last != self._syncing:
+            self.model.set_requires_gradient_sync(last)
+            self._syncing = last
+
+    def end_attempt(self, failed: bool, peer_failed: bool) -> bool:
+        """After an attempt (outside its `except`): the last check of it. Returns whether another
+        rank failed after this one's attempt was done (then this attempt counts as failed too)."""
+        if peer_failed:
+            return True  # the check that told it was this attempt's last
+        return self.check(failed) and not failed
+
+    def reset(self) -> None:
+        """After a failed attempt, on every rank: FSDP2's state as before the attempt, no gradients held."""
+        self.model.reset_iter_state()
+        _drop_unsharded_gradients(self.modules)
+        self.micro_batch(True)
+
+
+def _check_exchanges(module: nn.Module, check: Callable[[bool], bool]) -> None:
+    """Put a check before every all-gather and reduce-scatter FSDP2 makes for `module`."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    def before_exchange() -> None:
+        if check(False):
+            raise PeerFailed("another rank ran out of memory in this attempt")
+
+    class CheckedAllGather(AllGather):
+        def __init__(self, inner: Any):
+            self.inner = inner
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> Any:
+            before_exchange()
+            return self.inner(output_tensor, input_tensor, group, async_op)
+
+    class CheckedReduceScatter(ReduceScatter):
+        def __init__(self, inner: Any):
+            self.inner = inner
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            before_exchange()
+            return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+    groups = _param_groups(module)
+    if not groups:
+        return  # a module with no parameters of its own: FSDP2 exchanges nothing for it
+    if len(groups) > 1:
+        raise ValueError(f"{type(module).__name__} is sharded in {len(groups)} parameter groups "
+                         "(shard_placement_fn): autotune can check the exchanges of one group per module only")
+    # Wrapping the comm in place keeps a custom one the user set (FSDP2's default otherwise).
+    module.set_custom_all_gather(CheckedAllGather(groups[0]._all_gather_comm))
+    module.set_custom_reduce_scatter(CheckedReduceScatter(groups[0]._reduce_scatter_comm))
+
+
+def _param_groups(module: nn.Module) -> list[Any]:
+    # torch 2.14 private: the FSDP2 state's parameter groups (each with its comms and FSDPParams).
+    return list(module._get_fsdp_state()._fsdp_param_groups)
+
+
+def _drop_unsharded_gradients(modules: list[nn.Module]) -> None:
+    # reset_iter_state() reshards the parameters but leaves the gradients autograd wrote onto
+    # the unsharded ones (a group whose post-backward never ran: the root's, in a backward cut
+    # short) and no_sync's accumulated ones: the retry would add them in. torch 2.14 private.
+    for module in modules:
+        for group in _param_groups(module):
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None
+                unsharded = getattr(param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
+    """The whole model's weights and optimizer state as full tensors on the host, gathered from
+    every rank's shards (every rank calls it; rank 0 gets them, the others empty dicts)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    return weights, get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
+                    optimizer_state: Any) -> None:
+    """Put what `full_state` returned back into the shards (every rank, each from the whole state)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, weights, options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
