@@ -81,6 +81,7 @@ class ShardedSteps:
             raise ValueError("a sharded model must be fully_shard-ed at its root too (fully_shard(model) after its "
                              "blocks): autotune resets FSDP2's state through the root after an OOM")
         self.model, self.modules = model, root
+        self.rank = dist.get_rank()
         # Checks on a gloo group of their own: host memory, never in the way of the device's
         # streams, and never interleaved with FSDP2's own (possibly asynchronous) exchanges.
         self.group = dist.new_group(backend="gloo")
@@ -97,13 +98,19 @@ class ShardedSteps:
         dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(self.flag.item())
 
-    def same_size(self, micro_batch_size: int) -> int:
+    def same_size(self, micro_batch_size: int, n: int) -> int:
         """Rank 0's micro-batch, before an attempt: every rank must run as many micro-batches (as many
         exchanges). Under DDP a rank may differ until the agreement; here a policy that moved one
-        rank's size after the last agreement would leave the ranks in different exchanges."""
-        size = torch.tensor([micro_batch_size], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
-        return int(size.item())
+        rank's size after the last agreement would leave the ranks in different exchanges. A batch
+        of another length on some rank would too: that is an error, on every rank."""
+        values = torch.tensor([micro_batch_size if self.rank == 0 else 0, n, -n], dtype=torch.int64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        size, longest, shortest = int(values[0]), int(values[1]), -int(values[2])
+        if longest != shortest:
+            raise ValueError(f"under FSDP2 every rank's batch must hold as many samples; this step's hold {shortest} "
+                             f"to {longest}: use a sampler that pads every rank's share to the same length (AutoTrainer's "
+                             "own does, as DistributedSampler does) or drop_last=True")
+        return size
 
     def micro_batch(self, last: bool) -> None:
         """Before a micro-batch's backward: reduce-scatter gradients only in the batch's last one."""

@@ -314,7 +314,7 @@ class Tuner:
                 self.demand.start(self.knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
                 rebase = False
             if self.ranks.sharded is not None:
-                self.knobs.follow(self.ranks.sharded.same_size(self.knobs.micro_batch_size))
+                self.knobs.follow(self.ranks.sharded.same_size(self.knobs.micro_batch_size, n))
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
             if self.ranks.end_attempt(attempt.failed_size is not None, attempt.peer_failed):
                 attempt.discard()  # sharded: another rank failed, during this attempt or after it

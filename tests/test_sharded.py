@@ -1,0 +1,149 @@
+"""FSDP2 under torchrun: two gloo ranks on CPU, a 4-block transformer sharded per block
+(`AutoTrainer(shard=True)`). A real OOM on rank 1 only (RLIMIT_AS), in forward or in backward,
+inside block 2: no rank is left in an all-gather or reduce-scatter, both retry the same batch
+at the same smaller micro-batch, and the weights equal a run without OOMs. Killed with SIGKILL
+on both ranks and resumed, a run ends with the weights of one that was not killed."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import journal, torchrun
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = r'''
+import json, os, signal, sys, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from autotune import AutoTrainer
+from autotune.limits import cap_address_space, lift_address_space_cap
+from autotune.sharded import full_state, is_sharded
+
+run_dir, phase, capped, mode = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+rank = int(os.environ["RANK"])
+HOG = 2**20  # bytes per sample block 2 allocates: activations that grow with the micro-batch
+VOCAB, WIDTH, LENGTH = 64, 32, 16
+
+class Hog(torch.autograd.Function):
+    """HOG bytes per sample in forward or in backward: a real allocation the cap can refuse."""
+    @staticmethod
+    def forward(ctx, x):
+        if phase == "forward":
+            torch.empty(HOG * x.shape[0], dtype=torch.uint8).fill_(1)
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, grad):
+        if phase == "backward":
+            torch.empty(HOG * grad.shape[0], dtype=torch.uint8).fill_(1)
+        return grad
+
+class Block(nn.Module):
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+        self.norm1, self.attn = nn.LayerNorm(WIDTH), nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        self.norm2 = nn.LayerNorm(WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        if self.index == 2:
+            x = Hog.apply(x)
+        return x + self.mlp(self.norm2(x))
+
+class Transformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block(i) for i in range(4))
+        self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+def loss_fn(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+class KillAtStep5:
+    """SIGKILL on both ranks after step 5 (checkpoints at 3 and 6): nothing is saved on the way out."""
+    def on_step_end(self, trainer):
+        if trainer.step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(0)
+tokens = torch.randint(0, VOCAB, (512, LENGTH + 1), generator=g)
+data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+model = Transformer()
+trainer = AutoTrainer(model, data, loss_fn=loss_fn, batch_size=64, device="cpu", shard=True,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), run_dir=run_dir,
+                      progress=False, monitor=False, checkpoint_interval=None, checkpoint_every=3,
+                      callbacks=[KillAtStep5()] if mode == "kill" else None)
+assert is_sharded(model)
+loss_fn(model(tokens[:2, :-1]), tokens[:2, 1:]).backward()  # warm up before the cap
+model.zero_grad(set_to_none=True)
+if capped and rank == 1:
+    cap_address_space(40 * 2**20)  # 64 samples x 1 MiB cannot be had; 32 can
+result = trainer.fit(epochs=2, resume=mode == "resume")
+lift_address_space_cap()
+weights, _ = full_state(model, None)
+if rank == 0:
+    torch.save(weights, os.path.join(run_dir, "final.pt"))
+with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
+    json.dump({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen,
+               "steps": result.steps, "checks": trainer.ranks.sharded.checks}, f)
+trainer.close()
+'''
+
+
+def train(tmp_path, name, phase="forward", capped=False, mode="train", expect_success=True):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    run_dir = tmp_path / name
+    results = [run_dir / f"rank{r}.json" for r in (0, 1)]
+    proc = torchrun(script, [str(run_dir), phase, "1" if capped else "0", mode], results, timeout=180,
+                    expect_success=expect_success)
+    if not expect_success:
+        return proc, run_dir
+    ranks = [json.loads(path.read_text()) for path in results]
+    return ranks, torch.load(run_dir / "final.pt", weights_only=True), run_dir
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("clean"), "clean")
+
+
+def assert_same_weights(weights, reference):
+    assert weights.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(weights[key], reference[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_an_oom_on_one_rank_of_a_sharded_model_is_survived_by_both(tmp_path, clean, phase):
+    clean_ranks, clean_weights, _ = clean
+    ranks, weights, run_dir = train(tmp_path, phase, phase, capped=True)
+    assert clean_ranks[0]["ooms"] == 0 and clean_ranks[0]["micro"] == 64
+    assert ranks[0]["micro"] == ranks[1]["micro"] < 64  # the same new size on both ranks
+    assert ranks[0]["ooms"] == ranks[1]["ooms"] >= 1  # both saw the agreed failure
+    assert ranks[0]["samples"] == ranks[1]["samples"] == clean_ranks[0]["samples"] == 1024  # every sample once
+    # Every rank made as many checks as the other: none was left in an exchange the other skipped.
+    assert ranks[0]["checks"] == ranks[1]["checks"] > clean_ranks[0]["checks"]
+    assert_same_weights(weights, clean_weights)
+    assert any(r["kind"] == "oom" for r in journal(run_dir))  # journaled once, by rank 0
+
+
+def test_sigkill_of_both_ranks_then_resume_ends_with_the_uninterrupted_weights(tmp_path, clean):
+    _, clean_weights, _ = clean
+    proc, run_dir = train(tmp_path, "killed", mode="kill", expect_success=False)
+    assert proc.returncode != 0 and not (run_dir / "rank0.json").exists()
+    ranks, weights, _ = train(tmp_path, "killed", mode="resume")
+    resumes = [r for r in journal(run_dir) if r["kind"] == "resume"]
+    assert resumes and resumes[-1]["found"] and resumes[-1]["step"] == 3  # the checkpoint of step 3
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 8
+    assert_same_weights(weights, clean_weights)
