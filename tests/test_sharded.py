@@ -2,7 +2,8 @@
 (`AutoTrainer(shard=True)`). A real OOM on rank 1 only (RLIMIT_AS), in forward or in backward,
 inside block 2: no rank is left in an all-gather or reduce-scatter, both retry the same batch
 at the same smaller micro-batch, and the weights equal a run without OOMs. Killed with SIGKILL
-on both ranks and resumed, a run ends with the weights of one that was not killed."""
+on both ranks and resumed, a run ends with the weights of one that was not killed. Activation
+checkpointing applies to a sharded model; pruning is refused with its reason."""
 
 import json
 
@@ -86,6 +87,10 @@ trainer = AutoTrainer(model, data, loss_fn=loss_fn, batch_size=64, device="cpu",
 assert is_sharded(model)
 loss_fn(model(tokens[:2, :-1]), tokens[:2, 1:]).backward()  # warm up before the cap
 model.zero_grad(set_to_none=True)
+if mode == "reliefs":  # on every rank, as an agreed relief is carried out
+    from autotune.actions import CheckpointActivations, PruneChannels
+    assert trainer.tuner.carry_out(CheckpointActivations("test"))
+    assert not trainer.tuner.carry_out(PruneChannels(0.25, "test"))  # refused, journaled, nothing changed
 if capped and rank == 1:
     cap_address_space(40 * 2**20)  # 64 samples x 1 MiB cannot be had; 32 can
 result = trainer.fit(epochs=2, resume=mode == "resume")
@@ -147,3 +152,14 @@ def test_sigkill_of_both_ranks_then_resume_ends_with_the_uninterrupted_weights(t
     assert resumes and resumes[-1]["found"] and resumes[-1]["step"] == 3  # the checkpoint of step 3
     assert ranks[0]["steps"] == ranks[1]["steps"] == 8
     assert_same_weights(weights, clean_weights)
+
+
+def test_activation_checkpointing_works_on_a_sharded_model_and_pruning_is_refused_with_its_reason(tmp_path, clean):
+    _, clean_weights, _ = clean
+    ranks, weights, run_dir = train(tmp_path, "reliefs", "backward", capped=True, mode="reliefs")
+    records = journal(run_dir)
+    assert [r["blocks"] for r in records if r["kind"] == "relief"] == [["blocks.0", "blocks.1", "blocks.2", "blocks.3"]]
+    refused = [r for r in records if r["kind"] == "relief_failed"]
+    assert refused and refused[0]["relief"] == "pruning" and "sharded with FSDP2" in refused[0]["reason"]
+    assert ranks[0]["micro"] == ranks[1]["micro"] and ranks[0]["samples"] == 1024
+    assert_same_weights(weights, clean_weights)  # recomputed activations: the same arithmetic, OOM or not
