@@ -31,6 +31,7 @@ bench: install
 	$(PY) benchmarks/monitor.py
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/ddp.py
+	$(PY) benchmarks/fsdp.py
 	$(PY) benchmarks/batch_efficiency.py
 	$(PY) benchmarks/growing_memory.py --trials 5
 	$(PY) benchmarks/input_cache.py --trials 3

@@ -6,6 +6,7 @@ on both ranks and resumed, a run ends with the weights of one that was not kille
 checkpointing applies to a sharded model; pruning is refused with its reason."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -22,10 +23,21 @@ from autotune import AutoTrainer
 from autotune.limits import cap_address_space, lift_address_space_cap
 from autotune.sharded import full_state, is_sharded
 
-run_dir, phase, capped, mode = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+root, names = sys.argv[1], sys.argv[2].split(",")
 rank = int(os.environ["RANK"])
 HOG = 2**20  # bytes per sample block 2 allocates: activations that grow with the micro-batch
 VOCAB, WIDTH, LENGTH = 64, 32, 16
+CASES = {  # name: (OOM phase, rank 1 capped, mode, micro-batch, sharded)
+    "clean": ("forward", False, "train", None, True),
+    "forward": ("forward", True, "train", None, True),
+    "backward": ("backward", True, "train", None, True),
+    "reliefs": ("backward", True, "reliefs", None, True),
+    "items-ddp": ("forward", False, "items", None, False),
+    "items-split": ("forward", False, "items", 16, True),
+    "kill": ("forward", False, "kill", None, True),
+    "resume": ("forward", False, "resume", None, True),
+}
+phase = "forward"
 
 class Hog(torch.autograd.Function):
     """HOG bytes per sample in forward or in backward: a real allocation the cap can refuse."""
@@ -69,58 +81,86 @@ class Transformer(nn.Module):
 def loss_fn(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
+def items_step(model, micro):
+    """The mean over label tokens (padding is -100: each sample has its own count), and how many."""
+    inputs, targets = micro
+    logits = model(inputs)
+    return (nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100),
+            (targets != -100).sum())
+
 class KillAtStep5:
     """SIGKILL on both ranks after step 5 (checkpoints at 3 and 6): nothing is saved on the way out."""
     def on_step_end(self, trainer):
         if trainer.step == 5:
             os.kill(os.getpid(), signal.SIGKILL)
 
-torch.manual_seed(0)
-g = torch.Generator().manual_seed(0)
-tokens = torch.randint(0, VOCAB, (512, LENGTH + 1), generator=g)
-data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-model = Transformer()
-trainer = AutoTrainer(model, data, loss_fn=loss_fn, batch_size=64, device="cpu", shard=True,
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), run_dir=run_dir,
-                      progress=False, monitor=False, checkpoint_interval=None, checkpoint_every=3,
-                      callbacks=[KillAtStep5()] if mode == "kill" else None)
-assert is_sharded(model)
-loss_fn(model(tokens[:2, :-1]), tokens[:2, 1:]).backward()  # warm up before the cap
-model.zero_grad(set_to_none=True)
-if mode == "reliefs":  # on every rank, as an agreed relief is carried out
-    from autotune.actions import CheckpointActivations, PruneChannels
-    assert trainer.tuner.carry_out(CheckpointActivations("test"))
-    assert not trainer.tuner.carry_out(PruneChannels(0.25, "test"))  # refused, journaled, nothing changed
-if capped and rank == 1:
-    cap_address_space(40 * 2**20)  # 64 samples x 1 MiB cannot be had; 32 can
-result = trainer.fit(epochs=2, resume=mode == "resume")
-lift_address_space_cap()
-weights, _ = full_state(model, None)
-if rank == 0:
-    torch.save(weights, os.path.join(run_dir, "final.pt"))
-with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
-    json.dump({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen,
-               "steps": result.steps, "checks": trainer.ranks.sharded.checks}, f)
-trainer.close()
+for name in names:  # the cases one after another in one job: its start-up is paid once
+    phase, capped, mode, micro, sharded = CASES[name]
+    run_dir = os.path.join(root, "killed" if mode in ("kill", "resume") else name)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (512, LENGTH + 1), generator=g)
+    targets = tokens[:, 1:].clone()
+    if mode == "items":  # sample i keeps its first 1 + i % LENGTH labels: micro-batches hold unequal counts
+        targets[torch.arange(LENGTH)[None, :] > (torch.arange(512) % LENGTH)[:, None]] = -100
+    data = TensorDataset(tokens[:, :-1], targets)
+    model = Transformer()
+    trainer = AutoTrainer(model, data, batch_size=64, device="cpu", shard=sharded, micro_batch_size=micro,
+                          **({"step_fn": items_step} if mode == "items" else {"loss_fn": loss_fn}),
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), run_dir=run_dir,
+                          progress=False, monitor=False, checkpoint_interval=None, checkpoint_every=3,
+                          callbacks=[KillAtStep5()] if mode == "kill" else None)
+    assert is_sharded(model) == sharded
+    loss_fn(model(tokens[:2, :-1]), tokens[:2, 1:]).backward()  # warm up before the cap
+    model.zero_grad(set_to_none=True)
+    if mode == "reliefs":  # on every rank, as an agreed relief is carried out
+        from autotune.actions import CheckpointActivations, PruneChannels
+        assert trainer.tuner.carry_out(CheckpointActivations("test"))
+        assert not trainer.tuner.carry_out(PruneChannels(0.25, "test"))  # refused, journaled, nothing changed
+    if capped and rank == 1:
+        cap_address_space(40 * 2**20)  # 64 samples x 1 MiB cannot be had; 32 can
+    result = trainer.fit(epochs=2, resume=mode == "resume")
+    lift_address_space_cap()
+    weights = full_state(model, None)[0] if sharded else model.state_dict()
+    if rank == 0:
+        torch.save(weights, os.path.join(run_dir, "final.pt"))
+    with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen,
+                   "steps": result.steps, "checks": trainer.ranks.sharded.checks if sharded else None}, f)
+    trainer.close()
 '''
 
 
-def train(tmp_path, name, phase="forward", capped=False, mode="train", expect_success=True):
-    script = tmp_path / "train.py"
+def job(tmp_path, names, expect_success=True):
+    # One torchrun job running `names` in turn; each case writes into tmp_path/<case> (kill, resume: killed).
+    script = tmp_path / f"{names[0]}.py"
     script.write_text(SCRIPT)
-    run_dir = tmp_path / name
-    results = [run_dir / f"rank{r}.json" for r in (0, 1)]
-    proc = torchrun(script, [str(run_dir), phase, "1" if capped else "0", mode], results, timeout=180,
+    last = tmp_path / ("killed" if names[-1] in ("kill", "resume") else names[-1])
+    return torchrun(script, [str(tmp_path), ",".join(names)], [last / f"rank{r}.json" for r in (0, 1)], timeout=240,
                     expect_success=expect_success)
-    if not expect_success:
-        return proc, run_dir
-    ranks = [json.loads(path.read_text()) for path in results]
+
+
+def outcome(tmp_path, name):
+    run_dir = tmp_path / name
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
     return ranks, torch.load(run_dir / "final.pt", weights_only=True), run_dir
 
 
+def kill_then_resume(tmp_path):
+    proc = job(tmp_path, ["kill"], expect_success=False)
+    assert proc.returncode != 0 and not (tmp_path / "killed" / "rank0.json").exists()  # nothing written past the kill
+    job(tmp_path, ["resume"])
+
+
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("clean"), "clean")
+def runs(tmp_path_factory):
+    """Every case of this file in two jobs at once: most of a job's time is its interpreters starting."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    names = ["clean", "forward", "backward", "reliefs", "items-ddp", "items-split"]
+    with ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(job, tmp, names), pool.submit(kill_then_resume, tmp)]:
+            done.result()
+    return {name: outcome(tmp, name) for name in [*names, "killed"]}
 
 
 def assert_same_weights(weights, reference):
@@ -130,9 +170,9 @@ def assert_same_weights(weights, reference):
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_an_oom_on_one_rank_of_a_sharded_model_is_survived_by_both(tmp_path, clean, phase):
-    clean_ranks, clean_weights, _ = clean
-    ranks, weights, run_dir = train(tmp_path, phase, phase, capped=True)
+def test_an_oom_on_one_rank_of_a_sharded_model_is_survived_by_both(runs, phase):
+    clean_ranks, clean_weights, _ = runs["clean"]
+    ranks, weights, run_dir = runs[phase]
     assert clean_ranks[0]["ooms"] == 0 and clean_ranks[0]["micro"] == 64
     assert ranks[0]["micro"] == ranks[1]["micro"] < 64  # the same new size on both ranks
     assert ranks[0]["ooms"] == ranks[1]["ooms"] >= 1  # both saw the agreed failure
@@ -143,23 +183,26 @@ def test_an_oom_on_one_rank_of_a_sharded_model_is_survived_by_both(tmp_path, cle
     assert any(r["kind"] == "oom" for r in journal(run_dir))  # journaled once, by rank 0
 
 
-def test_sigkill_of_both_ranks_then_resume_ends_with_the_uninterrupted_weights(tmp_path, clean):
-    _, clean_weights, _ = clean
-    proc, run_dir = train(tmp_path, "killed", mode="kill", expect_success=False)
-    assert proc.returncode != 0 and not (run_dir / "rank0.json").exists()
-    ranks, weights, _ = train(tmp_path, "killed", mode="resume")
+def test_sigkill_of_both_ranks_then_resume_ends_with_the_uninterrupted_weights(runs):
+    ranks, weights, run_dir = runs["killed"]
     resumes = [r for r in journal(run_dir) if r["kind"] == "resume"]
     assert resumes and resumes[-1]["found"] and resumes[-1]["step"] == 3  # the checkpoint of step 3
     assert ranks[0]["steps"] == ranks[1]["steps"] == 8
-    assert_same_weights(weights, clean_weights)
+    assert_same_weights(weights, runs["clean"][1])
 
 
-def test_activation_checkpointing_works_on_a_sharded_model_and_pruning_is_refused_with_its_reason(tmp_path, clean):
-    _, clean_weights, _ = clean
-    ranks, weights, run_dir = train(tmp_path, "reliefs", "backward", capped=True, mode="reliefs")
+def test_activation_checkpointing_works_on_a_sharded_model_and_pruning_is_refused_with_its_reason(runs):
+    ranks, weights, run_dir = runs["reliefs"]
     records = journal(run_dir)
     assert [r["blocks"] for r in records if r["kind"] == "relief"] == [["blocks.0", "blocks.1", "blocks.2", "blocks.3"]]
     refused = [r for r in records if r["kind"] == "relief_failed"]
     assert refused and refused[0]["relief"] == "pruning" and "sharded with FSDP2" in refused[0]["reason"]
     assert ranks[0]["micro"] == ranks[1]["micro"] and ranks[0]["samples"] == 1024
-    assert_same_weights(weights, clean_weights)  # recomputed activations: the same arithmetic, OOM or not
+    assert_same_weights(weights, runs["clean"][1])  # recomputed activations: the same arithmetic, OOM or not
+
+
+def test_items_weighting_on_a_sharded_model_equals_ddp_at_any_micro_batch(runs):
+    # A step that returns (mean over label tokens, tokens): each rank's micro-batches hold unequal
+    # counts, and FSDP2 reduce-scatters before any rank knows the others' (see Ranks.divide_by_items).
+    ddp = runs["items-ddp"][1]
+    assert_same_weights(runs["items-split"][1], ddp)
