@@ -170,7 +170,7 @@ class Ranks:
             logger.info(f"sharded with FSDP2: {len(blocks)} blocks ({', '.join(blocks[:3])}"
                         f"{', ...' if len(blocks) > 3 else ''}) and the root")
         if is_sharded(model):
-            self.sharded = ShardedSteps(model, device)
+            self.sharded = ShardedSteps(model)
             return
         # DDP broadcasts rank 0's weights and buffers now; its own gradient sync is never
         # used (always no_sync): gradients are averaged after the ranks agree.

@@ -75,11 +75,14 @@ class ShardedSteps:
     """The checks around FSDP2's exchanges, the no-sync switch, and the reset after a failure,
     for one sharded model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, device: torch.device):
+    def __init__(self, model: nn.Module):
         root = fsdp_modules(model)
         if not root or root[0] is not model:
             raise ValueError("a sharded model must be fully_shard-ed at its root too (fully_shard(model) after its "
                              "blocks): autotune resets FSDP2's state through the root after an OOM")
+        if not hasattr(model, "reset_iter_state"):
+            raise RuntimeError(f"torch {torch.__version__}'s FSDP2 cannot reset its state after an exception "
+                               "(FSDPModule.reset_iter_state, in torch 2.14): autotune cannot train a sharded model on it")
         self.model, self.modules = model, root
         self.rank = dist.get_rank()
         # Checks on a gloo group of their own: host memory, never in the way of the device's
