@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -45,3 +49,19 @@ def write_results(name: str, title: str, lines: list[str]) -> Path:
     path.write_text("\n".join(header + lines) + "\n")
     print(path.read_text())
     return path
+
+
+def two_ranks(script: str, worker: Callable[[int, str], None], rounds: int, out: str) -> tuple[int, Any] | None:
+    """A two-rank benchmark's launch: in a rank (`--worker`), `worker(rounds, out)` and None; otherwise
+    `script` under torchrun with 2 processes (gloo, one thread each), then (rounds, what rank 0 wrote to `out`)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.rounds, out)
+        return None
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", script,
+                    "--worker", "--rounds", str(args.rounds)], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return args.rounds, json.loads(Path(out).read_text())

@@ -6,13 +6,13 @@ per-rank batch and sample order; alternating rounds inside one torchrun job.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import median, two_ranks, write_results  # noqa: E402
 
 SAMPLES, FEATURES, WIDTH, CLASSES, BATCH = 16384, 256, 1024, 10, 128
 
@@ -84,26 +84,15 @@ def worker(rounds: int, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="runs/bench-ddp/times.json", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.rounds, args.out)
+    launched = two_ranks(__file__, worker, rounds=7, out="runs/bench-ddp/times.json")
+    if launched is None:  # this process was a rank
         return
-    sys.path.insert(0, str(Path(__file__).parent))
-    from common import median, write_results
-
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", __file__, "--worker", "--rounds", str(args.rounds), "--out", args.out],
-                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    times = json.loads(Path(args.out).read_text())
+    rounds, times = launched
     plain, auto = median([t[0] for t in times["plain"]]), median([t[0] for t in times["autotune"]])
     plain_step, auto_step = median([t[1] for t in times["plain"]]), median([t[1] for t in times["autotune"]])
     lines = [
         f"MLP {FEATURES}-{WIDTH}-{WIDTH}-{CLASSES}, SGD+momentum, {SAMPLES} samples (one epoch), {BATCH} per rank, "
-        f"2 ranks (gloo, one thread each), {args.rounds} alternating rounds in one torchrun job.", "",
+        f"2 ranks (gloo, one thread each), {rounds} alternating rounds in one torchrun job.", "",
         "| loop | median epoch (s) | ratio | median step (ms) | ratio |", "| --- | --- | --- | --- | --- |",
         f"| hand-written DDP | {plain:.3f} | 1.000 | {plain_step * 1e3:.2f} | 1.000 |",
         f"| AutoTrainer (agreement, then one flat all-reduce) | {auto:.3f} | {auto / plain:.3f} | "

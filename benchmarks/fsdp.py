@@ -9,15 +9,15 @@ the attempt, one for the micro-batch) times the median time of one check measure
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import median, two_ranks, write_results  # noqa: E402
 
 SAMPLES, VOCAB, WIDTH, LENGTH, BLOCKS, BATCH = 1024, 256, 128, 32, 4, 16
 
@@ -117,29 +117,17 @@ def worker(rounds: int, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="runs/bench-fsdp/times.json", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.rounds, args.out)
+    launched = two_ranks(__file__, worker, rounds=5, out="runs/bench-fsdp/times.json")
+    if launched is None:  # this process was a rank
         return
-    sys.path.insert(0, str(Path(__file__).parent))
-    from common import median, write_results
-
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", __file__,
-                    "--worker", "--rounds", str(args.rounds), "--out", args.out],
-                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    times = json.loads(Path(args.out).read_text())
+    rounds, times = launched
     plain, auto = median([t[0] for t in times["plain"]]), median([t[0] for t in times["autotune"]])
     plain_step, auto_step = median([t[1] for t in times["plain"]]), median([t[1] for t in times["autotune"]])
     check, checks = times["check_seconds"], times["checks_per_step"]
     lines = [
         f"Transformer: embedding {VOCAB}x{WIDTH}, {BLOCKS} pre-norm encoder layers of width {WIDTH} (4 heads), "
         f"head; sequences of {LENGTH} tokens; SGD+momentum; {SAMPLES} sequences (one epoch), {BATCH} per rank; "
-        f"`fully_shard` per layer, then the root; 2 ranks (gloo, one thread each), {args.rounds} alternating rounds "
+        f"`fully_shard` per layer, then the root; 2 ranks (gloo, one thread each), {rounds} alternating rounds "
         "in one torchrun job.", "",
         "| loop | median epoch (s) | ratio | median step (ms) | ratio |", "| --- | --- | --- | --- | --- |",
         f"| hand-written FSDP2 | {plain:.3f} | 1.000 | {plain_step * 1e3:.2f} | 1.000 |",
