@@ -11,7 +11,9 @@ One batch, and where each `Event` fires (AutoTrainer's loop around it is in trai
       measured = cadence says so (cadence.py)       # a changing run: every batch; steady: 1 in 32
       while the batch is not done:                  # retry the same batch until it fits
         measured: the step's peak memory from here (memory.py's StepDemand)
+        sharded (FSDP2): every rank takes rank 0's micro-batch first (sharded.py)
         attempt (step.py): forward/backward per micro-batch; except OOM: note the size
+          (sharded: a check before each FSDP2 exchange; another rank's failure stops this one there)
         agree (distributed.py): one small all-reduce under torchrun, failed or not
         no failure: reduce gradients; unscale, clip; optimizer.step(); zero_grad()
         failure: zero_grad, free memory             OOM -> policies -> e.g. SetMicroBatch(n // 2)

@@ -2,6 +2,7 @@
 in forward or in backward, must not strand the other rank: both agree, both shrink, both
 retry the same batch, and the result equals a two-rank run without any OOM."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -19,10 +20,13 @@ import json, os, sys, torch
 from torch import nn
 from torch.utils.data import TensorDataset
 from autotune import AutoTrainer
-from autotune.limits import cap_address_space
+from autotune.limits import cap_address_space, lift_address_space_cap
 
-run_dir, phase, capped = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+root, names = sys.argv[1], sys.argv[2].split(",")
 rank = int(os.environ["RANK"])
+CASES = {"clean": ("forward", False), "forward": ("forward", True), "backward": ("backward", True),
+         "two-nodes": ("forward", True)}  # name: (where Hog allocates, rank 1 capped)
+phase = "forward"
 HOG = 2**20  # bytes per sample a "heavy" layer allocates: activations that grow with the micro-batch
 
 class Hog(torch.autograd.Function):
@@ -45,47 +49,59 @@ class Net(nn.Module):
     def forward(self, x):
         return self.b(torch.tanh(Hog.apply(self.a(x))))
 
-torch.manual_seed(0)
-g = torch.Generator().manual_seed(0)
-data = TensorDataset(torch.randn(512, 16, generator=g), torch.randint(0, 4, (512,), generator=g))
-model = Net()
-trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=64, device="cpu",
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), run_dir=run_dir,
-                      progress=False, monitor=False, checkpoint_interval=None)
-nn.functional.cross_entropy(model(data[:2][0]), data[:2][1]).backward()  # warm up before the cap
-model.zero_grad(set_to_none=True)
-if capped and rank == 1:
-    cap_address_space(40 * 2**20)  # 64 samples x 1 MiB cannot be had; 32 can
-result = trainer.fit(epochs=2)
-from autotune.limits import lift_address_space_cap
-lift_address_space_cap()
-if rank == 0:
-    torch.save(model.state_dict(), os.path.join(run_dir, "final.pt"))
-with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
-    json.dump({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen}, f)
+for name in names:  # the cases one after another in one job: its start-up is paid once
+    phase, capped = CASES[name]
+    run_dir = os.path.join(root, name)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(512, 16, generator=g), torch.randint(0, 4, (512,), generator=g))
+    model = Net()
+    trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=64, device="cpu",
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), run_dir=run_dir,
+                          progress=False, monitor=False, checkpoint_interval=None)
+    nn.functional.cross_entropy(model(data[:2][0]), data[:2][1]).backward()  # warm up before the cap
+    model.zero_grad(set_to_none=True)
+    if capped and rank == 1:
+        cap_address_space(40 * 2**20)  # 64 samples x 1 MiB cannot be had; 32 can
+    result = trainer.fit(epochs=2)
+    lift_address_space_cap()
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(run_dir, "final.pt"))
+    with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen}, f)
 '''
 
 
-def train(tmp_path, name, phase, capped):
-    script = tmp_path / "train.py"
+def job(tmp_path, names, nodes=1):
+    # One torchrun job training the cases `names` in turn, each into tmp_path/<case>.
+    script = tmp_path / f"{names[0]}.py"
     script.write_text(SCRIPT)
+    torchrun(script, [str(tmp_path), ",".join(names)], [tmp_path / names[-1] / f"rank{r}.json" for r in (0, 1)],
+             nodes=nodes)
+
+
+def outcome(tmp_path, name):
     run_dir = tmp_path / name
-    results = [run_dir / f"rank{r}.json" for r in (0, 1)]
-    torchrun(script, [str(run_dir), phase, "1" if capped else "0"], results)
-    ranks = [json.loads(path.read_text()) for path in results]
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
     return ranks, torch.load(run_dir / "final.pt", weights_only=True), run_dir
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("clean")
-    return train(tmp, "clean", "forward", capped=False)
+def runs(tmp_path_factory):
+    """The clean run and the OOM cases in one job; beside it the same forward case launched as two
+    nodes (one torchrun a rank, as two machines would start them, a rendezvous on 127.0.0.1)."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(job, tmp, ["clean", "forward", "backward"]),
+                     pool.submit(job, tmp, ["two-nodes"], nodes=2)]:
+            done.result()
+    return {name: outcome(tmp, name) for name in ("clean", "forward", "backward", "two-nodes")}
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_an_oom_on_one_rank_is_survived_by_both(tmp_path, clean, phase):
-    clean_ranks, clean_weights, _ = clean
-    ranks, weights, run_dir = train(tmp_path, phase, phase, capped=True)
+@pytest.mark.parametrize("case", ["forward", "backward", "two-nodes"])
+def test_an_oom_on_one_rank_is_survived_by_both(runs, case):
+    clean_ranks, clean_weights, _ = runs["clean"]
+    ranks, weights, run_dir = runs[case]
     assert clean_ranks[0]["ooms"] == 0
     assert ranks[0]["micro"] == ranks[1]["micro"] < 64  # the same new size on both ranks
     assert ranks[0]["ooms"] == ranks[1]["ooms"] >= 1  # both saw the agreed failure

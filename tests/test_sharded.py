@@ -1,7 +1,8 @@
 """FSDP2 under torchrun: two gloo ranks on CPU, a 4-block transformer sharded per block
 (`AutoTrainer(shard=True)`). A real OOM on rank 1 only (RLIMIT_AS), in forward or in backward,
 inside block 2: no rank is left in an all-gather or reduce-scatter, both retry the same batch
-at the same smaller micro-batch, and the weights equal a run without OOMs. Killed with SIGKILL
+at the same smaller micro-batch, and the weights equal a run without OOMs; the same with the two
+ranks launched as two nodes (one torchrun each, a rendezvous on 127.0.0.1). Killed with SIGKILL
 on both ranks and resumed, a run ends with the weights of one that was not killed. Activation
 checkpointing applies to a sharded model; pruning is refused with its reason."""
 
@@ -30,6 +31,7 @@ VOCAB, WIDTH, LENGTH = 64, 32, 16
 CASES = {  # name: (OOM phase, rank 1 capped, mode, micro-batch, sharded)
     "clean": ("forward", False, "train", None, True),
     "forward": ("forward", True, "train", None, True),
+    "two-nodes": ("forward", True, "train", None, True),  # the same, launched as two machines would
     "backward": ("backward", True, "train", None, True),
     "reliefs": ("backward", True, "reliefs", None, True),
     "items-ddp": ("forward", False, "items", None, False),
@@ -131,13 +133,13 @@ for name in names:  # the cases one after another in one job: its start-up is pa
 '''
 
 
-def job(tmp_path, names, expect_success=True):
+def job(tmp_path, names, expect_success=True, nodes=1):
     # One torchrun job running `names` in turn; each case writes into tmp_path/<case> (kill, resume: killed).
     script = tmp_path / f"{names[0]}.py"
     script.write_text(SCRIPT)
     last = tmp_path / ("killed" if names[-1] in ("kill", "resume") else names[-1])
     return torchrun(script, [str(tmp_path), ",".join(names)], [last / f"rank{r}.json" for r in (0, 1)], timeout=240,
-                    expect_success=expect_success)
+                    expect_success=expect_success, nodes=nodes)
 
 
 def outcome(tmp_path, name):
@@ -157,10 +159,11 @@ def runs(tmp_path_factory):
     """Every case of this file in two jobs at once: most of a job's time is its interpreters starting."""
     tmp = tmp_path_factory.mktemp("sharded")
     names = ["clean", "forward", "backward", "reliefs", "items-ddp", "items-split"]
-    with ThreadPoolExecutor(2) as pool:
-        for done in [pool.submit(job, tmp, names), pool.submit(kill_then_resume, tmp)]:
+    with ThreadPoolExecutor(3) as pool:
+        for done in [pool.submit(job, tmp, names), pool.submit(kill_then_resume, tmp),
+                     pool.submit(job, tmp, ["two-nodes"], nodes=2)]:
             done.result()
-    return {name: outcome(tmp, name) for name in [*names, "killed"]}
+    return {name: outcome(tmp, name) for name in [*names, "killed", "two-nodes"]}
 
 
 def assert_same_weights(weights, reference):
@@ -169,10 +172,10 @@ def assert_same_weights(weights, reference):
         torch.testing.assert_close(weights[key], reference[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_an_oom_on_one_rank_of_a_sharded_model_is_survived_by_both(runs, phase):
+@pytest.mark.parametrize("case", ["forward", "backward", "two-nodes"])
+def test_an_oom_on_one_rank_of_a_sharded_model_is_survived_by_both(runs, case):
     clean_ranks, clean_weights, _ = runs["clean"]
-    ranks, weights, run_dir = runs[phase]
+    ranks, weights, run_dir = runs[case]
     assert clean_ranks[0]["ooms"] == 0 and clean_ranks[0]["micro"] == 64
     assert ranks[0]["micro"] == ranks[1]["micro"] < 64  # the same new size on both ranks
     assert ranks[0]["ooms"] == ranks[1]["ooms"] >= 1  # both saw the agreed failure
