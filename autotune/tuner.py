@@ -318,7 +318,10 @@ class Tuner:
             if self.ranks.sharded is not None:
                 self.knobs.follow(self.ranks.sharded.same_size(self.knobs.micro_batch_size, n))
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
-            if self.ranks.end_attempt(attempt.failed_size is not None, attempt.peer_failed):
+            # Sharded, a rank that cannot go on (its optimizer step failed) ran no exchange: it says
+            # "failed" at the others' first check, and the agreement then stops every rank.
+            if self.ranks.end_attempt(attempt.failed_size is not None or self.core.failure is not None,
+                                      attempt.peer_failed):
                 attempt.discard()  # sharded: another rank failed, during this attempt or after it
             done = attempt.done
             if losses is None:

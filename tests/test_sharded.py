@@ -20,7 +20,7 @@ SCRIPT = r'''
 import json, os, signal, sys, torch
 from torch import nn
 from torch.utils.data import TensorDataset
-from autotune import AutoTrainer
+from autotune import AutoTrainer, OutOfMemory
 from autotune.limits import cap_address_space, lift_address_space_cap
 from autotune.sharded import full_state, is_sharded
 
@@ -36,6 +36,7 @@ CASES = {  # name: (OOM phase, rank 1 capped, mode, micro-batch, sharded)
     "reliefs": ("backward", True, "reliefs", None, True),
     "items-ddp": ("forward", False, "items", None, False),
     "items-split": ("forward", False, "items", 16, True),
+    "step-oom": ("forward", False, "step-oom", None, True),
     "kill": ("forward", False, "kill", None, True),
     "resume": ("forward", False, "resume", None, True),
 }
@@ -90,6 +91,17 @@ def items_step(model, micro):
     return (nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100),
             (targets != -100).sum())
 
+class RunsOutOnRank1(torch.optim.SGD):
+    """In mode step-oom, rank 1's third step asks for memory no machine has: a real MemoryError there only."""
+    def __init__(self, params):
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.steps = 0
+    def step(self, closure=None):
+        self.steps += 1
+        if mode == "step-oom" and rank == 1 and self.steps == 3:
+            bytearray(1 << 60)
+        return super().step(closure)
+
 class KillAtStep5:
     """SIGKILL on both ranks after step 5 (checkpoints at 3 and 6): nothing is saved on the way out."""
     def on_step_end(self, trainer):
@@ -109,7 +121,7 @@ for name in names:  # the cases one after another in one job: its start-up is pa
     model = Transformer()
     trainer = AutoTrainer(model, data, batch_size=64, device="cpu", shard=sharded, micro_batch_size=micro,
                           **({"step_fn": items_step} if mode == "items" else {"loss_fn": loss_fn}),
-                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), run_dir=run_dir,
+                          optimizer=RunsOutOnRank1, run_dir=run_dir,
                           progress=False, monitor=False, checkpoint_interval=None, checkpoint_every=3,
                           callbacks=[KillAtStep5()] if mode == "kill" else None)
     assert is_sharded(model) == sharded
@@ -121,7 +133,13 @@ for name in names:  # the cases one after another in one job: its start-up is pa
         assert not trainer.tuner.carry_out(PruneChannels(0.25, "test"))  # refused, journaled, nothing changed
     if capped and rank == 1:
         cap_address_space(40 * 2**20)  # 64 samples x 1 MiB cannot be had; 32 can
-    result = trainer.fit(epochs=2, resume=mode == "resume")
+    try:
+        result = trainer.fit(epochs=2, resume=mode == "resume")
+    except OutOfMemory as exc:  # step-oom: every rank stops with the same error, none waits in an exchange
+        with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"error": str(exc), "steps": trainer.step}, f)
+        trainer.close()
+        continue
     lift_address_space_cap()
     weights = full_state(model, None)[0] if sharded else model.state_dict()
     if rank == 0:
@@ -158,12 +176,13 @@ def kill_then_resume(tmp_path):
 def runs(tmp_path_factory):
     """Every case of this file in two jobs at once: most of a job's time is its interpreters starting."""
     tmp = tmp_path_factory.mktemp("sharded")
-    names = ["clean", "forward", "backward", "reliefs", "items-ddp", "items-split"]
+    names = ["clean", "forward", "backward", "reliefs", "items-ddp", "items-split", "step-oom"]
     with ThreadPoolExecutor(3) as pool:
         for done in [pool.submit(job, tmp, names), pool.submit(kill_then_resume, tmp),
                      pool.submit(job, tmp, ["two-nodes"], nodes=2)]:
             done.result()
-    return {name: outcome(tmp, name) for name in [*names, "killed", "two-nodes"]}
+    return {name: outcome(tmp, name) for name in [*names, "killed", "two-nodes"] if name != "step-oom"} | {
+        "step-oom": [json.loads((tmp / "step-oom" / f"rank{r}.json").read_text()) for r in (0, 1)]}
 
 
 def assert_same_weights(weights, reference):
@@ -209,3 +228,10 @@ def test_items_weighting_on_a_sharded_model_equals_ddp_at_any_micro_batch(runs):
     # counts, and FSDP2 reduce-scatters before any rank knows the others' (see Ranks.divide_by_items).
     ddp = runs["items-ddp"][1]
     assert_same_weights(runs["items-split"][1], ddp)
+
+
+def test_an_oom_in_one_ranks_optimizer_step_stops_every_rank_with_the_same_error(runs):
+    # Rank 1 cannot go on and runs no exchange of the next attempt: it fails the others' first check.
+    # (Rank 0's third step went through, rank 1's did not: their step counts are 3 and 2, as under DDP.)
+    for outcome_ in runs["step-oom"]:
+        assert "rank 1: out of memory in optimizer.step()" in outcome_["error"], runs["step-oom"]
