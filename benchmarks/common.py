@@ -65,3 +65,14 @@ def two_ranks(script: str, worker: Callable[[int, str], None], rounds: int, out:
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", script,
                     "--worker", "--rounds", str(args.rounds)], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return args.rounds, json.loads(Path(out).read_text())
+
+
+def alternate(rounds: int, first: tuple[str, Callable[[], Any]], second: tuple[str, Callable[[], Any]]) -> dict[str, list]:
+    """Each of two loops once to warm up, then `rounds` rounds, the order swapped every round so the
+    machine's noise hits both alike; {name: [what each call returned]}."""
+    first[1](), second[1]()
+    results: dict[str, list] = {first[0]: [], second[0]: []}
+    for r in range(rounds):
+        for name, run in (first, second) if r % 2 == 0 else (second, first):
+            results[name].append(run())
+    return results

@@ -10,9 +10,10 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, two_ranks, write_results  # noqa: E402
+from common import alternate, median, two_ranks, write_results  # noqa: E402
 
 SAMPLES, FEATURES, WIDTH, CLASSES, BATCH = 16384, 256, 1024, 10, 128
 
@@ -73,11 +74,7 @@ def worker(rounds: int, out: str) -> None:
         dist.barrier()
         return time.perf_counter() - start, steady(stamps)
 
-    plain(), auto()  # warm-up
-    times = {"plain": [], "autotune": []}
-    for r in range(rounds):
-        for name, fn in ((("plain", plain), ("autotune", auto)) if r % 2 == 0 else (("autotune", auto), ("plain", plain))):
-            times[name].append(fn())
+    times: dict[str, Any] = alternate(rounds, ("plain", plain), ("autotune", auto))
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()

@@ -15,9 +15,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, two_ranks, write_results  # noqa: E402
+from common import alternate, median, two_ranks, write_results  # noqa: E402
 
 SAMPLES, VOCAB, WIDTH, LENGTH, BLOCKS, BATCH = 1024, 256, 128, 32, 4, 16
 
@@ -104,11 +105,7 @@ def worker(rounds: int, out: str) -> None:
             times.append(time.perf_counter() - start)
         return statistics.median(times[20:])
 
-    plain(), auto()  # warm-up
-    times: dict[str, list] = {"plain": [], "autotune": []}
-    for r in range(rounds):
-        for name, fn in ((("plain", plain), ("autotune", auto)) if r % 2 == 0 else (("autotune", auto), ("plain", plain))):
-            times[name].append(fn())
+    times: dict[str, Any] = alternate(rounds, ("plain", plain), ("autotune", auto))
     times["check_seconds"] = one_check()
     times["checks_per_step"] = statistics.median(checks_per_step)
     if rank == 0:
