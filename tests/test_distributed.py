@@ -4,9 +4,6 @@ retry the same batch, and the result equals a two-rank run without any OOM."""
 
 import concurrent.futures
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -91,11 +88,12 @@ def runs(tmp_path_factory):
     """The clean run and the OOM cases in one job; beside it the same forward case launched as two
     nodes (one torchrun a rank, as two machines would start them, a rendezvous on 127.0.0.1)."""
     tmp = tmp_path_factory.mktemp("ddp")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # with this file's other two jobs: all two at a time
         for done in [pool.submit(job, tmp, ["clean", "forward", "backward"]),
-                     pool.submit(job, tmp, ["two-nodes"], nodes=2)]:
+                     pool.submit(job, tmp, ["two-nodes"], nodes=2),
+                     pool.submit(step_oom_job, tmp / "step-oom"), pool.submit(items_job, tmp / "items")]:
             done.result()
-    return {name: outcome(tmp, name) for name in ("clean", "forward", "backward", "two-nodes")}
+    return {"root": tmp, **{name: outcome(tmp, name) for name in ("clean", "forward", "backward", "two-nodes")}}
 
 
 @pytest.mark.parametrize("case", ["forward", "backward", "two-nodes"])
@@ -156,17 +154,17 @@ for fail_at, every in cases:  # one job, the cases one after another: the job su
 CASES = [(3, 0), (6, 3), (8, 0)]
 
 
-def test_an_oom_in_one_ranks_optimizer_step_stops_every_rank_with_the_same_error(tmp_path):
+def step_oom_job(tmp_path):
+    tmp_path.mkdir()
     script = tmp_path / "train.py"
     script.write_text(STEP_OOM)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    try:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                               str(script), str(tmp_path), ",".join(f"{a}:{b}" for a, b in CASES)],
-                              capture_output=True, text=True, timeout=180, env=env, start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the job hung: {str(exc.stderr)[-2000:]}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    last = tmp_path / "-".join(map(str, CASES[-1]))
+    torchrun(script, [str(tmp_path), ",".join(f"{a}:{b}" for a, b in CASES)], [last / f"rank{r}.json" for r in (0, 1)],
+             timeout=180)
+
+
+def test_an_oom_in_one_ranks_optimizer_step_stops_every_rank_with_the_same_error(runs):
+    tmp_path = runs["root"] / "step-oom"
     for fail_at, every in CASES:
         run_dir = tmp_path / f"{fail_at}-{every}"
         ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -214,15 +212,15 @@ for mode in ("train", "stop"):  # the second run: only rank 1's callback asks to
 '''
 
 
-def test_token_weighted_steps_over_two_ranks_equal_one_process_over_all_tokens(tmp_path):
-    script = tmp_path / "items.py"
-    script.write_text(ITEMS_SCRIPT)
-    run_dir = tmp_path / "run"
+def items_job(run_dir):
     run_dir.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                           str(script), str(run_dir), "3"], capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    script = run_dir / "items.py"
+    script.write_text(ITEMS_SCRIPT)
+    torchrun(script, [str(run_dir), "3"], [run_dir / f"stop{r}.pt" for r in (0, 1)])
+
+
+def test_token_weighted_steps_over_two_ranks_equal_one_process_over_all_tokens(runs):
+    run_dir = runs["root"] / "items"
     ranks, stopped = ([torch.load(run_dir / f"{mode}{r}.pt", weights_only=True) for r in (0, 1)]
                       for mode in ("train", "stop"))
     saved = torch.load(run_dir / "data.pt", weights_only=True)
