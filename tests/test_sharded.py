@@ -37,6 +37,7 @@ CASES = {  # name: (OOM phase, rank 1 capped, mode, micro-batch, sharded)
     "items-ddp": ("forward", False, "items", None, False),
     "items-split": ("forward", False, "items", 16, True),
     "step-oom": ("forward", False, "step-oom", None, True),
+    "errors": ("forward", False, "errors", None, True),
     "kill": ("forward", False, "kill", None, True),
     "resume": ("forward", False, "resume", None, True),
 }
@@ -108,9 +109,33 @@ class KillAtStep5:
         if trainer.step == 5:
             os.kill(os.getpid(), signal.SIGKILL)
 
+def errors(run_dir):
+    """What a sharded model autotune cannot train, or a batch it cannot split alike, says."""
+    from torch.distributed.fsdp import fully_shard
+    from autotune.sharded import ShardedSteps
+    said = {}
+    model = Transformer()
+    for block in model.blocks:
+        fully_shard(block)
+    try:
+        ShardedSteps(model)  # the root was not sharded
+    except ValueError as exc:
+        said["root"] = str(exc)
+    fully_shard(model)
+    try:
+        ShardedSteps(model).same_size(16, 64 if rank == 0 else 60)  # rank 1's batch is shorter
+    except ValueError as exc:
+        said["lengths"] = str(exc)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(said, f)
+
 for name in names:  # the cases one after another in one job: its start-up is paid once
     phase, capped, mode, micro, sharded = CASES[name]
     run_dir = os.path.join(root, "killed" if mode in ("kill", "resume") else name)
+    if mode == "errors":
+        errors(run_dir)
+        continue
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (512, LENGTH + 1), generator=g)
@@ -176,13 +201,14 @@ def kill_then_resume(tmp_path):
 def runs(tmp_path_factory):
     """Every case of this file in two jobs at once: most of a job's time is its interpreters starting."""
     tmp = tmp_path_factory.mktemp("sharded")
-    names = ["clean", "forward", "backward", "reliefs", "items-ddp", "items-split", "step-oom"]
+    names = ["errors", "clean", "forward", "backward", "reliefs", "items-ddp", "items-split", "step-oom"]
     with ThreadPoolExecutor(3) as pool:
         for done in [pool.submit(job, tmp, names), pool.submit(kill_then_resume, tmp),
                      pool.submit(job, tmp, ["two-nodes"], nodes=2)]:
             done.result()
-    return {name: outcome(tmp, name) for name in [*names, "killed", "two-nodes"] if name != "step-oom"} | {
-        "step-oom": [json.loads((tmp / "step-oom" / f"rank{r}.json").read_text()) for r in (0, 1)]}
+    said = {name: [json.loads((tmp / name / f"rank{r}.json").read_text()) for r in (0, 1)]
+            for name in ("step-oom", "errors")}
+    return {name: outcome(tmp, name) for name in [*names, "killed", "two-nodes"] if name not in said} | said
 
 
 def assert_same_weights(weights, reference):
@@ -235,3 +261,9 @@ def test_an_oom_in_one_ranks_optimizer_step_stops_every_rank_with_the_same_error
     # (Rank 0's third step went through, rank 1's did not: their step counts are 3 and 2, as under DDP.)
     for outcome_ in runs["step-oom"]:
         assert "rank 1: out of memory in optimizer.step()" in outcome_["error"], runs["step-oom"]
+
+
+def test_a_model_sharded_without_its_root_and_batches_of_other_lengths_are_clear_errors(runs):
+    for said in runs["errors"]:  # on every rank
+        assert "must be fully_shard-ed at its root too" in said["root"]
+        assert "every rank's batch must hold as many samples" in said["lengths"] and "60 to 64" in said["lengths"]
