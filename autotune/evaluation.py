@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from autotune.batching import batch_len, micro_batches
 from autotune.memory import describe_memory, free_memory
 from autotune.oom import OutOfMemory, is_oom, oom_message
+from autotune.sharded import NO_SHARDED_EVALUATION
 from autotune.step import StepCore, loss_and_items, to_device
 
 Metric = Callable[[Any, Any], Any]
@@ -60,6 +61,8 @@ class Evaluator:
 
     def run(self, dataset: Dataset | DataLoader, step: int, epoch: int) -> dict[str, float]:
         """The mean loss (`"loss"`) and every metric over `dataset`."""
+        if self.core.ranks.sharded is not None:
+            raise ValueError(NO_SHARDED_EVALUATION)
         model = self.core.model
         was_training = model.training
         started, ooms_before, samples = time.perf_counter(), self.ooms, 0

@@ -126,6 +126,11 @@ def errors(run_dir):
         ShardedSteps(model).same_size(16, 64 if rank == 0 else 60)  # rank 1's batch is shorter
     except ValueError as exc:
         said["lengths"] = str(exc)
+    try:  # evaluation would hang (each rank its own number of forwards): refused before anything starts
+        AutoTrainer(Transformer(), TensorDataset(torch.zeros(8, LENGTH, dtype=torch.long)), loss_fn=loss_fn,
+                    shard=True, eval_dataset=TensorDataset(torch.zeros(3, LENGTH, dtype=torch.long)))
+    except ValueError as exc:
+        said["evaluation"] = str(exc)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
         json.dump(said, f)
@@ -263,7 +268,8 @@ def test_an_oom_in_one_ranks_optimizer_step_stops_every_rank_with_the_same_error
         assert "rank 1: out of memory in optimizer.step()" in outcome_["error"], runs["step-oom"]
 
 
-def test_a_model_sharded_without_its_root_and_batches_of_other_lengths_are_clear_errors(runs):
+def test_what_a_sharded_run_cannot_do_is_a_clear_error_on_every_rank(runs):
     for said in runs["errors"]:  # on every rank
         assert "must be fully_shard-ed at its root too" in said["root"]
         assert "every rank's batch must hold as many samples" in said["lengths"] and "60 to 64" in said["lengths"]
+        assert said["evaluation"].startswith("eval_dataset: evaluation of a sharded (FSDP2) model is not supported")
