@@ -12,6 +12,11 @@ write at a time per folder: the next save, a load, a listing and `close()` wait 
 does the interpreter's exit. Where a copy of the state would not fit in a quarter of the memory
 left, or the thread cannot start, the write is synchronous. Periodic checkpoints stay
 synchronous: one of step N is on disk before step N+1 starts, whatever kills the run after.
+
+A sharded (FSDP2) model's checkpoint is a folder, `step-N/`, that every rank writes its shards
+into with `torch.distributed.checkpoint` (sharded_checkpoint.py): no rank gathers the whole
+model. It is written as `.step-N.tmp/` and renamed by rank 0 once every rank's files and the
+index are on disk; it is always written synchronously.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import io
 import os
 import random
 import re
+import shutil
 import signal
 import threading
 import time
@@ -34,8 +40,9 @@ from loguru import logger
 
 from autotune.batching import tensor_bytes
 from autotune.preemption import Preempted
+from autotune.sharded_checkpoint import REST, read_rest, read_shards, split, write_shards
 
-_NAME = re.compile(r"^step-(\d{9,})\.pt$")
+_NAME = re.compile(r"^step-(\d{9,})(\.pt)?$")  # a file, or a sharded checkpoint's folder
 
 
 def rng_state() -> dict[str, Any]:
@@ -118,18 +125,23 @@ class Checkpoints:
         self.keep = keep
 
     def paths(self) -> list[Path]:
-        """Checkpoint files, newest (highest step) first (once a write in progress is done)."""
+        """Checkpoints (files, or sharded ones' folders), newest (highest step) first (once a write
+        in progress is done)."""
         wait_for_writes(self.folder)
         return self._paths()
 
     def _paths(self) -> list[Path]:
         if not self.folder.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := _NAME.match(p.name))]
+        found = [(int(m.group(1)), p) for p in self.folder.iterdir()
+                 if (m := _NAME.match(p.name)) and (m.group(2) is not None) != p.is_dir()]
         return [p for _, p in sorted(found, reverse=True)]
 
-    def _path(self, step: int) -> Path:
-        return self.folder / f"step-{step:09d}.pt"  # what _NAME reads back
+    def _path(self, step: int, sharded: bool = False) -> Path:
+        return self.folder / f"step-{step:09d}{'' if sharded else '.pt'}"  # what _NAME reads back
+
+    def _unfinished(self, step: int) -> Path:
+        return self.folder / f".step-{step:09d}.tmp"
 
     def save(self, state: dict[str, Any], step: int) -> tuple[Path, float]:
         """Write `state` atomically as the checkpoint of `step`; returns (path, seconds taken)."""
@@ -139,6 +151,30 @@ class Checkpoints:
         final = self._path(step)
         _write_atomically(state, final)
         self._prune()
+        return final, time.perf_counter() - started
+
+    def clear_unfinished(self, step: int) -> None:
+        """Rank 0, before any rank writes the sharded checkpoint of `step`: remove what a run killed
+        while writing one left (its files could outnumber this job's ranks)."""
+        shutil.rmtree(self._unfinished(step), ignore_errors=True)
+
+    def save_sharded(self, state: dict[str, Any], step: int, is_main: bool) -> tuple[Path, float]:
+        """Every rank at once: its shards of `state` into the folder of `step`; rank 0 adds the rest
+        and renames the folder into place. Returns (path, seconds taken)."""
+        started = time.perf_counter()
+        unfinished, final = self._unfinished(step), self._path(step, sharded=True)
+        tensors, rest = split(state)
+        write_shards(tensors, unfinished)
+        if is_main:
+            _write_atomically(rest, unfinished / REST)
+            if final.exists():  # the same step saved again (a stop right after a periodic one)
+                replaced = self.folder / f".{final.name}.replaced"
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.replace(final, replaced)
+                shutil.rmtree(replaced)
+            os.replace(unfinished, final)
+            _fsync_dir(self.folder)
+            self._prune()
         return final, time.perf_counter() - started
 
     def save_in_background(self, state: dict[str, Any], step: int, room_bytes: int | None,
@@ -190,16 +226,48 @@ class Checkpoints:
 
     def _prune(self) -> None:
         for old in self._paths()[self.keep:]:
-            old.unlink(missing_ok=True)
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
 
-    def load_latest(self, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], Path] | None:
-        """The newest checkpoint that loads; a truncated or corrupt one is skipped with a warning."""
+    def load_latest(self, map_location: str | torch.device = "cpu", template: Callable[[], dict[str, Any]] | None = None,
+                    ranks: Any = None) -> tuple[dict[str, Any], Path] | None:
+        """The newest checkpoint that loads; a truncated or corrupt one is skipped with a warning.
+        A sharded one needs `template` and `ranks` (see `load`)."""
         for path in self.paths():
+            if path.is_dir() and template is None:  # not skipped: the run would start afresh instead
+                raise ValueError(f"{path} {NOT_SHARDED}")
             try:
-                return torch.load(path, map_location=map_location, weights_only=True), path
+                return self.load(path, map_location, template, ranks), path
             except Exception as exc:  # truncated zip, bad pickle, disallowed type: try the one before
                 logger.warning(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}); trying an older one")
         return None
+
+    @staticmethod
+    def load(path: Path, map_location: str | torch.device = "cpu", template: Callable[[], dict[str, Any]] | None = None,
+             ranks: Any = None) -> dict[str, Any]:
+        """The checkpoint at `path`. A sharded one (a folder) is read by every rank at once, into
+        `template()`'s tensors (the state now, of the model sharded alike); rank 0 reads the rest
+        and hands it to the others, so every rank goes on, or skips the checkpoint, alike."""
+        if not path.is_dir():
+            return torch.load(path, map_location=map_location, weights_only=True)
+        if template is None or ranks is None:
+            raise ValueError(f"{path} {NOT_SHARDED}")
+        rest: dict[str, Any] | str | None = None
+        if ranks.is_main:
+            try:
+                rest = read_rest(path)
+            except Exception as exc:  # what went wrong, to every rank
+                rest = f"{path / REST} does not load ({type(exc).__name__}: {exc})"
+        rest = ranks.broadcast_object(rest)
+        if isinstance(rest, str):
+            raise ValueError(rest)
+        return read_shards(path, rest, template())  # DCP raises on every rank if any rank's read failed
+
+
+NOT_SHARDED = ("is a sharded checkpoint (torch.distributed.checkpoint): it resumes the same model sharded with "
+               "FSDP2 under torchrun (AutoTrainer(..., shard=True)) only")
 
 
 class CheckpointDue(enum.IntEnum):
@@ -249,8 +317,12 @@ class Checkpointer:
         travels in the gather, and `RankFailed` is raised on every rank before anything is written.
         `background`: the state is taken now and written on a thread (see the module docstring);
         its journal line says `background` and the seconds of taking it; a write that fails adds
-        a `checkpoint_failed` line."""
+        a `checkpoint_failed` line. A sharded model's checkpoint is written by every rank, and
+        synchronously."""
+        sharded = self.ranks.sharded is not None
         try:
+            if sharded and self.ranks.is_main:  # before the gather: no rank writes there yet
+                self.store.clear_unfinished(step)
             state = state_fn()
             gathered = self.ranks.gather((state["rng"], failure))
             failures = [f"rank {rank}: {text}" for rank, (_, text) in enumerate(gathered) if text]
@@ -258,17 +330,17 @@ class Checkpointer:
                 raise RankFailed("; ".join(failures))
             if len(gathered) > 1:  # every rank's random state; the rest is the same everywhere
                 state["rng_ranks"] = [rng for rng, _ in gathered]
+            if sharded:  # every rank writes its shards
+                path, seconds = self.store.save_sharded(state, step, self.ranks.is_main)
             if not self.ranks.is_main:
                 self._last = (step, time.monotonic())
                 return None
             queued = None
-            if background and self.room_bytes is not None:
-                done = functools.partial(self._written, reason, step, epoch)
-                queued = self.store.save_in_background(state, step, self.room_bytes(), done)
-            if queued is not None:
-                path, seconds = queued
-            else:
-                path, seconds = self.store.save(state, step)
+            if not sharded:
+                if background and self.room_bytes is not None:
+                    done = functools.partial(self._written, reason, step, epoch)
+                    queued = self.store.save_in_background(state, step, self.room_bytes(), done)
+                path, seconds = queued if queued is not None else self.store.save(state, step)
         except RankFailed:
             raise
         except Exception as exc:
@@ -295,18 +367,20 @@ class Checkpointer:
         wait_for_writes(self.folder)
 
     def resume(self, load: Callable[[dict[str, Any]], None], progress: Any, device: torch.device,
-               path: Path | None = None) -> None:
+               path: Path | None = None, template: Callable[[], dict[str, Any]] | None = None) -> None:
         """`load` the checkpoint at `path`, or (None) the newest that loads; none: say so, and the
-        run starts fresh. A named file that does not load is an error naming it."""
+        run starts fresh. A named one that does not load is an error naming it. `template`: the
+        state now (`state_dict`), whose shards a sharded model's checkpoint is read into."""
+        template = template if self.ranks.sharded is not None else None
         if path is not None:
-            if not path.is_file():
-                raise FileNotFoundError(f"resume={str(path)!r}: no such checkpoint file")
+            if not path.exists():
+                raise FileNotFoundError(f"resume={str(path)!r}: no such checkpoint")
             try:
-                found = torch.load(path, map_location=device, weights_only=True), path
+                found = self.store.load(path, device, template, self.ranks), path
             except Exception as exc:
                 raise ValueError(f"resume={str(path)!r} is not a checkpoint that loads: {type(exc).__name__}: {exc}") from None
         else:
-            found = self.store.load_latest(map_location=device)
+            found = self.store.load_latest(device, template, self.ranks)
         if found is None:
             logger.info(f"no checkpoint in {self.folder}: starting fresh")
             self.journal.write("resume", progress.step, progress.epoch, found=False)

@@ -204,7 +204,8 @@ def _drop_unsharded_gradients(modules: list[nn.Module]) -> None:
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
     """The whole model's weights and optimizer state as full tensors on the host, gathered from
-    every rank's shards (every rank calls it; rank 0 gets them, the others empty dicts)."""
+    every rank's shards (every rank calls it; rank 0 gets them, the others empty dicts): to
+    export a trained model. Checkpoints stay sharded (`sharded_state`)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
@@ -213,13 +214,24 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tup
     return weights, get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
-                    optimizer_state: Any) -> None:
-    """Put what `full_state` returned back into the shards (every rank, each from the whole state)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
+    """This rank's shards of the weights and of the optimizer state (DTensors, by parameter name):
+    what `torch.distributed.checkpoint` saves. Nothing is gathered or copied."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, weights, options=options)
+    weights = get_model_state_dict(model)
+    return weights, get_optimizer_state_dict(model, optimizer) if optimizer is not None else None
+
+
+def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
+                       optimizer_state: Any) -> None:
+    """Put what `sharded_state` returned (read back from a checkpoint) into the model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(value, DTensor) for value in weights.values()):
+        raise ValueError("the state holds whole tensors, not a sharded model's shards: it was saved without "
+                         "FSDP2, and autotune resumes a sharded model from its own sharded checkpoints only")
+    set_model_state_dict(model, weights)
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+        set_optimizer_state_dict(model, optimizer, optimizer_state)

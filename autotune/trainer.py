@@ -251,9 +251,9 @@ class AutoTrainer:
         callback calls `request_stop`.
 
         With `resume=True`, first continue from the newest valid checkpoint in `run_dir`
-        (none: start fresh, and say so); with a path, from that checkpoint file. A
-        deterministic run that is killed and resumed ends with the same weights and
-        `samples_seen` as one that was not.
+        (none: start fresh, and say so); with a path, from that checkpoint (a file; a sharded
+        model's: a folder). A deterministic run that is killed and resumed ends with the same
+        weights and `samples_seen` as one that was not.
         """
         check_int("", "epochs", epochs, 1)
         check_int("", "max_steps", max_steps, 1, optional=True)
@@ -261,7 +261,8 @@ class AutoTrainer:
             raise RuntimeError("this AutoTrainer was closed: build a new one to train again")
         if resume is not False:
             path = None if resume is True else Path(resume)
-            self.checkpointer.resume(self.load_state_dict, self.progress, self.device, path=path)
+            self.checkpointer.resume(self.load_state_dict, self.progress, self.device, path=path,
+                                     template=self.state_dict)
         self._stop_request = None
         started = time.perf_counter()
         self.checkpointer.restart_clock(self.step)

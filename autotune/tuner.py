@@ -67,7 +67,7 @@ from autotune.policy import Policy
 from autotune.presets import resolve_policies
 from autotune.progress import Progress
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
-from autotune.sharded import full_state, load_full_state
+from autotune.sharded import load_sharded_state, sharded_state
 from autotune.snapshot import InputState, Snapshot, StepTiming
 from autotune.step import Attempt, LossFn, Losses, StepCore, StepFn
 from autotune.validate import check_int
@@ -487,11 +487,13 @@ class Tuner:
     def state_dict(self) -> dict[str, Any]:
         """What continuing exactly needs, for your own checkpoints: the model's weights, the
         optimizer, scheduler and gradient scaler, the micro-batch, reliefs, policy states,
-        counters and random states. Load it with `load_state_dict` on a Tuner built alike."""
+        counters and random states. Load it with `load_state_dict` on a Tuner built alike. A
+        sharded (FSDP2) model's weights and optimizer state are this rank's shards (DTensors):
+        save them with `torch.distributed.checkpoint`, as autotune's own checkpoints do."""
         state = {"format": 1, "model": self.model.state_dict(), **self.core.state_dict(), **self.tuning_state(),
                  **self.progress.state_dict(), "rng": rng_state()}
-        if self.ranks.sharded is not None:  # the whole model and optimizer, gathered from the shards
-            state["model"], state["optimizer"] = full_state(self.model, self.core.optimizer)
+        if self.ranks.sharded is not None:  # this rank's shards, by parameter name (sharded_checkpoint.py)
+            state["model"], state["optimizer"] = sharded_state(self.model, self.core.optimizer)
         return state
 
     def tuning_state(self) -> dict[str, Any]:
@@ -504,8 +506,8 @@ class Tuner:
         """Restore what `state_dict` returned (the reliefs first: a pruned model's weights fit
         only a pruned model)."""
         self.load_tuning_state(state)
-        if self.ranks.sharded is not None:  # each rank takes its shards of the whole
-            load_full_state(self.model, self.core.optimizer, state["model"], state["optimizer"])
+        if self.ranks.sharded is not None:
+            load_sharded_state(self.model, self.core.optimizer, state["model"], state["optimizer"])
             state = {**state, "optimizer": None}
         else:
             self.model.load_state_dict(state["model"])

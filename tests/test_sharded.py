@@ -3,8 +3,9 @@
 inside block 2: no rank is left in an all-gather or reduce-scatter, both retry the same batch
 at the same smaller micro-batch, and the weights equal a run without OOMs; the same with the two
 ranks launched as two nodes (one torchrun each, a rendezvous on 127.0.0.1). Killed with SIGKILL
-on both ranks and resumed, a run ends with the weights of one that was not killed. Activation
-checkpointing applies to a sharded model; pruning is refused with its reason."""
+on both ranks and resumed from its sharded checkpoint (torch.distributed.checkpoint), a run ends
+with the weights of one that was not killed. Activation checkpointing applies to a sharded
+model; pruning is refused with its reason."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -242,6 +243,13 @@ def test_sigkill_of_both_ranks_then_resume_ends_with_the_uninterrupted_weights(r
     assert resumes and resumes[-1]["found"] and resumes[-1]["step"] == 3  # the checkpoint of step 3
     assert ranks[0]["steps"] == ranks[1]["steps"] == 8
     assert_same_weights(weights, runs["clean"][1])
+    # Sharded checkpoints: a folder per step, each rank's half of the shards in its own file, no whole model.
+    folders = sorted((run_dir / "checkpoints").iterdir())
+    assert [f.name for f in folders] == ["step-000000003", "step-000000006", "step-000000008"]
+    for folder in folders:
+        files = {f.name: f.stat().st_size for f in folder.iterdir()}
+        assert files.keys() == {".metadata", "__0_0.distcp", "__1_0.distcp", "rest.pt"}
+        assert files["__0_0.distcp"] == files["__1_0.distcp"] > 2 * files["rest.pt"]
 
 
 def test_activation_checkpointing_works_on_a_sharded_model_and_pruning_is_refused_with_its_reason(runs):

@@ -1,0 +1,109 @@
+"""A sharded model's checkpoint: a folder that `torch.distributed.checkpoint` (DCP) writes, each
+rank its own shards, so no rank ever holds the whole model.
+
+    step-000000012/
+      .metadata            DCP's index: which file holds which slice of which tensor
+      __0_0.distcp ...     every rank's shards of the weights and the optimizer state
+      rest.pt              the rest (counters, sizes, policies, every rank's random state), rank 0's
+
+Only the tensors of the model and the optimizer go through DCP. DCP stores anything else as a
+pickle and loads it with `weights_only=False`; everything else is in `rest.pt`, where a tensor
+DCP holds stands as `IN_DCP` and which `torch.load(weights_only=True)` reads: a checkpoint
+still holds tensors and plain data, never code.
+
+Loading needs somewhere to put the shards: the state of the model as it is now (its DTensors,
+the optimizer's state), which DCP fills in place, each rank reading the slices it owns.
+DCP reshards on load: a checkpoint of 2 ranks resumes on 4.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHARDED_ENTRIES = ("model", "optimizer")  # the entries of a state whose tensors are sharded
+IN_DCP = "<a tensor in the .distcp files>"
+REST = "rest.pt"
+
+
+def split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(the sharded entries' tensors by path, the state with `IN_DCP` in their place)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def take(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value
+            return IN_DCP
+        if isinstance(value, dict):
+            return {key: take(item, f"{path}/{key}") for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(take(item, f"{path}/{index}") for index, item in enumerate(value))
+        return value
+
+    rest = {key: take(value, key) if key in SHARDED_ENTRIES else value for key, value in state.items()}
+    return tensors, rest
+
+
+def join(rest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The state `split` took apart, each `IN_DCP` replaced by its tensor."""
+
+    def put(value: Any, where: str) -> Any:
+        if isinstance(value, str) and value == IN_DCP:
+            return tensors[where]
+        if isinstance(value, dict):
+            return {key: put(item, f"{where}/{key}") for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(put(item, f"{where}/{index}") for index, item in enumerate(value))
+        return value
+
+    return {key: put(value, key) if key in SHARDED_ENTRIES else value for key, value in rest.items()}
+
+
+def needed(rest: dict[str, Any]) -> list[str]:
+    """The paths of the tensors `rest` says DCP holds."""
+    found: list[str] = []
+
+    def walk(value: Any, where: str) -> None:
+        if isinstance(value, str) and value == IN_DCP:
+            found.append(where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{where}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, f"{where}/{index}")
+
+    for key in SHARDED_ENTRIES:
+        if key in rest:
+            walk(rest[key], key)
+    return found
+
+
+def write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """Every rank at once: its shards into `folder` (DCP's coordinator, rank 0, writes the index
+    last, once every rank's files are written and fsynced)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, checkpoint_id=folder)
+
+
+def read_rest(folder: Path) -> dict[str, Any]:
+    """The non-sharded part of the checkpoint in `folder`."""
+    return torch.load(folder / REST, map_location="cpu", weights_only=True)
+
+
+def read_shards(folder: Path, rest: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
+    """Every rank at once: the whole state, its shards read from `folder` into `template`'s
+    tensors (the state now, of a model sharded as the one that was saved, or otherwise)."""
+    import torch.distributed.checkpoint as dcp
+
+    places, _ = split(template)
+    missing = [path for path in needed(rest) if path not in places]
+    if missing:
+        raise ValueError(f"{folder} holds {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, "
+                         "which this model and optimizer have no place for: is it the same model?")
+    wanted = {path: places[path] for path in needed(rest)}
+    dcp.load(wanted, checkpoint_id=folder)
+    return join(rest, wanted)
