@@ -12,8 +12,9 @@ DCP holds stands as `IN_DCP` and which `torch.load(weights_only=True)` reads: a 
 still holds tensors and plain data, never code.
 
 Loading needs somewhere to put the shards: the state of the model as it is now (its DTensors,
-the optimizer's state), which DCP fills in place, each rank reading the slices it owns.
-DCP reshards on load: a checkpoint of 2 ranks resumes on 4.
+the optimizer's state), which DCP fills in place, each rank reading the slices it owns. (DCP
+could reshard onto another number of ranks; a run resumes on as many as it had, since every
+rank's random state is saved as that rank's: `checkpoint.rank_rng_state`.)
 """
 
 from __future__ import annotations
