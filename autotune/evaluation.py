@@ -10,6 +10,12 @@ with a micro-batch of its own that survives out-of-memory errors.
               `forget_after` micro-batches have run since (memory may have been freed since)
     sum the figures over ranks (one all-reduce), divide by their items
 
+A sharded (FSDP2) model all-gathers in every forward, so its ranks go in lockstep instead:
+one forward a round on every rank, the same micro-batch size everywhere, a rank whose share
+is done running a spare forward (one sample, its figures dropped) until no rank has samples
+left; an OOM on any rank fails the round on all (the checks of sharded.py), and every rank
+halves and runs its micro-batch again.
+
 The training micro-batch is never touched: evaluation holds no gradients or optimizer
 state, so what fits here says little about training, and the other way round.
 A metric is `fn(outputs, targets) -> value` (with `loss_fn`; targets: the batch's second
@@ -29,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from autotune.batching import batch_len, micro_batches
 from autotune.memory import describe_memory, free_memory
 from autotune.oom import OutOfMemory, is_oom, oom_message
-from autotune.sharded import NO_SHARDED_EVALUATION
+from autotune.sharded import PeerFailed
 from autotune.step import StepCore, loss_and_items, to_device
 
 Metric = Callable[[Any, Any], Any]
@@ -61,8 +67,6 @@ class Evaluator:
 
     def run(self, dataset: Dataset | DataLoader, step: int, epoch: int) -> dict[str, float]:
         """The mean loss (`"loss"`) and every metric over `dataset`."""
-        if self.core.ranks.sharded is not None:
-            raise ValueError(NO_SHARDED_EVALUATION)
         model = self.core.model
         was_training = model.training
         started, ooms_before, samples = time.perf_counter(), self.ooms, 0
@@ -73,8 +77,11 @@ class Evaluator:
         model.eval()
         try:
             with torch.no_grad():
-                for batch in self.loader(dataset):
-                    samples += self._batch(batch, sums, outputs, step, epoch)
+                if self.core.ranks.sharded is not None:
+                    samples = self._lockstep(self.loader(dataset), sums, outputs, step, epoch)
+                else:
+                    for batch in self.loader(dataset):
+                        samples += self._batch(batch, sums, outputs, step, epoch)
         finally:
             outputs[0] = None
             if hook is not None:
@@ -113,6 +120,53 @@ class Evaluator:
                 self._shrink(size, failed, step, epoch)
                 self.calm = self.since_failure = 0
         return n
+
+    def _lockstep(self, loader: DataLoader, sums: torch.Tensor, outputs: list, step: int, epoch: int) -> int:
+        # A sharded model's evaluation, in rounds of one forward on every rank (module docstring).
+        # Every rank halves and grows alike (its counters move in the same rounds), so the
+        # micro-batch is the same everywhere without being agreed.
+        ranks, sharded, device = self.core.ranks, self.core.ranks.sharded, self.core.device
+        batches, batch, n, done, samples, spare = iter(loader), None, 0, 0, 0, None
+        started = False
+        while True:
+            if done >= n:  # this rank's next batch, if it has one
+                batch = next(batches, None)
+                n, done = (batch_len(batch), 0) if batch is not None else (0, 0)
+                if batch is not None and spare is None:
+                    spare = next(micro_batches(batch, 1, split_fn=self.core.split_fn))[0]
+            if not started:  # the first round, on every rank: does every rank have a sample?
+                if sharded.check(spare is None):
+                    raise ValueError("evaluation of a sharded model needs a sample on every rank, and a rank's "
+                                     f"share is empty: evaluate at least {ranks.world} samples")
+                started = True
+            if not sharded.check(done < n):  # no rank has samples left: one all-reduce, as the checks
+                return samples
+            size, failed, peer_failed = self.micro_batch_size, None, False
+            try:
+                if done < n:
+                    micro, m = next(micro_batches(batch, size, start=done, split_fn=self.core.split_fn))
+                    self._accumulate(to_device(micro, device), m, sums, outputs)
+                else:  # only for the exchanges the other ranks' forwards make
+                    m = 0
+                    self.core.loss(to_device(spare, device), module=self.core.model)
+            except PeerFailed:
+                peer_failed = True
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                failed = oom_message(exc)
+            outputs[0] = None
+            if ranks.end_attempt(failed is not None, peer_failed) or failed is not None:
+                free_memory(device)
+                ranks.reset_after_failure()
+                self._shrink(size, failed or "another rank ran out of memory in this round", step, epoch)
+                self.calm = self.since_failure = 0
+                continue
+            done, samples = done + m, samples + m
+            self.calm += 1
+            self.since_failure += 1
+            if self.calm >= self.grow_after and self._grow():
+                self.calm = 0
 
     def _accumulate(self, micro: Any, m: int, sums: torch.Tensor, outputs: list) -> None:
         loss, items = loss_and_items(self.core.loss(micro, module=self.core.model))

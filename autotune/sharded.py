@@ -59,12 +59,6 @@ def is_sharded(model: nn.Module) -> bool:
     return bool(fsdp_modules(model))
 
 
-NO_SHARDED_EVALUATION = (
-    "evaluation of a sharded (FSDP2) model is not supported yet: each rank would run its own number of forward "
-    "passes over its share (and its own eval micro-batch after an OOM), and FSDP2 exchanges in every one, so the "
-    "ranks would wait on each other for ever. Evaluate outside AutoTrainer, or without shard=True")
-
-
 def shard(model: nn.Module) -> list[str]:
     """`fully_shard` the model's repeated blocks (the ones the checkpointing relief finds: transformer
     layers, ResNet blocks), then the root. Returns the blocks' names."""

@@ -76,7 +76,6 @@ from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
 from autotune.progress import FitResult, Progress
-from autotune.sharded import NO_SHARDED_EVALUATION, is_sharded
 from autotune.snapshot import StepTiming
 from autotune.step import LossFn, LossSum, StepFn, compile_count
 from autotune.tuner import Tuner
@@ -192,8 +191,6 @@ class AutoTrainer:
                            scheduler_interval=scheduler_interval, compile=compile)
         self.callbacks = Callbacks(callbacks)
         ranks = from_environment()
-        if eval_dataset is not None and ranks.world > 1 and (shard or is_sharded(model)):
-            raise ValueError(f"eval_dataset: {NO_SHARDED_EVALUATION}")  # before anything is started
         device = resolve_device(ranks.device_for(device, keep_effective_batch))
         ranks.join(device)
         self.keep_effective_batch = keep_effective_batch
