@@ -2,7 +2,10 @@
 transformer sharded per block then at the root, the same data, per-rank batch, sample order and
 optimizer; alternating rounds inside one torchrun job. Also what autotune's checks cost: the
 checks a step makes (one before every FSDP2 all-gather and reduce-scatter, one at the end of
-the attempt, one for the micro-batch) times the median time of one check measured alone.
+the attempt, one for the micro-batch) times the median time of one check measured alone. And
+what a checkpoint of the sharded model costs: every rank writing its shards with
+torch.distributed.checkpoint (autotune's), against gathering the whole state to rank 0 and
+writing one file.
 
     python benchmarks/fsdp.py [--rounds 5]       # launches torchrun with 2 processes itself
 """
@@ -53,11 +56,15 @@ def worker(rounds: int, out: str) -> None:
         # without once-per-fit costs (the monitor's start-up, the end-of-fit checkpoint)
         return statistics.median(b - a for a, b in zip(stamps[5:], stamps[6:]))
 
-    def plain() -> tuple[float, float]:
+    def sharded_model() -> nn.Module:
         net = model()
         for block in net[1:1 + BLOCKS]:
             fully_shard(block)
         fully_shard(net)
+        return net
+
+    def plain() -> tuple[float, float]:
+        net = sharded_model()
         optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         loader = DataLoader(data, batch_size=BATCH, sampler=EpochSampler(SAMPLES, seed=0, rank=rank, world=world))
         stamps = []
@@ -105,7 +112,35 @@ def worker(rounds: int, out: str) -> None:
             times.append(time.perf_counter() - start)
         return statistics.median(times[20:])
 
+    def checkpoint_seconds() -> dict[str, float]:
+        # One checkpoint of the model and its optimizer state, five times each way, alternating.
+        from autotune.checkpoint import Checkpoints
+        from autotune.sharded import full_state, sharded_state
+
+        net = sharded_model()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        x, y = data[:BATCH]
+        loss_fn(net(x), y).backward()
+        optimizer.step()  # the momentum buffers exist
+        store = Checkpoints(Path("runs/bench-fsdp/checkpoints"), keep=1)
+        took: dict[str, list[float]] = {"sharded": [], "gathered": []}
+        for i in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            weights, optimizer_state = sharded_state(net, optimizer)
+            store.save_sharded({"model": weights, "optimizer": optimizer_state}, 2 * i, rank == 0)
+            dist.barrier()
+            took["sharded"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            weights, optimizer_state = full_state(net, optimizer)
+            if rank == 0:
+                store.save({"model": weights, "optimizer": optimizer_state}, 2 * i + 1)
+            dist.barrier()
+            took["gathered"].append(time.perf_counter() - start)
+        return {way: statistics.median(seconds) for way, seconds in took.items()}
+
     times: dict[str, Any] = alternate(rounds, ("plain", plain), ("autotune", auto))
+    times["checkpoint_seconds"] = checkpoint_seconds()
     times["check_seconds"] = one_check()
     times["checks_per_step"] = statistics.median(checks_per_step)
     if rank == 0:
@@ -134,7 +169,11 @@ def main() -> None:
         f"The agreement's cost: {checks:.1f} checks a step x {check * 1e6:.0f} us a check (median, measured alone) = "
         f"{checks * check * 1e3:.2f} ms a step, {checks * check / plain_step:.1%} of the hand-written step.", "",
         "The epoch includes AutoTrainer's once-per-fit costs (monitor start-up on rank 0, the end-of-fit checkpoint, "
-        "gathered from the shards); the step column is the median interval between steps.", "",
+        "every rank writing its shards); the step column is the median interval between steps.", "",
+        "A checkpoint of this model and its optimizer state (median of 5): every rank writing its shards with "
+        f"torch.distributed.checkpoint (autotune's) {times['checkpoint_seconds']['sharded'] * 1e3:.0f} ms; the whole "
+        f"state gathered to rank 0 and written as one file {times['checkpoint_seconds']['gathered'] * 1e3:.0f} ms "
+        "(and rank 0 holding all of it in host memory).", "",
         "Per-round step ratios: " + ", ".join(f"{a[1] / p[1]:.3f}" for a, p in zip(times["autotune"], times["plain"])),
     ]
     write_results("fsdp", "Two ranks: AutoTrainer on FSDP2 vs hand-written FSDP2 (CPU, gloo)", lines)
