@@ -67,12 +67,13 @@ def two_ranks(script: str, worker: Callable[[int, str], None], rounds: int, out:
     return args.rounds, json.loads(Path(out).read_text())
 
 
-def alternate(rounds: int, first: tuple[str, Callable[[], Any]], second: tuple[str, Callable[[], Any]]) -> dict[str, list]:
-    """Each of two loops once to warm up, then `rounds` rounds, the order swapped every round so the
-    machine's noise hits both alike; {name: [what each call returned]}."""
-    first[1](), second[1]()
-    results: dict[str, list] = {first[0]: [], second[0]: []}
+def alternate(rounds: int, *loops: tuple[str, Callable[[], Any]]) -> dict[str, list]:
+    """Each loop once to warm up, then `rounds` rounds, the order reversed every round so the
+    machine's noise hits them alike; {name: [what each call returned]}."""
+    for _, run in loops:
+        run()
+    results: dict[str, list] = {name: [] for name, _ in loops}
     for r in range(rounds):
-        for name, run in (first, second) if r % 2 == 0 else (second, first):
+        for name, run in loops if r % 2 == 0 else loops[::-1]:
             results[name].append(run())
     return results

@@ -35,6 +35,7 @@ def worker(rounds: int, out: str) -> None:
 
     from autotune import AutoTrainer
     from autotune.data.sampler import EpochSampler
+    from autotune.sharded import ShardedSteps
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -63,8 +64,10 @@ def worker(rounds: int, out: str) -> None:
         fully_shard(net)
         return net
 
-    def plain() -> tuple[float, float]:
+    def plain(checked: bool = False) -> tuple[float, float]:
         net = sharded_model()
+        # checked: autotune's checks alone, in the hand-written loop (one before each exchange, one after backward)
+        checks = ShardedSteps(net) if checked else None
         optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         loader = DataLoader(data, batch_size=BATCH, sampler=EpochSampler(SAMPLES, seed=0, rank=rank, world=world))
         stamps = []
@@ -73,6 +76,8 @@ def worker(rounds: int, out: str) -> None:
         for x, y in loader:
             stamps.append(time.perf_counter())
             loss_fn(net(x), y).backward()
+            if checks is not None:
+                checks.check(False)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         dist.barrier()
@@ -139,7 +144,8 @@ def worker(rounds: int, out: str) -> None:
             took["gathered"].append(time.perf_counter() - start)
         return {way: statistics.median(seconds) for way, seconds in took.items()}
 
-    times: dict[str, Any] = alternate(rounds, ("plain", plain), ("autotune", auto))
+    times: dict[str, Any] = alternate(rounds, ("plain", plain), ("checked", lambda: plain(checked=True)),
+                                      ("autotune", auto))
     times["checkpoint_seconds"] = checkpoint_seconds()
     times["check_seconds"] = one_check()
     times["checks_per_step"] = statistics.median(checks_per_step)
@@ -153,8 +159,9 @@ def main() -> None:
     if launched is None:  # this process was a rank
         return
     rounds, times = launched
-    plain, auto = median([t[0] for t in times["plain"]]), median([t[0] for t in times["autotune"]])
-    plain_step, auto_step = median([t[1] for t in times["plain"]]), median([t[1] for t in times["autotune"]])
+    plain, checked, auto = (median([t[0] for t in times[name]]) for name in ("plain", "checked", "autotune"))
+    plain_step, checked_step, auto_step = (median([t[1] for t in times[name]])
+                                           for name in ("plain", "checked", "autotune"))
     check, checks = times["check_seconds"], times["checks_per_step"]
     lines = [
         f"Transformer: embedding {VOCAB}x{WIDTH}, {BLOCKS} pre-norm encoder layers of width {WIDTH} (4 heads), "
@@ -163,6 +170,8 @@ def main() -> None:
         "in one torchrun job.", "",
         "| loop | median epoch (s) | ratio | median step (ms) | ratio |", "| --- | --- | --- | --- | --- |",
         f"| hand-written FSDP2 | {plain:.3f} | 1.000 | {plain_step * 1e3:.2f} | 1.000 |",
+        f"| the same with autotune's checks only (ShardedSteps on the model) | {checked:.3f} | {checked / plain:.3f} | "
+        f"{checked_step * 1e3:.2f} | {checked_step / plain_step:.3f} |",
         f"| AutoTrainer(shard=True) (a check before each exchange) | {auto:.3f} | {auto / plain:.3f} | "
         f"{auto_step * 1e3:.2f} | {auto_step / plain_step:.3f} |",
         "",
@@ -174,7 +183,9 @@ def main() -> None:
         f"torch.distributed.checkpoint (autotune's) {times['checkpoint_seconds']['sharded'] * 1e3:.0f} ms; the whole "
         f"state gathered to rank 0 and written as one file {times['checkpoint_seconds']['gathered'] * 1e3:.0f} ms "
         "(and rank 0 holding all of it in host memory).", "",
-        "Per-round step ratios: " + ", ".join(f"{a[1] / p[1]:.3f}" for a, p in zip(times["autotune"], times["plain"])),
+        "Per-round step ratios to the hand-written loop, AutoTrainer: "
+        + ", ".join(f"{a[1] / p[1]:.3f}" for a, p in zip(times["autotune"], times["plain"]))
+        + "; checks only: " + ", ".join(f"{c[1] / p[1]:.3f}" for c, p in zip(times["checked"], times["plain"])),
     ]
     write_results("fsdp", "Two ranks: AutoTrainer on FSDP2 vs hand-written FSDP2 (CPU, gloo)", lines)
 
