@@ -1,5 +1,6 @@
 """The examples in examples/ run as documented."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,56 +12,72 @@ import pytest
 pytestmark = pytest.mark.slow  # each example runs in its own interpreter
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
+HAS = {name: importlib.util.find_spec(name) is not None for name in ("transformers", "lightning")}
 
 
-def run(script, tmp_path):
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    """Every example at once, each in its own interpreter and folder: {script: (process, stdout, stderr, folder)}.
+    Most of an example's time is its interpreter starting, on one core: side by side they share the two."""
+    tmp = tmp_path_factory.mktemp("examples")
+    runs = {"custom_policy/train.py": [], "torchvision_resnet.py": []}  # the plug-in: installed by `make install`
+    if HAS["transformers"]:
+        runs["hf_causal_lm.py"] = ["--epochs", "1", "--samples", "64", "--budget-mib", "32", "--run-dir", "run"]
+        runs["custom_loop.py"] = ["--epochs", "1", "--run-dir", "run"]
+        runs["hf_trainer.py"] = ["--samples", "64", "--output-dir", "run"]
+    if HAS["transformers"] and HAS["lightning"]:
+        runs["lightning_module.py"] = ["--epochs", "1", "--root-dir", "run"]
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1"}  # what fits under a cap the same on every run (conftest.py)
+    started = {}
+    for script, args in runs.items():
+        folder = tmp / script.replace("/", "-").removesuffix(".py")
+        folder.mkdir()
+        started[script] = (subprocess.Popen([sys.executable, str(EXAMPLES / script), *args], stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True, cwd=folder, env=env), folder)
+    finished = {}
+    for script, (proc, folder) in started.items():
+        out, err = proc.communicate(timeout=300)
+        finished[script] = (proc, out, err, folder)
+    return finished
 
 
-def test_plugin_policy_example_journals_its_actions(tmp_path):
-    # the plug-in package is installed by `make install` (pip install -e examples/custom_policy)
-    out = run("custom_policy/train.py", tmp_path)
+def run(examples, script):
+    proc, out, err, folder = examples[script]
+    assert proc.returncode == 0, (script, err[-3000:])
+    return out, folder
+
+
+def test_plugin_policy_example_journals_its_actions(examples):
+    out, folder = run(examples, "custom_policy/train.py")
     assert "done: 2048 samples" in out
-    (journal,) = (tmp_path / "runs").glob("*/events.jsonl")
+    (journal,) = (folder / "runs").glob("*/events.jsonl")
     actions = [json.loads(line) for line in journal.read_text().splitlines() if '"action"' in line]
     assert [a["policy"] for a in actions] == ["empty_cache_every_epoch"] * 2 and all(a["applied"] for a in actions)
 
 
-def test_torchvision_example_trains(tmp_path):
-    assert "512 samples" in run("torchvision_resnet.py", tmp_path)
+def test_torchvision_example_trains(examples):
+    assert "512 samples" in run(examples, "torchvision_resnet.py")[0]
 
 
-def test_hf_causal_lm_example_trains_bf16_through_its_ooms(tmp_path):
-    pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "hf_causal_lm.py"), "--epochs", "1", "--samples", "64", "--budget-mib", "32",
-                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "done: 64 samples" in proc.stdout
-    records = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
-    assert [r for r in records if r["kind"] == "oom"], proc.stdout
+@pytest.mark.skipif(not HAS["transformers"], reason="needs transformers")
+def test_hf_causal_lm_example_trains_bf16_through_its_ooms(examples):
+    out, folder = run(examples, "hf_causal_lm.py")
+    assert "done: 64 samples" in out
+    records = [json.loads(line) for line in (folder / "run" / "events.jsonl").read_text().splitlines()]
+    assert [r for r in records if r["kind"] == "oom"], out
     assert [r["step"] for r in records if r["kind"] == "evaluate"] == [0, 1, 2]  # 0: the warm-up before the cap
     assert {r["kind"] for r in records} >= {"fit_start", "evaluate", "fit_end"}
 
 
-def test_the_three_keep_your_trainer_examples_survive_their_ooms(tmp_path):
-    # custom_loop.py, hf_trainer.py and lightning_module.py, side by side (each in its own interpreter).
-    pytest.importorskip("transformers")
-    pytest.importorskip("lightning")
-    runs = {"custom_loop.py": ["--epochs", "1", "--run-dir", str(tmp_path / "loop")],
-            "hf_trainer.py": ["--samples", "64", "--output-dir", str(tmp_path / "hf")],
-            "lightning_module.py": ["--epochs", "1", "--root-dir", str(tmp_path / "pl")]}
-    env = {**os.environ, "MALLOC_ARENA_MAX": "1"}  # what fits under the cap the same on every run (conftest.py)
-    procs = {name: subprocess.Popen([sys.executable, str(EXAMPLES / name), *args], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
-             for name, args in runs.items()}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, (name, err[-3000:])
-        assert "done:" in out and " 0 OOMs survived" not in out, (name, out)
-    for folder in (tmp_path / "loop", tmp_path / "hf", *(tmp_path / "pl").glob("lightning_logs/version_*")):
-        kinds = [json.loads(line)["kind"] for line in (folder / "events.jsonl").read_text().splitlines()]
-        assert "oom" in kinds and kinds[-1] == "fit_end", folder
+@pytest.mark.skipif(not (HAS["transformers"] and HAS["lightning"]), reason="needs transformers and lightning")
+def test_the_three_keep_your_trainer_examples_survive_their_ooms(examples):
+    # custom_loop.py, hf_trainer.py and lightning_module.py, each in its own interpreter.
+    for script in ("custom_loop.py", "hf_trainer.py", "lightning_module.py"):
+        out, folder = run(examples, script)
+        assert "done:" in out and " 0 OOMs survived" not in out, (script, out)
+        run_dirs = [folder / "run"] if script != "lightning_module.py" else [
+            *(folder / "run").glob("lightning_logs/version_*")]
+        assert run_dirs, (script, "no run folder")
+        for run_dir in run_dirs:
+            kinds = [json.loads(line)["kind"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
+            assert "oom" in kinds and kinds[-1] == "fit_end", run_dir
