@@ -80,6 +80,12 @@ class ShardedSteps:
         if not root or root[0] is not model:
             raise ValueError("a sharded model must be fully_shard-ed at its root too (fully_shard(model) after its "
                              "blocks): autotune resets FSDP2's state through the root after an OOM")
+        meshes = {p.device_mesh.ndim for p in model.parameters() if hasattr(p, "device_mesh")}  # DTensors
+        if any(ndim > 1 for ndim in meshes):
+            raise ValueError("the model is sharded over a 2-D device mesh (HSDP, or FSDP with tensor parallelism): "
+                             "autotune checks FSDP2's all-gathers and reduce-scatters only, not the all-reduce across "
+                             "replicas or the tensor-parallel exchanges, so an OOM on one rank could leave others "
+                             "waiting in those; shard over a 1-D mesh (fully_shard's default)")
         if not hasattr(model, "reset_iter_state"):
             raise RuntimeError(f"torch {torch.__version__}'s FSDP2 cannot reset its state after an exception "
                                "(FSDPModule.reset_iter_state, in torch 2.14): autotune cannot train a sharded model on it")

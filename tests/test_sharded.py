@@ -127,6 +127,13 @@ def errors(run_dir):
         ShardedSteps(model).same_size(16, 64 if rank == 0 else 60)  # rank 1's batch is shorter
     except ValueError as exc:
         said["lengths"] = str(exc)
+    from torch.distributed.device_mesh import init_device_mesh
+    hybrid = Transformer()  # HSDP: replicated over a mesh dimension of 1, sharded over the other
+    fully_shard(hybrid, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
+    try:
+        ShardedSteps(hybrid)
+    except ValueError as exc:
+        said["hsdp"] = str(exc)
     zeros = torch.zeros(8, LENGTH, dtype=torch.long)
     trainer = AutoTrainer(Transformer(), TensorDataset(zeros, zeros), loss_fn=loss_fn, shard=True, progress=False,
                           monitor=False, run_dir=run_dir)
@@ -304,4 +311,5 @@ def test_what_a_sharded_run_cannot_do_is_a_clear_error_on_every_rank(runs):
     for said in runs["errors"]:  # on every rank
         assert "must be fully_shard-ed at its root too" in said["root"]
         assert "every rank's batch must hold as many samples" in said["lengths"] and "60 to 64" in said["lengths"]
+        assert "sharded over a 2-D device mesh (HSDP" in said["hsdp"]
         assert said["evaluation"].startswith("evaluation of a sharded model needs a sample on every rank, and a rank's share is empty")
