@@ -4,8 +4,9 @@ inside block 2: no rank is left in an all-gather or reduce-scatter, both retry t
 at the same smaller micro-batch, and the weights equal a run without OOMs; the same with the two
 ranks launched as two nodes (one torchrun each, a rendezvous on 127.0.0.1). Killed with SIGKILL
 on both ranks and resumed from its sharded checkpoint (torch.distributed.checkpoint), a run ends
-with the weights of one that was not killed. Activation checkpointing applies to a sharded
-model; pruning is refused with its reason."""
+with the weights of one that was not killed. A Tuner in the user's own loop, on a model they
+sharded with fully_shard, does the same. Activation checkpointing applies to a sharded model;
+pruning is refused with its reason. Evaluation runs in lockstep through an OOM."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ CASES = {  # name: (OOM phase, rank 1 capped, mode, micro-batch, sharded)
     "items-split": ("forward", False, "items", 16, True),
     "step-oom": ("forward", False, "step-oom", None, True),
     "errors": ("forward", False, "errors", None, True),
+    "tuner": ("forward", True, "tuner", None, True),  # a Tuner in the user's loop, on a model they sharded
     "kill": ("forward", False, "kill", None, True),
     "resume": ("forward", False, "resume", None, True),
 }
@@ -146,6 +148,36 @@ def errors(run_dir):
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
         json.dump(said, f)
 
+def own_loop(run_dir, data):
+    """The user's loop: their fully_shard, their optimizer and loader, `Tuner.step` per batch, rank 1 capped."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader
+    from autotune import Tuner
+    from autotune.data.sampler import EpochSampler
+    model = Transformer()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    tuner = Tuner(model, RunsOutOnRank1(model.parameters()), loss_fn=loss_fn, device="cpu", run_dir=run_dir,
+                  monitor=False)
+    loss_fn(model(data.tensors[0][:2]), data.tensors[1][:2]).backward()  # warm up before the cap
+    model.zero_grad(set_to_none=True)
+    if rank == 1:
+        cap_address_space(40 * 2**20)
+    sampler = EpochSampler(len(data), seed=0, rank=rank, world=2)  # AutoTrainer's order, as in the clean case
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for inputs, targets in DataLoader(data, batch_size=64, sampler=sampler):
+            tuner.step((inputs, targets))
+    lift_address_space_cap()
+    weights = full_state(model, None)[0]
+    if rank == 0:
+        torch.save(weights, os.path.join(run_dir, "final.pt"))
+    with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"micro": tuner.micro_batch_size, "ooms": tuner.ooms, "samples": tuner.samples_seen,
+                   "checks": tuner.ranks.sharded.checks}, f)
+    tuner.close()
+
 for name in names:  # the cases one after another in one job: its start-up is paid once
     phase, capped, mode, micro, sharded = CASES[name]
     run_dir = os.path.join(root, "killed" if mode in ("kill", "resume") else name)
@@ -160,6 +192,9 @@ for name in names:  # the cases one after another in one job: its start-up is pa
     if mode == "items":  # sample i keeps its first 1 + i % LENGTH labels: micro-batches hold unequal counts
         targets[torch.arange(LENGTH)[None, :] > (torch.arange(512) % LENGTH)[:, None]] = -100
     data = TensorDataset(tokens[:, :-1], targets)
+    if mode == "tuner":
+        own_loop(run_dir, data)
+        continue
     model = Transformer()
     trainer = AutoTrainer(model, data, batch_size=64, device="cpu", shard=sharded, micro_batch_size=micro,
                           **({"step_fn": items_step} if mode == "items" else {"loss_fn": loss_fn}),
@@ -227,7 +262,7 @@ def kill_then_resume(tmp_path):
 def runs(tmp_path_factory):
     """Every case of this file in two jobs at once: most of a job's time is its interpreters starting."""
     tmp = tmp_path_factory.mktemp("sharded")
-    names = ["errors", "clean", "forward", "backward", "reliefs", "items-ddp", "items-split", "step-oom"]
+    names = ["errors", "clean", "forward", "backward", "reliefs", "items-ddp", "items-split", "step-oom", "tuner"]
     with ThreadPoolExecutor(3) as pool:
         for done in [pool.submit(job, tmp, names), pool.submit(kill_then_resume, tmp),
                      pool.submit(job, tmp, ["two-nodes"], nodes=2)]:
@@ -266,6 +301,13 @@ def test_a_sharded_model_is_evaluated_in_lockstep_through_an_oom_on_one_rank(run
     assert ranks[0]["eval_micro"] == ranks[1]["eval_micro"] == (64 if case == "clean" else 32)
     assert [r["micro_batch_size"] for r in journal(run_dir) if r["kind"] == "eval_oom"] == ([] if case == "clean"
                                                                                               else [64])
+
+
+def test_a_tuner_in_the_users_own_loop_on_a_model_they_sharded_survives_an_oom_on_one_rank(runs):
+    ranks, weights, run_dir = runs["tuner"]
+    assert ranks[0]["micro"] == ranks[1]["micro"] < 64 and ranks[0]["ooms"] == ranks[1]["ooms"] >= 1
+    assert ranks[0]["checks"] == ranks[1]["checks"] and ranks[0]["samples"] == 1024
+    assert_same_weights(weights, runs["clean"][1])  # AutoTrainer's clean run: the same order, no OOM
 
 
 def test_sigkill_of_both_ranks_then_resume_ends_with_the_uninterrupted_weights(runs):
