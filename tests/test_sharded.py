@@ -106,6 +106,10 @@ class RunsOutOnRank1(torch.optim.SGD):
             bytearray(1 << 60)
         return super().step(closure)
 
+def halve_every_2_steps(optimizer):
+    """The learning rate at the checkpoint of step 3 is not the first one: a resume must restore it."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
 class KillAtStep5:
     """SIGKILL on both ranks after step 5 (checkpoints at 3 and 6): nothing is saved on the way out."""
     def on_step_end(self, trainer):
@@ -158,7 +162,8 @@ def own_loop(run_dir, data):
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    tuner = Tuner(model, RunsOutOnRank1(model.parameters()), loss_fn=loss_fn, device="cpu", run_dir=run_dir,
+    tuner = Tuner(model, RunsOutOnRank1(model.parameters()), loss_fn=loss_fn, scheduler=halve_every_2_steps,
+                  device="cpu", run_dir=run_dir,
                   monitor=False)
     loss_fn(model(data.tensors[0][:2]), data.tensors[1][:2]).backward()  # warm up before the cap
     model.zero_grad(set_to_none=True)
@@ -198,7 +203,7 @@ for name in names:  # the cases one after another in one job: its start-up is pa
     model = Transformer()
     trainer = AutoTrainer(model, data, batch_size=64, device="cpu", shard=sharded, micro_batch_size=micro,
                           **({"step_fn": items_step} if mode == "items" else {"loss_fn": loss_fn}),
-                          optimizer=RunsOutOnRank1, run_dir=run_dir,
+                          optimizer=RunsOutOnRank1, scheduler=halve_every_2_steps, run_dir=run_dir,
                           progress=False, monitor=False, checkpoint_interval=None, checkpoint_every=3,
                           callbacks=[KillAtStep5()] if mode == "kill" else None)
     assert is_sharded(model) == sharded
