@@ -20,7 +20,7 @@ rank's random state is saved as that rank's: `checkpoint.rank_rng_state`.)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,21 +29,30 @@ IN_DCP = "<a tensor in the .distcp files>"
 REST = "rest.pt"
 
 
+def _map(value: Any, where: str, leaf: Callable[[Any, str], Any]) -> Any:
+    # `value` rebuilt with `leaf(item, path)` for every item that is not a dict, list or tuple.
+    if isinstance(value, dict):
+        return {key: _map(item, f"{where}/{key}", leaf) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(item, f"{where}/{index}", leaf) for index, item in enumerate(value))
+    return leaf(value, where)
+
+
+def _in_dcp(value: Any) -> bool:
+    return isinstance(value, str) and value == IN_DCP
+
+
 def split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(the sharded entries' tensors by path, the state with `IN_DCP` in their place)."""
     tensors: dict[str, torch.Tensor] = {}
 
-    def take(value: Any, path: str) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors[path] = value
-            return IN_DCP
-        if isinstance(value, dict):
-            return {key: take(item, f"{path}/{key}") for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(take(item, f"{path}/{index}") for index, item in enumerate(value))
-        return value
+    def take(value: Any, where: str) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        tensors[where] = value
+        return IN_DCP
 
-    rest = {key: take(value, key) if key in SHARDED_ENTRIES else value for key, value in state.items()}
+    rest = {key: _map(value, key, take) if key in SHARDED_ENTRIES else value for key, value in state.items()}
     return tensors, rest
 
 
@@ -51,34 +60,17 @@ def join(rest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, An
     """The state `split` took apart, each `IN_DCP` replaced by its tensor."""
 
     def put(value: Any, where: str) -> Any:
-        if isinstance(value, str) and value == IN_DCP:
-            return tensors[where]
-        if isinstance(value, dict):
-            return {key: put(item, f"{where}/{key}") for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(put(item, f"{where}/{index}") for index, item in enumerate(value))
-        return value
+        return tensors[where] if _in_dcp(value) else value
 
-    return {key: put(value, key) if key in SHARDED_ENTRIES else value for key, value in rest.items()}
+    return {key: _map(value, key, put) if key in SHARDED_ENTRIES else value for key, value in rest.items()}
 
 
 def needed(rest: dict[str, Any]) -> list[str]:
     """The paths of the tensors `rest` says DCP holds."""
     found: list[str] = []
-
-    def walk(value: Any, where: str) -> None:
-        if isinstance(value, str) and value == IN_DCP:
-            found.append(where)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{where}/{key}")
-        elif isinstance(value, (list, tuple)):
-            for index, item in enumerate(value):
-                walk(item, f"{where}/{index}")
-
     for key in SHARDED_ENTRIES:
         if key in rest:
-            walk(rest[key], key)
+            _map(rest[key], key, lambda value, where: found.append(where) if _in_dcp(value) else None)
     return found
 
 
