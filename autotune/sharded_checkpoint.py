@@ -93,10 +93,11 @@ def read_shards(folder: Path, rest: dict[str, Any], template: dict[str, Any]) ->
     import torch.distributed.checkpoint as dcp
 
     places, _ = split(template)
-    missing = [path for path in needed(rest) if path not in places]
+    paths = needed(rest)
+    missing = [path for path in paths if path not in places]
     if missing:
         raise ValueError(f"{folder} holds {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, "
                          "which this model and optimizer have no place for: is it the same model?")
-    wanted = {path: places[path] for path in needed(rest)}
+    wanted = {path: places[path] for path in paths}
     dcp.load(wanted, checkpoint_id=folder)
     return join(rest, wanted)

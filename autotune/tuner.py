@@ -490,10 +490,12 @@ class Tuner:
         counters and random states. Load it with `load_state_dict` on a Tuner built alike. A
         sharded (FSDP2) model's weights and optimizer state are this rank's shards (DTensors):
         save them with `torch.distributed.checkpoint`, as autotune's own checkpoints do."""
-        state = {"format": 1, "model": self.model.state_dict(), **self.core.state_dict(), **self.tuning_state(),
-                 **self.progress.state_dict(), "rng": rng_state()}
+        state = {"format": 1, **self.core.state_dict(), **self.tuning_state(), **self.progress.state_dict(),
+                 "rng": rng_state()}
         if self.ranks.sharded is not None:  # this rank's shards, by parameter name (sharded_checkpoint.py)
             state["model"], state["optimizer"] = sharded_state(self.model, self.core.optimizer)
+        else:
+            state["model"] = self.model.state_dict()
         return state
 
     def tuning_state(self) -> dict[str, Any]:
