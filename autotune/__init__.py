@@ -30,7 +30,7 @@ _EXPORTS = {
     "Action": "autotune.actions", "EmptyCache": "autotune.actions", "SetMicroBatch": "autotune.actions",
     "CacheSamples": "autotune.actions", "SetLoaderWorkers": "autotune.actions",
     "Event": "autotune.events",
-    "OutOfMemory": "autotune.oom", "is_oom": "autotune.oom",
+    "OutOfMemory": "autotune.oom", "ExchangeFailed": "autotune.oom", "is_oom": "autotune.oom",
     "Policy": "autotune.policy", "PolicyBase": "autotune.policy",
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
     "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from autotune.actions import Action, CacheSamples, EmptyCache, SetLoaderWorkers, SetMicroBatch
     from autotune.batching import Fields, PerSample
     from autotune.events import Event
-    from autotune.oom import OutOfMemory, is_oom
+    from autotune.oom import ExchangeFailed, OutOfMemory, is_oom
     from autotune.policy import Policy, PolicyBase
     from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
     from autotune.progress import FitResult

@@ -61,7 +61,7 @@ def is_oom(exc: BaseException) -> bool:
     reports a failed allocation as `InternalTorchDynamoError` caused by `MemoryError`.
     Anything else is not an OOM and must be re-raised untouched by the caller.
     """
-    if isinstance(exc, OutOfMemory):  # autotune already gave up: let it through
+    if isinstance(exc, (OutOfMemory, ExchangeFailed)):  # autotune already gave up: let it through
         return False
     return any(_is_oom_itself(link) for link in _chain(exc))
 
@@ -86,3 +86,10 @@ class OutOfMemory(RuntimeError):
     The message names the device, the micro-batch sizes tried and the memory figures
     at the time, so a user can tell whether the model itself does not fit.
     """
+
+
+class ExchangeFailed(RuntimeError):
+    """An FSDP2 exchange or autotune's check failed or timed out after the ranks had met there
+    (sharded.py): the ranks can no longer pair their exchanges, so the job stops on every rank
+    with this error, naming the exchange and the step. Never retried, even when what failed
+    inside the exchange was an allocation."""

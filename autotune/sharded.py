@@ -15,7 +15,11 @@ allocation fails, so the check needs no device synchronisation.
 
 The check sits inside FSDP2's communication hook (`set_custom_all_gather` /
 `set_custom_reduce_scatter`), after FSDP2 allocated the exchange's buffers: an OOM while
-allocating them is caught like any other. Every rank makes the same checks in the same
+allocating them is caught like any other. On CPU, gloo's exchanges allocate temporaries of
+their own (a flat copy of the all-gather's output, a clone of the reduce-scatter's input):
+an OOM there, after the check, would leave the others inside the exchange. So before the
+check the hook reserves that much memory and frees it just before the exchange, which then
+finds the room it needs: the failure, if any, comes before the check, where it is agreed on. Every rank makes the same checks in the same
 order until one fails; the failing rank's check(1) meets the others' next check, whichever it
 is, so each rank makes exactly as many checks as the others, and the agreement that follows
 (distributed.py's `Agreement`) pairs up as it does under DDP.
@@ -26,23 +30,47 @@ unsharded gradients it leaves behind dropped (those of a backward cut short, and
 `no_sync` accumulation held). Micro-batches accumulate through FSDP2's own no-sync path:
 gradients are reduce-scattered in the last micro-batch's backward only.
 
+As a last line, the checks' group and FSDP2's own groups carry a timeout (`timeout_s`, default
+300 s or `AUTOTUNE_EXCHANGE_TIMEOUT_S`; gloo's own is 30 minutes): a rank that fails inside an
+exchange anyway (a custom comm's allocation, a lost peer) ends the job with an error naming the
+exchange and the step on every rank (`ExchangeFailed`), instead of a hang.
+
 FSDP2's parameter groups and their unsharded gradients are private in torch 2.14; this file
 is the only one that reads them (`_param_groups`, `_drop_unsharded_gradients`).
 """
 
 from __future__ import annotations
 
+import datetime
+import os
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from autotune.oom import ExchangeFailed, is_oom
 from autotune.relief.checkpointing import repeated_blocks
+
+DEFAULT_TIMEOUT_S = 300.0  # far below gloo's 30 minutes; above any wait a healthy job makes between exchanges
 
 
 class PeerFailed(RuntimeError):
     """Raised out of forward or backward on a rank whose peer ran out of memory in this attempt."""
+
+
+def exchange_timeout_s() -> float:
+    """The checks' and FSDP2's exchanges' timeout: AUTOTUNE_EXCHANGE_TIMEOUT_S, else 300 s."""
+    value = os.environ.get("AUTOTUNE_EXCHANGE_TIMEOUT_S")
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"AUTOTUNE_EXCHANGE_TIMEOUT_S must be a number of seconds above 0, not {value!r}")
+    return seconds
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -75,7 +103,7 @@ class ShardedSteps:
     """The checks around FSDP2's exchanges, the no-sync switch, and the reset after a failure,
     for one sharded model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, timeout_s: float | None = None):
         root = fsdp_modules(model)
         if not root or root[0] is not model:
             raise ValueError("a sharded model must be fully_shard-ed at its root too (fully_shard(model) after its "
@@ -91,27 +119,72 @@ class ShardedSteps:
                                "(FSDPModule.reset_iter_state, in torch 2.14): autotune cannot train a sharded model on it")
         self.model, self.modules = model, root
         self.rank = dist.get_rank()
+        self.timeout_s = exchange_timeout_s() if timeout_s is None else float(timeout_s)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         # Checks on a gloo group of their own: host memory, never in the way of the device's
         # streams, and never interleaved with FSDP2's own (possibly asynchronous) exchanges.
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        # FSDP2's exchanges run on the mesh's group (often the default one): a rank left inside
+        # one by a peer that failed there waits this long, not gloo's 30 minutes.
+        for group in {p.device_mesh.get_group() for p in model.parameters() if hasattr(p, "device_mesh")}:
+            dist.set_timeout(timeout, group)
         self.flag = torch.zeros(1, dtype=torch.int64)
         self.checks = 0  # made in this process (a test reads it: every rank makes as many)
+        self.step = 0  # the optimizer step being attempted, for the errors' wording
+        self.broken: str | None = None  # the exchange this rank failed inside, if it did
         self._syncing = True  # what set_requires_gradient_sync was last told
+        names = {module: name for name, module in model.named_modules()}
         for module in self.modules:
-            _check_exchanges(module, self.check)
+            _check_exchanges(module, repr(names[module]) if names[module] else "the root", self)
 
     def check(self, failed: bool = False) -> bool:
         """Join the other ranks' check (each rank makes it at the same point): whether any rank failed."""
+        if self.broken is not None:
+            # The others are inside the exchange this rank failed in: they cannot come to a check.
+            raise ExchangeFailed(f"rank {self.rank} failed inside FSDP2's {self.broken} at step {self.step + 1}, after "
+                                 "the check before it had passed: the other ranks are waiting inside that exchange and "
+                                 "cannot be told, so the job stops here (the last checkpoint is where to resume)")
         self.checks += 1
         self.flag.fill_(int(failed))
-        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+        try:
+            dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as exc:  # a peer gone, or no peer within the timeout
+            raise ExchangeFailed(f"rank {self.rank}: autotune's check at step {self.step + 1} found no other rank within "
+                                 f"{self.timeout_s:g} s (AUTOTUNE_EXCHANGE_TIMEOUT_S): another rank failed inside an "
+                                 f"exchange or stopped ({_first_line(exc)})") from None
         return bool(self.flag.item())
 
-    def same_size(self, micro_batch_size: int, n: int) -> int:
+    def exchange(self, kind: str, name: str, reserve_bytes: int, run: Callable[[], Any]) -> Any:
+        """One FSDP2 exchange, `run()`, after its check (module docstring). `reserve_bytes`: what the
+        exchange will allocate of its own, held through the check and freed just before it."""
+        # An OOM here (the reservation) comes before the check: the ranks still pair.
+        held = torch.empty(reserve_bytes, dtype=torch.uint8) if reserve_bytes else None
+        if self.check(False):
+            raise PeerFailed("another rank ran out of memory in this attempt")
+        del held
+        try:
+            return run()
+        except Exception as exc:
+            where = f"{kind} of {name}"
+            self.broken = where  # this rank's next check says so instead of waiting for ever
+            if is_oom(exc):
+                raise ExchangeFailed(f"rank {self.rank} ran out of memory inside FSDP2's {where} at step "
+                                     f"{self.step + 1}, after the check before it had passed: the other ranks are "
+                                     f"inside that exchange and cannot be told, so the job stops here "
+                                     f"({_first_line(exc)})") from None
+            if isinstance(exc, RuntimeError):  # gloo: a peer gone, or none within the timeout
+                raise ExchangeFailed(f"rank {self.rank}: FSDP2's {where} at step {self.step + 1} failed after every "
+                                     f"rank's check had passed: another rank failed inside it or stopped (timeout "
+                                     f"{self.timeout_s:g} s, AUTOTUNE_EXCHANGE_TIMEOUT_S): {_first_line(exc)}") from None
+            raise
+
+    def same_size(self, micro_batch_size: int, n: int, step: int | None = None) -> int:
         """Rank 0's micro-batch, before an attempt: every rank must run as many micro-batches (as many
         exchanges). Under DDP a rank may differ until the agreement; here a policy that moved one
         rank's size after the last agreement would leave the ranks in different exchanges. A batch
         of another length on some rank would too: that is an error, on every rank."""
+        if step is not None:
+            self.step = step
         values = torch.tensor([micro_batch_size if self.rank == 0 else 0, n, -n], dtype=torch.int64)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
         size, longest, shortest = int(values[0]), int(values[1]), -int(values[2])
@@ -141,13 +214,20 @@ class ShardedSteps:
         self.micro_batch(True)
 
 
-def _check_exchanges(module: nn.Module, check: Callable[[bool], bool]) -> None:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _own_temporaries(tensor: torch.Tensor) -> int:
+    # gloo (CPU tensors) copies the all-gather's output and the reduce-scatter's input into
+    # buffers of its own, as large; NCCL allocates nothing through torch's allocator.
+    return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
+
+
+def _check_exchanges(module: nn.Module, name: str, steps: ShardedSteps) -> None:
     """Put a check before every all-gather and reduce-scatter FSDP2 makes for `module`."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-
-    def before_exchange() -> None:
-        if check(False):
-            raise PeerFailed("another rank ran out of memory in this attempt")
 
     class CheckedAllGather(AllGather):
         def __init__(self, inner: Any):
@@ -158,8 +238,8 @@ def _check_exchanges(module: nn.Module, check: Callable[[bool], bool]) -> None:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                      async_op: bool = False) -> Any:
-            before_exchange()
-            return self.inner(output_tensor, input_tensor, group, async_op)
+            return steps.exchange("all-gather", name, _own_temporaries(output_tensor),
+                                  lambda: self.inner(output_tensor, input_tensor, group, async_op))
 
     class CheckedReduceScatter(ReduceScatter):
         def __init__(self, inner: Any):
@@ -170,8 +250,8 @@ def _check_exchanges(module: nn.Module, check: Callable[[bool], bool]) -> None:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                      async_op: bool = False) -> Any:
-            before_exchange()
-            return self.inner(output_tensor, input_tensor, group, op, async_op)
+            return steps.exchange("reduce-scatter", name, _own_temporaries(input_tensor),
+                                  lambda: self.inner(output_tensor, input_tensor, group, op, async_op))
 
     groups = _param_groups(module)
     if not groups:

@@ -316,7 +316,7 @@ class Tuner:
                 self.demand.start(self.knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
                 rebase = False
             if self.ranks.sharded is not None:
-                self.knobs.follow(self.ranks.sharded.same_size(self.knobs.micro_batch_size, n))
+                self.knobs.follow(self.ranks.sharded.same_size(self.knobs.micro_batch_size, n, self.step_count))
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
             # Sharded, a rank that cannot go on (its optimizer step failed) ran no exchange: it says
             # "failed" at the others' first check, and the agreement then stops every rank.
