@@ -1,14 +1,24 @@
 """Caps a process can put on itself: RLIMIT_AS on CPU, the allocator fraction on CUDA.
 
-Used by the demo, the tests and the benchmarks to make real out-of-memory errors happen
-on purpose. RLIMIT_AS counts virtual address space, which grows the first time threads
+Used by the demo, the examples, the tests and the benchmarks to make real out-of-memory errors
+happen on purpose. RLIMIT_AS counts virtual address space, which grows the first time threads
 and libraries warm up (each glibc malloc arena reserves 64 MiB of it), so the cap is set
 relative to the virtual size *after* a warm-up step.
+
+What a step needs differs from CPU to CPU (AVX2, AVX-512, native bf16, AMX): oneDNN and MKL pick
+other kernels, and on a CPU with native bf16 each new micro-batch size compiles ~30 MiB of them.
+So no cap is a constant: `calibrate_headroom` finds, with real OOMs on this machine, the least
+headroom under which a size that must fit fits and the one under which a size that must fail
+fits, and returns a cap between them with a margin on both sides, or why it cannot.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import gc
 import resource
+from typing import Any, Callable
 
 import torch
 
@@ -16,8 +26,9 @@ from autotune.memory import load_libc
 from autotune.monitor.host import virtual_bytes
 
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _M_ARENA_MAX = -8
+SMALL_ALLOCATION_RESERVE = 16 * 2**20
 
 
 def single_malloc_arena() -> None:
@@ -46,13 +57,41 @@ def fix_mmap_threshold(threshold: int = 128 * 1024) -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
+def reserve_small_allocations(nbytes: int = SMALL_ALLOCATION_RESERVE) -> None:
+    """Keep `nbytes` of free heap mapped, for the small allocations libraries make (call it
+    before a cap): under RLIMIT_AS the refusals then fall on large blocks (mapped one by one
+    above the mmap threshold), whose failure torch's allocator and oneDNN's JIT check.
+
+    oneDNN does not check every small one: a primitive descriptor whose `malloc` returns NULL
+    under the cap crashes the process (a segmentation fault in `matmul_pd_t`, seen on CPUs with
+    native bf16, where a new micro-batch size creates many). glibc would hand freed heap back
+    at once, and autotune's `malloc_trim` too: both are told to keep this much.
+    """
+    import autotune.memory as memory
+
+    libc = load_libc()
+    if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "malloc"):
+        return
+    libc.mallopt(_M_TRIM_THRESHOLD, 2 * nbytes)
+    memory.heap_reserve_bytes = max(memory.heap_reserve_bytes, nbytes)
+    # Grow the heap by nbytes in blocks below the mmap threshold, then free them: the space
+    # stays at the heap's top, mapped, for later small allocations.
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(64 * 1024) for _ in range(nbytes // (64 * 1024))]
+    for block in blocks:
+        libc.free(block)
+
+
 def cap_address_space(headroom_bytes: int) -> int:
     """Set the soft RLIMIT_AS to the current virtual size plus `headroom_bytes`; return the cap.
 
     Only the soft limit changes, so `lift_address_space_cap()` can undo it. Also fixes
-    glibc's mmap threshold so the cap measures live memory rather than heap drift.
+    glibc's mmap threshold so the cap measures live memory rather than heap drift, and keeps
+    a reserve of free heap for small allocations (`reserve_small_allocations`), inside the cap.
     """
     fix_mmap_threshold()
+    reserve_small_allocations()
     current = virtual_bytes()
     if current is None:
         raise RuntimeError("cannot read this process's virtual size to set RLIMIT_AS")
@@ -76,3 +115,83 @@ def cap_cuda_memory(device: torch.device, cap_bytes: int) -> float:
     fraction = min(1.0, cap_bytes / total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
+
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The headroom `calibrate_headroom` chose (None: none could be), from what it measured."""
+
+    headroom_bytes: int | None
+    fits_bytes: int | None  # the least headroom under which the size that must fit fits
+    fails_bytes: int | None  # the same for the size that must fail
+    reason: str  # what was measured and chosen, or why nothing could be
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def runs_under(headroom_bytes: int, probe: Callable[[], Any]) -> bool:
+    """Whether `probe()` runs without running out of memory under a cap of `headroom_bytes`
+    above the current virtual size (a real OOM, caught). Caches are emptied first, so a probe
+    pays what a new micro-batch size pays in a run (oneDNN's kernels compiled afresh)."""
+    from autotune.memory import free_cpu_caches
+    from autotune.oom import is_oom
+
+    gc.collect()
+    free_cpu_caches()
+    cap_address_space(headroom_bytes)
+    try:
+        probe()
+        return True
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        return False
+    finally:
+        lift_address_space_cap()
+        free_cpu_caches()  # the failed attempt's leftovers (and oneDNN's JIT error) go now
+
+
+def least_headroom(probe: Callable[[], Any], high_bytes: int = 2**30, resolution_bytes: int = 2 * MiB) -> int | None:
+    """The least headroom under which `probe()` runs (bisection, about 9 probes); None when it
+    does not even under `high_bytes`."""
+    if not runs_under(high_bytes, probe):
+        return None
+    low, high = 0, high_bytes
+    while high - low > resolution_bytes:
+        middle = (low + high) // 2
+        if runs_under(middle, probe):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, margin_bytes: int = 12 * MiB,
+                       extra_bytes: int = 0, high_bytes: int = 2**30) -> Calibration:
+    """A cap headroom under which `probe(fits)` runs and `probe(fails)` does not, with
+    `margin_bytes` on both sides, measured on this machine with real OOMs (`least_headroom`
+    of each, then their middle). `probe(size)`: one forward and backward at micro-batch `size`
+    (`StepCore.forward_backward`); `extra_bytes`: what the run adds that the probe does not
+    (an optimizer's state, allocated at its first step). Call it after the warm-up the run
+    itself makes, and set the cap right after (`cap_address_space(result.headroom_bytes)`)."""
+    need_fails = least_headroom(lambda: probe(fails), high_bytes)
+    need_fits = least_headroom(lambda: probe(fits), need_fails or high_bytes)
+    if need_fits is None:
+        return Calibration(None, None, need_fails, f"micro-batch {fits} does not run even under "
+                           f"{high_bytes / MiB:.0f} MiB of headroom on this machine")
+    if need_fails is None:
+        return Calibration(None, need_fits, None, f"micro-batch {fails} runs under any headroom measured "
+                           f"({high_bytes / MiB:.0f} MiB): nothing would run out of memory")
+    need_fits += extra_bytes
+    need_fails += extra_bytes
+    measured = (f"micro-batch {fits} needs {need_fits / MiB:.0f} MiB of headroom, {fails} needs "
+                f"{need_fails / MiB:.0f} MiB on this machine")
+    if need_fails - need_fits < 2 * margin_bytes:
+        return Calibration(None, need_fits, need_fails, f"{measured}: less apart than twice the margin "
+                           f"({2 * margin_bytes / MiB:.0f} MiB), so no cap tells them apart reliably")
+    headroom = (need_fits + need_fails) // 2
+    return Calibration(headroom, need_fits, need_fails, f"{measured}: headroom {headroom / MiB:.0f} MiB")

@@ -20,6 +20,7 @@ import torch
 from loguru import logger
 
 from autotune.monitor.host import describe_host_memory, host_sample
+from autotune.onednn import clear_jit_error, flush_kernel_cache
 from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.snapshot import AllocatorStats, DeviceSample, StepMemory
 from autotune.units import format_bytes
@@ -39,12 +40,16 @@ def load_libc() -> ctypes.CDLL | None:
     return _libc or None
 
 
+heap_reserve_bytes = 0  # free heap kept mapped by malloc_trim (limits.reserve_small_allocations)
+
+
 def _malloc_trim() -> None:
-    # glibc keeps freed heap pages; malloc_trim(0) hands them back to the OS, the CPU
-    # analogue of empty_cache. Outside glibc there is nothing to do.
+    # glibc keeps freed heap pages; malloc_trim hands them back to the OS, the CPU analogue of
+    # empty_cache (pages inside the heap are released; `heap_reserve_bytes` at its top stay
+    # mapped, for small allocations under a cap). Outside glibc there is nothing to do.
     libc = load_libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+        libc.malloc_trim(ctypes.c_size_t(heap_reserve_bytes))
 
 
 _mkl: ctypes.CDLL | None | bool = None
@@ -65,11 +70,15 @@ def load_mkl() -> ctypes.CDLL | None:
 
 def free_cpu_caches() -> None:
     """Hand back what CPU libraries cache: MKL's buffers (kept at the size of the largest
-    matrix product seen, so a larger micro-batch leaves the old ones mapped) and glibc's
-    freed heap pages."""
+    matrix product seen, so a larger micro-batch leaves the old ones mapped), oneDNN's
+    compiled kernels (one set per shape on CPUs with native bf16) and glibc's freed heap
+    pages. Also clears the error a refused allocation leaves in oneDNN's JIT on this thread,
+    which would fail every kernel it compiles later (onednn.py)."""
     mkl = load_mkl()
     if mkl is not None:
         mkl.mkl_serv_free_buffers()
+    clear_jit_error()
+    flush_kernel_cache()
     _malloc_trim()
 
 
@@ -465,5 +474,7 @@ def warm_up_oom_path(device: torch.device, cap_bytes: int | None) -> None:
     is_oom(warm_up), maybe_not_memory(warm_up), oom_message(warm_up)
     load_libc()
     load_mkl()
+    if device.type == "cpu" and cap_bytes is not None:
+        flush_kernel_cache()  # finds oneDNN's functions now (~0.1 s), not after the first OOM
     describe_memory(device)
     memory_text(device, cap_bytes)

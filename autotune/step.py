@@ -318,6 +318,17 @@ class StepCore:
         inputs, targets = micro
         return self.loss_fn(module(inputs), targets)
 
+    def forward_backward(self, micro: Any) -> None:
+        """One forward and backward of `micro` as a training step runs them (the user's step,
+        autocast, scaler), the gradients dropped after and nothing stepped: what a memory
+        calibration measures (limits.py)."""
+        try:
+            loss, _ = loss_and_items(self.loss(to_device(micro, self.device)))
+            self._backward(loss)
+            del loss
+        finally:
+            self.model.zero_grad(set_to_none=True)
+
     def _backward(self, loss: torch.Tensor) -> None:
         if self.backward_fn is not None:
             self.backward_fn(loss)

@@ -12,6 +12,11 @@ weights micro-batches by tokens and the optimizer step is the same at any micro-
     pip install 'autotune[hf]'
     python examples/hf_causal_lm.py               # bf16, capped: watch it halve and go on
     python examples/hf_causal_lm.py --precision fp32 --budget-mib 0   # no cap
+
+The cap is measured on this machine (`autotune.limits.calibrate_headroom`): what a step at a
+quarter of the batch needs and what the whole batch needs differ from CPU to CPU (on one with
+native bf16, each new micro-batch size compiles ~30 MiB of oneDNN kernels), so the headroom is
+set between them; where they cannot be told apart the example says so and runs uncapped.
 """
 
 from __future__ import annotations
@@ -70,7 +75,9 @@ def build(samples: int = 256, seed: int = 0, vocab_size: int = 4096):
                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"  # the mean over label tokens (what n_items below counts)
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False, return_tensors="pt")
+    # Padded to the full 64 tokens: every batch has the shape the cap was measured at (on a CPU
+    # with native bf16 each new shape also compiles new kernels, which the measure would miss).
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False, return_tensors="pt", pad_to_multiple_of=64)
     return model, Texts(texts[:samples], tokenizer), Texts(texts[samples:], tokenizer), collator
 
 
@@ -93,6 +100,19 @@ def warmup_then_linear(total_steps: int, warmup: int):
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def measured_headroom(trainer: AutoTrainer, model, train: Texts, collator, batch_size: int) -> int | None:
+    """A cap under which a quarter of the batch fits and the whole batch does not, on this
+    machine: one forward and backward of the longest samples at each size, under real caps."""
+    from autotune.limits import calibrate_headroom
+
+    longest = sorted(range(len(train)), key=lambda i: -len(train[i]["input_ids"]))
+    probe = lambda size: trainer.tuner.core.forward_backward(collator([train[i] for i in longest[:size]]))
+    adam_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # allocated at the first step
+    calibration = calibrate_headroom(probe, fits=max(1, batch_size // 4), fails=batch_size, extra_bytes=adam_state)
+    print(f"memory cap: {calibration}" if calibration.headroom_bytes else f"no memory cap: {calibration}", flush=True)
+    return calibration.headroom_bytes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
@@ -100,7 +120,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--budget-mib", type=float, default=40.0, help="RLIMIT_AS headroom (0: no cap)")
+    parser.add_argument("--budget-mib", type=float, default=None,
+                        help="RLIMIT_AS headroom in MiB (default: measured on this machine; 0: no cap)")
     parser.add_argument("--run-dir", default="runs/hf_causal_lm")
     args = parser.parse_args()
 
@@ -116,9 +137,13 @@ def main() -> None:
         precision=args.precision, clip_grad_norm=1.0,
         eval_dataset=evaluation, eval_every=max(1, steps // 2), metrics={"token_accuracy": token_accuracy})
     with trainer:
-        if args.budget_mib > 0:
+        if args.budget_mib != 0:
             trainer.evaluate()  # warms kernels and the allocator before the cap, as a real run has
-            cap_address_space(int(args.budget_mib * 2**20))
+            headroom = None if args.budget_mib is None else int(args.budget_mib * 2**20)
+            if headroom is None:
+                headroom = measured_headroom(trainer, model, train, collator, args.batch_size)
+            if headroom is not None:
+                cap_address_space(headroom)
         try:
             result = trainer.fit(epochs=args.epochs)
         finally:

@@ -53,6 +53,12 @@ def checkpoint_blocks(model: nn.Module) -> list[str]:
     was wrapped. Idempotent: a second call wraps nothing and returns []."""
     if getattr(model, _MARK, False):
         return []
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # A Hugging Face model that caches keys and values would append them again in each
+        # block's recomputation (the attention then sees twice the keys): HF turns the cache
+        # off when it checkpoints, and so does this.
+        config.use_cache = False
     wrapped = []
     for name, block in repeated_blocks(model):
         if getattr(block, _MARK, False):

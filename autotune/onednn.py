@@ -1,0 +1,182 @@
+"""oneDNN on CPU after an OOM, behind one small module: its JIT's error cleared, its kernel cache emptied.
+
+**The JIT's error.** oneDNN compiles its kernels with Xbyak, built without exceptions: a failed
+allocation of a kernel's code (the cap refusing its mapping) sets an error code that Xbyak keeps
+*per thread* until someone clears it, and torch 2.14's oneDNN never does (oneDNN fixed it in
+pull request 5907, August 2026). From then on every kernel that thread compiles fails, "could not
+create a primitive" at any micro-batch, uncapped too: the run ends "even at micro-batch 1".
+`clear_jit_error()` clears it on the calling thread, the one that runs forward and backward.
+
+**The kernel cache.** On a CPU with native bf16 (AVX512_BF16, AMX), oneDNN compiles kernels for every shape it meets
+(bf16 matmuls, convolutions) and keeps them in its primitive cache, 1024 of them by default:
+each new micro-batch size keeps ~20-35 MiB of compiled code and buffers mapped for good. Under a
+memory cap (RLIMIT_AS, a cgroup) the sizes an OOM made autotune try add up until nothing fits,
+not even a micro-batch of 1 ("could not create a primitive"; a failed mapping inside the JIT
+can also crash the process). Emptying the cache when the micro-batch changes, as
+`torch.cuda.empty_cache()` does for CUDA's cache, returns the kernels of the old sizes; the
+ones still needed are compiled again at the next step (milliseconds).
+
+torch exports neither `dnnl_set_primitive_cache_capacity` nor Xbyak's error, but libtorch_cpu.so
+keeps its symbol table: their addresses are read from it once, on first use (~0.1 s, in 1 MiB
+pieces). Anything unexpected (another layout, a stripped library, no oneDNN, a value that is no
+error code) means "not available": nothing is called or written, and the functions return False.
+Setting ONEDNN_PRIMITIVE_CACHE_CAPACITY before torch starts bounds the cache without this.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import struct
+from typing import Any, BinaryIO, Callable
+
+from loguru import logger
+
+_CHUNK = 1 << 20
+_SET, _GET = b"dnnl_set_primitive_cache_capacity", b"dnnl_get_primitive_cache_capacity"
+_JIT_ERROR = b"_ZZN5Xbyak5local11GetErrorRefEvE3err"  # Xbyak::local::GetErrorRef()::err, thread-local
+_STT_FUNC, _STT_TLS = 2, 6
+_RTLD_DI_TLS_DATA = 10  # dlinfo(): this thread's block of a library's thread-local variables
+
+
+@dataclasses.dataclass
+class _OneDNN:
+    set_capacity: Callable[[int], int]
+    get_capacity: Callable[[Any], int]
+    library: ctypes.CDLL
+    jit_error_offset: int | None  # in the library's thread-local block
+
+
+_found: _OneDNN | None | bool = None  # None: not looked up yet; False: not available
+
+
+def clear_jit_error() -> bool:
+    """Clear Xbyak's error on this thread (module docstring); False where that is not available."""
+    found = _load()
+    if not found or found.jit_error_offset is None:
+        return False
+    libc = ctypes.CDLL(None)
+    block = ctypes.c_void_p()
+    if not hasattr(libc, "dlinfo") or libc.dlinfo(ctypes.c_void_p(found.library._handle), _RTLD_DI_TLS_DATA,
+                                                  ctypes.byref(block)) != 0:
+        return False
+    if not block.value:
+        return True  # this thread never touched the library's thread-locals: nothing is set
+    error = ctypes.c_int.from_address(block.value + found.jit_error_offset)
+    if not 0 <= error.value < 1000:  # Xbyak's codes are small: anything else is not it
+        return False
+    error.value = 0
+    return True
+
+
+def flush_kernel_cache() -> bool:
+    """Empty oneDNN's primitive cache (its capacity is kept); False where that is not available."""
+    found = _load()
+    if not found:
+        return False
+    set_capacity, get_capacity = found.set_capacity, found.get_capacity
+    capacity = ctypes.c_int(-1)
+    if get_capacity(ctypes.byref(capacity)) != 0 or capacity.value < 0:
+        return False
+    # Setting a capacity evicts what is over it: 0 evicts everything, then the old one is back.
+    return set_capacity(0) == 0 and set_capacity(capacity.value) == 0
+
+
+def _load() -> _OneDNN | None:
+    global _found
+    if _found is None:
+        try:
+            _found = _find() or False
+        except MemoryError:
+            return None  # under the cap right now: tried again next time
+        except (OSError, ValueError, struct.error) as exc:
+            logger.debug(f"oneDNN's state cannot be reset here: {exc}")
+            _found = False
+    return _found or None
+
+
+def _find() -> _OneDNN | None:
+    import torch  # the library is torch's own; importing torch first maps it
+
+    path = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    base, executable = _mapped(path)
+    if base is None:
+        return None
+    with open(path, "rb") as f:
+        values = _symbols(f, {_SET: _STT_FUNC, _GET: _STT_FUNC, _JIT_ERROR: _STT_TLS})
+    if values is None or values[_SET] is None or values[_GET] is None:
+        return None
+    addresses = [base + values[name] for name in (_SET, _GET)]
+    # Call only what lies in the library's own code, mapped executable.
+    if not all(any(start <= a < end for start, end in executable) for a in addresses):
+        return None
+    set_capacity = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(addresses[0])
+    get_capacity = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))(addresses[1])
+    return _OneDNN(set_capacity, get_capacity, ctypes.CDLL(path), values[_JIT_ERROR])
+
+
+def _mapped(path: str) -> tuple[int | None, list[tuple[int, int]]]:
+    """Where `path` is loaded in this process (the address of file offset 0) and its executable ranges."""
+    base, executable = None, []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or fields[5].strip() != path:
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if int(fields[2], 16) == 0 and base is None:
+                base = start
+            if "x" in fields[1]:
+                executable.append((start, end))
+    return base, executable
+
+
+def _symbols(f: BinaryIO, names: dict[bytes, int]) -> dict[bytes, int | None] | None:
+    """The values in an ELF64 file's .symtab of `names` (name: symbol type): a function's is its
+    offset from the load address, a thread-local's its offset in the thread-local block; None
+    for a name not there, or of another type."""
+    header = f.read(64)
+    if header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:  # 64-bit, little-endian
+        return None
+    phoff, shoff = struct.unpack_from("<QQ", header, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", header, 54)
+    f.seek(phoff)
+    loads = [struct.unpack_from("<IIQQ", f.read(phentsize)) for _ in range(phnum)]
+    # The lowest PT_LOAD holds file offset 0, which is where the library's mapping starts.
+    first_load = min(((vaddr, vaddr - offset) for kind, _, offset, vaddr in loads if kind == 1), default=(0, None))[1]
+    f.seek(shoff)
+    sections = [struct.unpack_from("<IIQQQQI", f.read(shentsize)) for _ in range(shnum)]
+    symtab = next((s for s in sections if s[1] == 2), None)  # SHT_SYMTAB
+    if symtab is None or first_load is None:
+        return None  # stripped
+    strtab = sections[symtab[6]]
+    values: dict[bytes, int | None] = {}
+    for name, kind in names.items():
+        values[name] = None
+        offset = _find_in(f, strtab[4], strtab[5], b"\0" + name + b"\0", 1)
+        where = None if offset is None else _find_in(f, symtab[4], symtab[5], struct.pack("<I", offset + 1), 24)
+        if where is None:
+            continue
+        f.seek(symtab[4] + where)
+        _, info, _, _, value, _ = struct.unpack("<IBBHQQ", f.read(24))
+        if info & 0xF == kind == _STT_FUNC and value:
+            values[name] = value - first_load
+        elif info & 0xF == kind == _STT_TLS:
+            values[name] = value
+    return values
+
+
+def _find_in(f: BinaryIO, start: int, size: int, needle: bytes, stride: int) -> int | None:
+    """The first offset (from `start`, a multiple of `stride`) where `needle` is in the file's range."""
+    position = 0
+    while position < size:
+        f.seek(start + position)
+        piece = f.read(min(_CHUNK + len(needle), size - position))
+        at = piece.find(needle)
+        while at != -1:
+            if (position + at) % stride == 0:
+                return position + at
+            at = piece.find(needle, at + 1)
+        position += _CHUNK
+    return None
