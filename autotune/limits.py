@@ -195,3 +195,12 @@ def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, ma
                            f"({2 * margin_bytes / MiB:.0f} MiB), so no cap tells them apart reliably")
     headroom = (need_fits + need_fails) // 2
     return Calibration(headroom, need_fits, need_fails, f"{measured}: headroom {headroom / MiB:.0f} MiB")
+
+
+def example_headroom(probe: Callable[[int], Any], batch_size: int, extra_bytes: int = 0) -> int | None:
+    """The examples' and the demo's cap: a headroom under which a quarter of the batch fits and
+    the whole batch does not, measured on this machine (`calibrate_headroom`). Says what it
+    measured on stdout; None (run uncapped) where the two cannot be told apart here."""
+    calibration = calibrate_headroom(probe, fits=max(1, batch_size // 4), fails=batch_size, extra_bytes=extra_bytes)
+    print(f"memory cap: {calibration}" if calibration.headroom_bytes else f"no memory cap: {calibration}", flush=True)
+    return calibration.headroom_bytes

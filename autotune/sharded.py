@@ -16,10 +16,11 @@ allocation fails, so the check needs no device synchronisation.
 The check sits inside FSDP2's communication hook (`set_custom_all_gather` /
 `set_custom_reduce_scatter`), after FSDP2 allocated the exchange's buffers: an OOM while
 allocating them is caught like any other. On CPU, gloo's exchanges allocate temporaries of
-their own (a flat copy of the all-gather's output, a clone of the reduce-scatter's input):
-an OOM there, after the check, would leave the others inside the exchange. So before the
-check the hook reserves that much memory and frees it just before the exchange, which then
-finds the room it needs: the failure, if any, comes before the check, where it is agreed on. Every rank makes the same checks in the same
+their own (copies of both sides of the exchange: the all-gather's input and flat output, the
+reduce-scatter's input and output): an OOM there, after the check, would leave the others
+inside the exchange. So before the check the hook reserves that much memory and frees it just
+before the exchange, which then finds the room it needs: the failure, if any, comes before the
+check, where it is agreed on. Every rank makes the same checks in the same
 order until one fails; the failing rank's check(1) meets the others' next check, whichever it
 is, so each rank makes exactly as many checks as the others, and the agreement that follows
 (distributed.py's `Agreement`) pairs up as it does under DDP.
@@ -42,7 +43,9 @@ is the only one that reads them (`_param_groups`, `_drop_unsharded_gradients`).
 from __future__ import annotations
 
 import datetime
+import mmap
 import os
+import resource
 from typing import Any, Callable
 
 import torch
@@ -158,10 +161,11 @@ class ShardedSteps:
         """One FSDP2 exchange, `run()`, after its check (module docstring). `reserve_bytes`: what the
         exchange will allocate of its own, held through the check and freed just before it."""
         # An OOM here (the reservation) comes before the check: the ranks still pair.
-        held = torch.empty(reserve_bytes, dtype=torch.uint8) if reserve_bytes else None
+        held = _reserve_address_space(reserve_bytes)
         if self.check(False):
             raise PeerFailed("another rank ran out of memory in this attempt")
-        del held
+        if held is not None:
+            held.close()  # unmapped: the exchange's own allocations find the room, heap or mapping
         try:
             return run()
         except Exception as exc:
@@ -219,10 +223,29 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _own_temporaries(tensor: torch.Tensor) -> int:
-    # gloo (CPU tensors) copies the all-gather's output and the reduce-scatter's input into
-    # buffers of its own, as large; NCCL allocates nothing through torch's allocator.
-    return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
+def _reserve_address_space(nbytes: int) -> mmap.mmap | None:
+    """`nbytes` of address space mapped (never touched) where RLIMIT_AS caps it, else None: the
+    cap counts mappings, so the mapping fails (MemoryError, an OOM) where the exchange's own
+    allocations would. A mapping, not a tensor: a freed tensor may stay in glibc's heap, where
+    the exchange's allocation, served elsewhere, would not find it."""
+    if not nbytes or resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
+        return None  # nothing caps the address space: no allocation of its can fail short of the machine's
+    try:
+        return mmap.mmap(-1, nbytes)
+    except OSError as exc:
+        raise MemoryError(f"cannot map {nbytes} bytes for an FSDP2 exchange's own buffers under RLIMIT_AS "
+                          f"({exc.strerror})") from None
+
+
+def _own_temporaries(output: torch.Tensor, input: torch.Tensor) -> int:
+    # gloo (CPU tensors) copies both sides of an exchange into buffers of its own (the
+    # all-gather's input and flat output; the reduce-scatter's input, cloned, and its output):
+    # as much as both, and a little more for its bookkeeping. NCCL allocates nothing through
+    # torch's allocator.
+    if output.device.type != "cpu":
+        return 0
+    size = output.numel() * output.element_size() + input.numel() * input.element_size()
+    return size + size // 8 + 2**20
 
 
 def _check_exchanges(module: nn.Module, name: str, steps: ShardedSteps) -> None:
@@ -238,8 +261,13 @@ def _check_exchanges(module: nn.Module, name: str, steps: ShardedSteps) -> None:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                      async_op: bool = False) -> Any:
-            return steps.exchange("all-gather", name, _own_temporaries(output_tensor),
-                                  lambda: self.inner(output_tensor, input_tensor, group, async_op))
+            # On CPU an asynchronous all-gather (FSDP2's prefetch) would allocate in gloo's thread
+            # while this one goes on allocating: the room reserved for it could be taken. It runs
+            # here, at once, and FSDP2 is given no work to wait for (None: done).
+            on_cpu = output_tensor.device.type == "cpu"
+            work = steps.exchange("all-gather", name, _own_temporaries(output_tensor, input_tensor),
+                                  lambda: self.inner(output_tensor, input_tensor, group, async_op and not on_cpu))
+            return None if on_cpu else work
 
     class CheckedReduceScatter(ReduceScatter):
         def __init__(self, inner: Any):
@@ -250,8 +278,10 @@ def _check_exchanges(module: nn.Module, name: str, steps: ShardedSteps) -> None:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                      async_op: bool = False) -> Any:
-            return steps.exchange("reduce-scatter", name, _own_temporaries(input_tensor),
-                                  lambda: self.inner(output_tensor, input_tensor, group, op, async_op))
+            on_cpu = output_tensor.device.type == "cpu"  # as for the all-gather
+            work = steps.exchange("reduce-scatter", name, _own_temporaries(output_tensor, input_tensor),
+                                  lambda: self.inner(output_tensor, input_tensor, group, op, async_op and not on_cpu))
+            return None if on_cpu else work
 
     groups = _param_groups(module)
     if not groups:

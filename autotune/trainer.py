@@ -283,9 +283,7 @@ class AutoTrainer:
                 while self.epoch < epochs and (max_steps is None or self.step < max_steps) \
                         and self._stop_request is None:
                     epoch_loss = self._train_epoch(max_steps)
-            # A policy may have moved this rank's micro-batch after the last batch's agreement: the
-            # run ends at rank 0's on every rank (one broadcast a fit, under torchrun).
-            self.knobs.follow(self.ranks.follow_rank0(self.knobs.micro_batch_size, None, self.device)[0])
+            self.tuner.agree_on_micro_batch()  # the run ends at one micro-batch on every rank
             # Written in the background: fit returns while it is fsynced (close(), the next save or
             # load, and the interpreter's exit wait for it).
             self._checkpoint("end" if self._stop_request is None else "stop_requested", background=True)

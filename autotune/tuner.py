@@ -546,6 +546,13 @@ class Tuner:
             return None
 
     # ------------------------------------------------------------------------- the end
+    def agree_on_micro_batch(self) -> int:
+        """At the end of a run, on every rank: take rank 0's micro-batch (one broadcast under
+        torchrun). A policy may have moved this rank's size after the last agreement; a run
+        ends, and is checkpointed, at one size everywhere. Returns it."""
+        self.knobs.follow(self.ranks.follow_rank0(self.knobs.micro_batch_size, None, self.device)[0])
+        return self.knobs.micro_batch_size
+
     def end(self) -> None:
         """The end of a run of steps (journaled as `fit_end`; the monitor stops). A later step
         starts a new run in the same journal."""

@@ -11,6 +11,9 @@ optimizer step is the one the whole batch would have made.
     python examples/custom_loop.py --plain        # the same loop without the tuner: an OOM
     python examples/custom_loop.py --budget-mib 0 # no cap
 
+The cap is measured on this machine: a quarter of a batch of the long sequences fits under it,
+the whole batch does not (kernels and their memory differ from CPU to CPU).
+
 The five lines that change in a loop you already have are marked `# autotune`.
 """
 
@@ -63,11 +66,29 @@ def step_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return nn.functional.cross_entropy(model(tokens), labels)
 
 
+def measured_headroom(model: nn.Module, data: Sequences, batch_size: int) -> int | None:
+    """A cap under which a quarter of a batch of the longest sequences fits and the whole batch
+    does not, on this machine (forward and backward under real caps: autotune.limits)."""
+    from autotune.limits import example_headroom
+
+    longest = sorted(range(len(data)), key=lambda i: -len(data.samples[i]))
+
+    def probe(size: int) -> None:
+        try:
+            step_fn(model, collate([data[i] for i in longest[:size]])).backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    adam_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # allocated at the first step
+    return example_headroom(probe, batch_size, extra_bytes=adam_state)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--budget-mib", type=float, default=48.0, help="RLIMIT_AS headroom (0: no cap)")
+    parser.add_argument("--budget-mib", type=float, default=None,
+                        help="RLIMIT_AS headroom in MiB (default: measured on this machine; 0: no cap)")
     parser.add_argument("--plain", action="store_true", help="the loop without the tuner")
     parser.add_argument("--run-dir", default="runs/custom_loop")
     args = parser.parse_args()
@@ -78,13 +99,17 @@ def main() -> None:
     fix_mmap_threshold()  # what the warm-up frees is unmapped: the cap leaves the room it says
     torch.manual_seed(0)
     model = Classifier()
-    loader = DataLoader(Sequences(), batch_size=args.batch_size, collate_fn=collate)
+    data = Sequences()
+    loader = DataLoader(data, batch_size=args.batch_size, collate_fn=collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
     step_fn(model, next(iter(loader))).backward()  # warms kernels and the allocator before the cap
     optimizer.zero_grad()
-    if args.budget_mib > 0:
-        cap_address_space(int(args.budget_mib * 2**20))
+    headroom = None if args.budget_mib is None else int(args.budget_mib * 2**20)
+    if args.budget_mib is None:
+        headroom = measured_headroom(model, data, args.batch_size)
+    if headroom:
+        cap_address_space(headroom)
     try:
         if args.plain:
             for _ in range(args.epochs):

@@ -100,17 +100,20 @@ def warmup_then_linear(total_steps: int, warmup: int):
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def longest_first(train: Texts) -> list[int]:
+    """The samples by length, longest first: a cap measured on them holds for every batch."""
+    return sorted(range(len(train)), key=lambda i: -len(train[i]["input_ids"]))
+
+
 def measured_headroom(trainer: AutoTrainer, model, train: Texts, collator, batch_size: int) -> int | None:
     """A cap under which a quarter of the batch fits and the whole batch does not, on this
-    machine: one forward and backward of the longest samples at each size, under real caps."""
-    from autotune.limits import calibrate_headroom
+    machine: forward and backward of the longest samples at each size, under real caps."""
+    from autotune.limits import example_headroom
 
-    longest = sorted(range(len(train)), key=lambda i: -len(train[i]["input_ids"]))
+    longest = longest_first(train)
     probe = lambda size: trainer.tuner.core.forward_backward(collator([train[i] for i in longest[:size]]))
     adam_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # allocated at the first step
-    calibration = calibrate_headroom(probe, fits=max(1, batch_size // 4), fails=batch_size, extra_bytes=adam_state)
-    print(f"memory cap: {calibration}" if calibration.headroom_bytes else f"no memory cap: {calibration}", flush=True)
-    return calibration.headroom_bytes
+    return example_headroom(probe, batch_size, extra_bytes=adam_state)
 
 
 def main() -> None:

@@ -23,14 +23,15 @@ from transformers import Trainer, TrainingArguments
 from autotune.integrations.transformers import AutoTuneTrainer  # autotune
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_causal_lm import build  # noqa: E402  (the model, data and collator)
+from hf_causal_lm import build, longest_first  # noqa: E402  (the model, data and collator)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--epochs", type=float, default=1)
-    parser.add_argument("--budget-mib", type=float, default=32.0, help="RLIMIT_AS headroom (0: no cap)")
+    parser.add_argument("--budget-mib", type=float, default=None,
+                        help="RLIMIT_AS headroom in MiB (default: measured on this machine; 0: no cap)")
     parser.add_argument("--plain", action="store_true", help="transformers.Trainer, without autotune")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--output-dir", default="runs/hf_trainer")
@@ -48,9 +49,24 @@ def main() -> None:
     trainer_class = Trainer if args.plain else AutoTuneTrainer  # autotune: the one line that changes
     trainer = trainer_class(model=model, args=training, train_dataset=train, eval_dataset=evaluation,
                             data_collator=collator)
-    if args.budget_mib > 0:
+    if args.budget_mib != 0:
         trainer.evaluate()  # warms kernels and the allocator before the cap, as a real run has
-        cap_address_space(int(args.budget_mib * 2**20))
+        headroom = None if args.budget_mib is None else int(args.budget_mib * 2**20)
+        if headroom is None:  # measured here: a quarter of a device batch fits, the whole one does not
+            from autotune.limits import example_headroom
+
+            longest = longest_first(train)
+
+            def probe(size: int) -> None:
+                try:
+                    model(**collator([train[i] for i in longest[:size]])).loss.backward()
+                finally:
+                    model.zero_grad(set_to_none=True)
+
+            adam_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+            headroom = example_headroom(probe, training.per_device_train_batch_size, extra_bytes=adam_state)
+        if headroom is not None:
+            cap_address_space(headroom)
     try:
         result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     finally:

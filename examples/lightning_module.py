@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from autotune.integrations.lightning import AutoTuneDDPStrategy, AutoTuneStrategy  # autotune
 
 sys.path.insert(0, str(Path(__file__).parent))
-from custom_loop import Classifier, Sequences, collate  # noqa: E402  (model and data)
+from custom_loop import Classifier, Sequences, collate, measured_headroom  # noqa: E402  (model and data)
 
 
 class SequenceModule(L.LightningModule):
@@ -50,7 +50,8 @@ class SequenceModule(L.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--budget-mib", type=float, default=48.0, help="RLIMIT_AS headroom (0: no cap)")
+    parser.add_argument("--budget-mib", type=float, default=None,
+                        help="RLIMIT_AS headroom in MiB (default: measured on this machine; 0: no cap)")
     parser.add_argument("--plain", action="store_true", help="Lightning's own strategy, without autotune")
     parser.add_argument("--root-dir", default="runs/lightning_module")
     args = parser.parse_args()
@@ -61,7 +62,8 @@ def main() -> None:
     fix_mmap_threshold()  # what the warm-up frees is unmapped: the cap leaves the room it says
     torch.manual_seed(0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    loader = DataLoader(Sequences(), batch_size=64, collate_fn=collate)
+    data = Sequences()
+    loader = DataLoader(data, batch_size=64, collate_fn=collate)
     module = SequenceModule(steps=args.epochs * len(loader) // (2 * world))
     if args.plain:
         strategy = "ddp" if world > 1 else "auto"
@@ -74,8 +76,11 @@ def main() -> None:
     batch = next(iter(loader))
     nn.functional.cross_entropy(module.net(batch[0]), batch[1]).backward()  # warm-up before the cap
     module.zero_grad(set_to_none=True)
-    if args.budget_mib > 0:
-        cap_address_space(int(args.budget_mib * 2**20))
+    headroom = None if args.budget_mib is None else int(args.budget_mib * 2**20)
+    if args.budget_mib is None:
+        headroom = measured_headroom(module.net, data, 64)
+    if headroom:
+        cap_address_space(headroom)
     try:
         trainer.fit(module, loader)
     finally:

@@ -148,6 +148,8 @@ with open(os.path.join(root, mode, f"rank{rank}.json"), "w") as f:
 if "error" in said:
     if mode == "linger" and rank == 1:
         time.sleep(20)  # alive, its connections open: rank 0 learns nothing but its timeout
+    elif rank == 1:
+        time.sleep(3)  # torchrun stops every rank once one exits: give rank 0 time to write what it saw
     os._exit(1)  # a broken job: leave without the process group's teardown, as a crash would
 trainer.close()
 '''

@@ -133,6 +133,13 @@ class _TunedSteps:
                 self._pending_state = checkpoint[STATE_KEY]
         return checkpoint
 
+    def on_train_end(self) -> None:
+        # Every rank, after a fit that completed: one micro-batch everywhere (a policy may have
+        # moved one rank's after the last agreement), as AutoTrainer ends its fits.
+        if self.tuner is not None:
+            self.tuner.agree_on_micro_batch()
+        super().on_train_end()  # type: ignore[misc]
+
     def teardown(self) -> None:
         if self.tuner is not None:
             self.tuner.progress.step = self.lightning_module.trainer.global_step if self.lightning_module else 0

@@ -29,6 +29,10 @@ trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_si
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.01), progress=False, monitor=False,
                       checkpoint_interval=None, run_dir=RUN_DIR)
 trainer.fit(max_steps=1)  # one warm-up step, as a new user would have run
+# Its end checkpoint is written in the background from a copy of the state (128 MiB): on a busy
+# machine still in memory here, and freed under the cap, which the step would then fit in.
+from autotune.checkpoint import wait_for_writes
+wait_for_writes()
 before = {k: v.clone() for k, v in model.state_dict().items()}
 cap_address_space(60 * 2**20)
 try:
