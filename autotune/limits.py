@@ -14,7 +14,6 @@ fits, and returns a cap between them with a margin on both sides, or why it cann
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import gc
 import resource
@@ -26,9 +25,8 @@ from autotune.memory import load_libc
 from autotune.monitor.host import virtual_bytes
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
 _M_ARENA_MAX = -8
-SMALL_ALLOCATION_RESERVE = 16 * 2**20
 
 
 def single_malloc_arena() -> None:
@@ -57,41 +55,13 @@ def fix_mmap_threshold(threshold: int = 128 * 1024) -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
-def reserve_small_allocations(nbytes: int = SMALL_ALLOCATION_RESERVE) -> None:
-    """Keep `nbytes` of free heap mapped, for the small allocations libraries make (call it
-    before a cap): under RLIMIT_AS the refusals then fall on large blocks (mapped one by one
-    above the mmap threshold), whose failure torch's allocator and oneDNN's JIT check.
-
-    oneDNN does not check every small one: a primitive descriptor whose `malloc` returns NULL
-    under the cap crashes the process (a segmentation fault in `matmul_pd_t`, seen on CPUs with
-    native bf16, where a new micro-batch size creates many). glibc would hand freed heap back
-    at once, and autotune's `malloc_trim` too: both are told to keep this much.
-    """
-    import autotune.memory as memory
-
-    libc = load_libc()
-    if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "malloc"):
-        return
-    libc.mallopt(_M_TRIM_THRESHOLD, 2 * nbytes)
-    memory.heap_reserve_bytes = max(memory.heap_reserve_bytes, nbytes)
-    # Grow the heap by nbytes in blocks below the mmap threshold, then free them: the space
-    # stays at the heap's top, mapped, for later small allocations.
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    blocks = [libc.malloc(64 * 1024) for _ in range(nbytes // (64 * 1024))]
-    for block in blocks:
-        libc.free(block)
-
-
 def cap_address_space(headroom_bytes: int) -> int:
     """Set the soft RLIMIT_AS to the current virtual size plus `headroom_bytes`; return the cap.
 
     Only the soft limit changes, so `lift_address_space_cap()` can undo it. Also fixes
-    glibc's mmap threshold so the cap measures live memory rather than heap drift, and keeps
-    a reserve of free heap for small allocations (`reserve_small_allocations`), inside the cap.
+    glibc's mmap threshold so the cap measures live memory rather than heap drift.
     """
     fix_mmap_threshold()
-    reserve_small_allocations()
     current = virtual_bytes()
     if current is None:
         raise RuntimeError("cannot read this process's virtual size to set RLIMIT_AS")

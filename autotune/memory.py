@@ -40,16 +40,12 @@ def load_libc() -> ctypes.CDLL | None:
     return _libc or None
 
 
-heap_reserve_bytes = 0  # free heap kept mapped by malloc_trim (limits.reserve_small_allocations)
-
-
 def _malloc_trim() -> None:
-    # glibc keeps freed heap pages; malloc_trim hands them back to the OS, the CPU analogue of
-    # empty_cache (pages inside the heap are released; `heap_reserve_bytes` at its top stay
-    # mapped, for small allocations under a cap). Outside glibc there is nothing to do.
+    # glibc keeps freed heap pages; malloc_trim(0) hands them back to the OS, the CPU
+    # analogue of empty_cache. Outside glibc there is nothing to do.
     libc = load_libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(ctypes.c_size_t(heap_reserve_bytes))
+        libc.malloc_trim(0)
 
 
 _mkl: ctypes.CDLL | None | bool = None
