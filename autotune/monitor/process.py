@@ -37,6 +37,7 @@ from autotune.snapshot import DeviceSample
 
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 10.0
 _PR_SET_PDEATHSIG = 1
+_IDLE_START_S = 1.0  # a start-up on idle cores that took longer found none
 
 
 @dataclasses.dataclass
@@ -186,6 +187,7 @@ class MonitorProcess:
         self._proc: subprocess.Popen | None = None
         self.lowered = False  # whether it runs below the trainer's priority
         self.idle = False  # whether it runs only on idle cores (SCHED_IDLE, during its start-up)
+        self._started_at = 0.0
 
     def start(self) -> None:
         _reap_exited()
@@ -202,8 +204,11 @@ class MonitorProcess:
         # still took a ~10% share of a 2-core run that keeps both busy (benchmarks/overhead.py).
         # Its sampling then runs ten steps nicer (`settle`), where a share is worth having: near
         # the cap its samples should not wait. Set from here: a preexec_fn would cost a full fork.
+        # Where other processes already keep every core busy, no core goes idle and a start-up
+        # under SCHED_IDLE would never end (no sample, not even its exit when the trainer dies).
         self.lowered = _lower_priority(self._proc.pid)
-        self.idle = self.lowered and _set_idle(self._proc.pid, True)
+        self.idle = self.lowered and not _cores_busy() and _set_idle(self._proc.pid, True)
+        self._started_at = time.monotonic()
 
     @property
     def pid(self) -> int | None:
@@ -233,7 +238,10 @@ class MonitorProcess:
 
     def latest(self) -> tuple[DeviceSample, int | None] | None:
         """The newest sample and the trainer's own bytes, or None when nothing new arrived."""
-        return self.board.read_new()
+        got = self.board.read_new()
+        if got is None and self.idle and time.monotonic() - self._started_at > _IDLE_START_S:
+            self.settle()  # the idle cores gave its start-up no room: it gets its share ten steps nicer
+        return got
 
     def stop(self, timeout: float = 2.0, wait: bool = True) -> None:
         """Stop the monitor. `wait=False`: signal it and go on (its exit takes ~60 ms, which the end
@@ -258,6 +266,18 @@ def _lower_priority(pid: int) -> bool:
     except OSError:  # it exited at once: its monitor.log says why, and the link restarts it
         return False
     return True
+
+
+def _cores_busy() -> bool:
+    """Whether other processes keep every core busy: as many runnable now besides this one as
+    there are cores, or a load average over the last minute as high (Linux's /proc/loadavg)."""
+    cores = os.cpu_count() or 1
+    try:
+        with open("/proc/loadavg") as f:
+            fields = f.read().split()
+        return int(fields[3].split("/")[0]) - 1 >= cores or float(fields[0]) >= cores
+    except (OSError, ValueError, IndexError):  # not Linux
+        return False
 
 
 def _set_idle(pid: int, idle: bool) -> bool:

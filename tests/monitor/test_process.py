@@ -53,10 +53,15 @@ def test_samples_arrive_and_the_timeline_is_written(tmp_path):
 
 
 def test_the_monitor_starts_on_idle_cores_then_runs_below_the_trainers_priority_and_stops_without_a_wait(tmp_path):
+    from autotune.monitor.process import _cores_busy
+
     monitor = MonitorProcess(tmp_path, interval=0.05)
     monitor.start()
     try:
-        assert monitor.idle and os.sched_getscheduler(monitor.pid) == os.SCHED_IDLE  # its start-up
+        if _cores_busy():  # other processes keep every core busy: no idle core to start on
+            assert not monitor.idle and os.sched_getscheduler(monitor.pid) == os.SCHED_OTHER
+        else:
+            assert monitor.idle and os.sched_getscheduler(monitor.pid) == os.SCHED_IDLE  # its start-up
         first_sample(monitor)
         monitor.settle()  # what the link does at its first sample
         # Leaving SCHED_IDLE needs RLIMIT_NICE or CAP_SYS_NICE: without them it stays (and says so)
@@ -84,6 +89,24 @@ def test_the_monitor_loads_neither_torch_nor_cuda(tmp_path):
         assert psutil.Process(monitor.pid).memory_info().rss < 150 * 2**20
     finally:
         monitor.stop()
+
+
+def test_on_cores_other_processes_keep_busy_the_monitor_starts_and_samples(tmp_path):
+    # A busy loop a core, at the trainer's priority: under SCHED_IDLE the monitor would never run.
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)
+        monitor = MonitorProcess(tmp_path, interval=0.05)
+        monitor.start()
+        try:
+            assert not monitor.idle and monitor.lowered
+            first_sample(monitor)
+        finally:
+            monitor.stop()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def test_the_monitor_dies_with_its_parent(tmp_path):
