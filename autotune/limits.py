@@ -167,6 +167,12 @@ def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, ma
     return Calibration(headroom, need_fits, need_fails, f"{measured}: headroom {headroom / MiB:.0f} MiB")
 
 
+def adam_state_bytes(model: torch.nn.Module) -> int:
+    """What Adam(W) allocates at its first step: two tensors the size of each parameter (what a
+    forward-and-backward probe does not see: `calibrate_headroom`'s `extra_bytes`)."""
+    return 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def example_headroom(probe: Callable[[int], Any], batch_size: int, extra_bytes: int = 0) -> int | None:
     """The examples' and the demo's cap: a headroom under which a quarter of the batch fits and
     the whole batch does not, measured on this machine (`calibrate_headroom`). Says what it

@@ -20,6 +20,7 @@ import torch
 from loguru import logger
 
 from autotune.monitor.host import describe_host_memory, host_sample
+from autotune import onednn
 from autotune.onednn import clear_jit_error, flush_kernel_cache
 from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.snapshot import AllocatorStats, DeviceSample, StepMemory
@@ -471,6 +472,6 @@ def warm_up_oom_path(device: torch.device, cap_bytes: int | None) -> None:
     load_libc()
     load_mkl()
     if device.type == "cpu" and cap_bytes is not None:
-        flush_kernel_cache()  # finds oneDNN's functions now (~0.1 s), not after the first OOM
+        onednn.available()  # finds oneDNN's functions now (~0.1 s), not after the first OOM
     describe_memory(device)
     memory_text(device, cap_bytes)

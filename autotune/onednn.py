@@ -46,20 +46,24 @@ class _OneDNN:
     get_capacity: Callable[[Any], int]
     library: ctypes.CDLL
     jit_error_offset: int | None  # in the library's thread-local block
+    dlinfo: Callable[..., int] | None  # glibc's (in libc since 2.34, libdl before: both in the global scope)
 
 
 _found: _OneDNN | None | bool = None  # None: not looked up yet; False: not available
 
 
+def available() -> bool:
+    """Whether oneDNN's functions were found in this torch (looked up once, ~0.1 s, on first use)."""
+    return _load() is not None
+
+
 def clear_jit_error() -> bool:
     """Clear Xbyak's error on this thread (module docstring); False where that is not available."""
     found = _load()
-    if not found or found.jit_error_offset is None:
+    if not found or found.jit_error_offset is None or found.dlinfo is None:
         return False
-    libc = ctypes.CDLL(None)
     block = ctypes.c_void_p()
-    if not hasattr(libc, "dlinfo") or libc.dlinfo(ctypes.c_void_p(found.library._handle), _RTLD_DI_TLS_DATA,
-                                                  ctypes.byref(block)) != 0:
+    if found.dlinfo(ctypes.c_void_p(found.library._handle), _RTLD_DI_TLS_DATA, ctypes.byref(block)) != 0:
         return False
     if not block.value:
         return True  # this thread never touched the library's thread-locals: nothing is set
@@ -113,7 +117,8 @@ def _find() -> _OneDNN | None:
         return None
     set_capacity = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(addresses[0])
     get_capacity = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))(addresses[1])
-    return _OneDNN(set_capacity, get_capacity, ctypes.CDLL(path), values[_JIT_ERROR])
+    dlinfo = getattr(ctypes.CDLL(None), "dlinfo", None)
+    return _OneDNN(set_capacity, get_capacity, ctypes.CDLL(path), values[_JIT_ERROR], dlinfo)
 
 
 def _mapped(path: str) -> tuple[int | None, list[tuple[int, int]]]:
@@ -151,32 +156,34 @@ def _symbols(f: BinaryIO, names: dict[bytes, int]) -> dict[bytes, int | None] | 
     if symtab is None or first_load is None:
         return None  # stripped
     strtab = sections[symtab[6]]
-    values: dict[bytes, int | None] = {}
-    for name, kind in names.items():
-        values[name] = None
-        offset = _find_in(f, strtab[4], strtab[5], b"\0" + name + b"\0", 1)
-        where = None if offset is None else _find_in(f, symtab[4], symtab[5], struct.pack("<I", offset + 1), 24)
-        if where is None:
-            continue
+    values: dict[bytes, int | None] = dict.fromkeys(names)
+    offsets = _find_each(f, strtab[4], strtab[5], {name: b"\0" + name + b"\0" for name in names}, 1)
+    entries = _find_each(f, symtab[4], symtab[5], {name: struct.pack("<I", at + 1) for name, at in offsets.items()}, 24)
+    for name, where in entries.items():
         f.seek(symtab[4] + where)
         _, info, _, _, value, _ = struct.unpack("<IBBHQQ", f.read(24))
-        if info & 0xF == kind == _STT_FUNC and value:
+        if info & 0xF == names[name] == _STT_FUNC and value:
             values[name] = value - first_load
-        elif info & 0xF == kind == _STT_TLS:
+        elif info & 0xF == names[name] == _STT_TLS:
             values[name] = value
     return values
 
 
-def _find_in(f: BinaryIO, start: int, size: int, needle: bytes, stride: int) -> int | None:
-    """The first offset (from `start`, a multiple of `stride`) where `needle` is in the file's range."""
+def _find_each(f: BinaryIO, start: int, size: int, needles: dict[bytes, bytes], stride: int) -> dict[bytes, int]:
+    """For each key, the first offset (from `start`, a multiple of `stride`) where its needle is in
+    the file's range; keys whose needle is not there are left out. One read of the range for all."""
+    found: dict[bytes, int] = {}
+    longest = max((len(needle) for needle in needles.values()), default=0)
     position = 0
-    while position < size:
+    while position < size and len(found) < len(needles):
         f.seek(start + position)
-        piece = f.read(min(_CHUNK + len(needle), size - position))
-        at = piece.find(needle)
-        while at != -1:
-            if (position + at) % stride == 0:
-                return position + at
-            at = piece.find(needle, at + 1)
+        piece = f.read(min(_CHUNK + longest, size - position))
+        for key, needle in needles.items():
+            at = -1 if key in found else piece.find(needle)
+            while at != -1:
+                if (position + at) % stride == 0:
+                    found[key] = position + at
+                    break
+                at = piece.find(needle, at + 1)
         position += _CHUNK
-    return None
+    return found

@@ -69,7 +69,7 @@ def step_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 def measured_headroom(model: nn.Module, data: Sequences, batch_size: int) -> int | None:
     """A cap under which a quarter of a batch of the longest sequences fits and the whole batch
     does not, on this machine (forward and backward under real caps: autotune.limits)."""
-    from autotune.limits import example_headroom
+    from autotune.limits import adam_state_bytes, example_headroom
 
     longest = sorted(range(len(data)), key=lambda i: -len(data.samples[i]))
 
@@ -79,8 +79,7 @@ def measured_headroom(model: nn.Module, data: Sequences, batch_size: int) -> int
         finally:
             model.zero_grad(set_to_none=True)
 
-    adam_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # allocated at the first step
-    return example_headroom(probe, batch_size, extra_bytes=adam_state)
+    return example_headroom(probe, batch_size, extra_bytes=adam_state_bytes(model))  # AdamW's, at its first step
 
 
 def main() -> None:

@@ -108,12 +108,11 @@ def longest_first(train: Texts) -> list[int]:
 def measured_headroom(trainer: AutoTrainer, model, train: Texts, collator, batch_size: int) -> int | None:
     """A cap under which a quarter of the batch fits and the whole batch does not, on this
     machine: forward and backward of the longest samples at each size, under real caps."""
-    from autotune.limits import example_headroom
+    from autotune.limits import adam_state_bytes, example_headroom
 
     longest = longest_first(train)
     probe = lambda size: trainer.tuner.core.forward_backward(collator([train[i] for i in longest[:size]]))
-    adam_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # allocated at the first step
-    return example_headroom(probe, batch_size, extra_bytes=adam_state)
+    return example_headroom(probe, batch_size, extra_bytes=adam_state_bytes(model))  # AdamW's, at its first step
 
 
 def main() -> None:

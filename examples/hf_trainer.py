@@ -53,7 +53,7 @@ def main() -> None:
         trainer.evaluate()  # warms kernels and the allocator before the cap, as a real run has
         headroom = None if args.budget_mib is None else int(args.budget_mib * 2**20)
         if headroom is None:  # measured here: a quarter of a device batch fits, the whole one does not
-            from autotune.limits import example_headroom
+            from autotune.limits import adam_state_bytes, example_headroom
 
             longest = longest_first(train)
 
@@ -63,8 +63,8 @@ def main() -> None:
                 finally:
                     model.zero_grad(set_to_none=True)
 
-            adam_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-            headroom = example_headroom(probe, training.per_device_train_batch_size, extra_bytes=adam_state)
+            headroom = example_headroom(probe, training.per_device_train_batch_size,
+                                        extra_bytes=adam_state_bytes(model))
         if headroom is not None:
             cap_address_space(headroom)
     try:

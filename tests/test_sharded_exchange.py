@@ -1,8 +1,8 @@
 """FSDP2 under torchrun, an OOM *inside* an exchange: two gloo ranks on CPU, an MLP of four wide
 blocks sharded per block, only rank 1 under RLIMIT_AS.
 
-gloo's all-gather and reduce-scatter allocate temporaries of their own (a flat copy of the
-output, a clone of the input) after autotune's check before the exchange. Rank 1's cap is
+gloo's all-gather and reduce-scatter allocate temporaries of their own (copies of both sides of
+the exchange) after autotune's check before the exchange. Rank 1's cap is
 calibrated on this machine so that, at micro-batch 64, everything before one exchange fits
 and that exchange's own temporaries do not (at 32 everything fits). autotune reserves those
 temporaries before its check, so the failure comes where every rank learns of it: both ranks
