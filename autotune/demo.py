@@ -40,6 +40,39 @@ def _dataset(data_dir: str | None, samples: int):
     return fake, "FakeData"
 
 
+def _measured_budget(model, device, batch_size: int) -> int:
+    """Room under which a quarter of the batch trains and half of it does not, measured on
+    this machine with real OOMs on CPU (what a step needs differs from CPU to CPU: autotune.limits).
+    On CUDA, where kernels do not change with the CPU, 300 MiB, as the demo always had."""
+    import torch
+    from torch import nn
+    from autotune.limits import calibrate_headroom
+
+    if device.type == "cuda":
+        return 300 * 2**20
+
+    def probe(size: int) -> None:
+        try:
+            x = torch.randn(size, 3, 32, 32)
+            nn.functional.cross_entropy(model(x), torch.zeros(size, dtype=torch.long)).backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    # What the run holds that a probe does not: SGD's momentum (from its first step) and, from
+    # the second micro-batch of a batch on, the gradients accumulated so far, held through the
+    # whole forward (a probe allocates its gradients as backward frees its activations).
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Half the batch must fail (the whole one then does too): a probe that runs takes seconds
+    # here, and the bisection of the half size runs half as long.
+    calibration = calibrate_headroom(probe, fits=max(1, batch_size // 4), fails=max(2, batch_size // 2),
+                                     extra_bytes=2 * parameter_bytes)
+    if calibration.headroom_bytes is None:
+        raise SystemExit(f"autotune demo: no memory cap found on this machine ({calibration}); "
+                         "pass --budget-mib to choose one")
+    print(f"measured: {calibration}")
+    return calibration.headroom_bytes
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo with parsed CLI arguments; returns the exit code."""
     from autotune.limits import lift_address_space_cap, cap_address_space, cap_cuda_memory, single_malloc_arena
@@ -70,7 +103,15 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.tensorboard:
         import torch.utils.tensorboard  # noqa: F401  (imported before the cap: it is large)
 
-    budget = int(args.budget_mib * 2**20)
+    # Built before the cap is measured and set: what it holds is not training memory.
+    trainer = AutoTrainer(
+        model, dataset, loss_fn=nn.functional.cross_entropy, optimizer=optimizer,
+        batch_size=args.batch_size, device=device, run_dir=args.run_dir, seed=args.seed,
+        policies=args.policies, progress=not args.no_progress, tensorboard=args.tensorboard,
+    )
+    budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
+    if budget is None:
+        budget = _measured_budget(model, device, args.batch_size)
     if device.type == "cuda":
         fraction = cap_cuda_memory(device, torch.cuda.memory_allocated(device) + budget)
         cap_text = f"torch.cuda.set_per_process_memory_fraction({fraction:.4f})"
@@ -80,11 +121,6 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"autotune demo: ResNet-18 on {len(dataset)} {name} images, {device}, batch {args.batch_size}")
     print(f"memory cap: {cap_text}; the first micro-batch of {args.batch_size} will not fit\n")
 
-    trainer = AutoTrainer(
-        model, dataset, loss_fn=nn.functional.cross_entropy, optimizer=optimizer,
-        batch_size=args.batch_size, device=device, run_dir=args.run_dir, seed=args.seed,
-        policies=args.policies, progress=not args.no_progress, tensorboard=args.tensorboard,
-    )
     started = time.perf_counter()
     result = trainer.fit(epochs=args.epochs)
     wall = time.perf_counter() - started
@@ -115,8 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=1536, help="images to train on (default 1536)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--budget-mib", type=float, default=300.0,
-                        help="memory the cap leaves for training, in MiB (default 300)")
+    parser.add_argument("--budget-mib", type=float, default=None,
+                        help="memory the cap leaves for training, in MiB (default: measured on this machine, "
+                             "so that a quarter of the batch fits and the whole batch does not)")
     parser.add_argument("--policies", default="default", help="preset name or TOML path")
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)

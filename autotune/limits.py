@@ -146,7 +146,10 @@ def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, ma
     `margin_bytes` on both sides, measured on this machine with real OOMs (`least_headroom`
     of each, then their middle). `probe(size)`: one forward and backward at micro-batch `size`
     (`StepCore.forward_backward`); `extra_bytes`: what the run adds that the probe does not
-    (an optimizer's state, allocated at its first step). Call it after the warm-up the run
+    (an optimizer's state, allocated at its first step; with gradient accumulation, the
+    gradients held through every micro-batch after the first, where a probe allocates its own
+    as backward frees the activations: the demo's ResNet-18 failed at its calibrated size
+    until they were counted). Call it after the warm-up the run
     itself makes, and set the cap right after (`cap_address_space(result.headroom_bytes)`)."""
     need_fails = least_headroom(lambda: probe(fails), high_bytes)
     need_fits = least_headroom(lambda: probe(fits), need_fails or high_bytes)

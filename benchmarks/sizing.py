@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_results  # noqa: E402
 
 from tests.conftest import run_python  # noqa: E402
-from tests.test_sizing_e2e import ABOUT, ROOM_MIB, SETUP, fits, run  # noqa: E402  the same scenario as the tests
+from tests.test_sizing_e2e import ABOUT, SETUP, fits, room, run  # noqa: E402  the same scenario as the tests
 
 MODEL_SETUP = SETUP[:SETUP.index("from autotune import AutoTrainer")]  # the model, data, step and warm-up
 
@@ -51,7 +51,7 @@ from accelerate.utils import find_executable_batch_size
 initial, initial_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
 tried = []
 from autotune.limits import cap_address_space
-cap_address_space(ROOM_MIB * 2**20)
+cap_address_space(ROOM)
 began = time.perf_counter()
 def halve():  # Accelerate calls it with no arguments: the size it halves is the last one tried
     return tried[-1] // 2
@@ -97,7 +97,7 @@ options = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=
                enable_model_summary=False, default_root_dir=RUN_DIR)
 search = L.Trainer(max_steps=10**6, **options)
 from autotune.limits import cap_address_space
-cap_address_space(ROOM_MIB * 2**20)
+cap_address_space(ROOM)
 began = time.perf_counter()
 found = LightningTuner(search).scale_batch_size(lit, mode=MODE, init_val=START, steps_per_trial=1, max_trials=25)
 trials, ooms = lit.starts, lit.starts - lit.ends
@@ -109,7 +109,7 @@ save({"micro": found, "ooms": ooms, "trials": trials, "seconds": time.perf_count
 
 def peer(tmp: Path, script: str, model: str, start: int, batch: int, steps: int, mode: str = "") -> dict:
     """One peer's run under the same cap (ACCELERATE or LIGHTNING); what it saved, or why it stopped."""
-    head = (f"MODEL={model!r}\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nROOM_MIB={ROOM_MIB[model]}\n"
+    head = (f"MODEL={model!r}\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nROOM={room(tmp, model)}\n"
             f"RUN_DIR={str(tmp / 'run')!r}\nMODE={mode!r}\n")
     proc, result = run_python(head + script, tmp, timeout=600,
                               env={"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "OMP_NUM_THREADS": "1"})

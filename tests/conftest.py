@@ -48,6 +48,13 @@ def run_python(script: str, tmp_path: Path, timeout: float = 120,
     return proc, result
 
 
+def skip_if_uncalibrated(result: dict | None) -> None:
+    """Skip, saying why, where a subprocess found no memory cap that tells its sizes apart on this
+    machine (`autotune.limits.calibrate_headroom`: it saves {"uncalibrated": reason} and exits 0)."""
+    if result and "uncalibrated" in result:
+        pytest.skip(f"no memory cap calibrated on this machine: {result['uncalibrated']}")
+
+
 def journal(run_dir: Path) -> list[dict]:
     """The run's journal records, once any checkpoint this process writes in the background is on disk
     (its line is written then)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import journal, run_python
+from tests.conftest import journal, run_python, skip_if_uncalibrated
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,18 @@ from autotune import AutoTrainer
 trainer = AutoTrainer(model, data, step_fn=step_fn, optimizer=optimizer, batch_size=BATCH, micro_batch_size=START,
                       device="cpu", run_dir=RUN_DIR, progress=False, monitor=False, checkpoint_interval=None,
                       policies=POLICIES, shuffle=False)
-cap_address_space(ROOM_MIB * 2**20)
+if CALIBRATE:  # the room under which about ABOUT samples fit, measured (autotune.limits)
+    from autotune.limits import calibrate_headroom
+    def probe(size):
+        try:
+            step_fn(model, data[:size]).backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+    calibration = calibrate_headroom(probe, fits=ABOUT * 3 // 4, fails=ABOUT * 5 // 4)
+    save({"room": calibration.headroom_bytes, "uncalibrated": str(calibration)} if calibration.headroom_bytes is None
+         else {"room": calibration.headroom_bytes, "said": str(calibration)})
+    raise SystemExit(0)
+cap_address_space(ROOM)
 from autotune import is_oom
 try:
     began = time.perf_counter()
@@ -68,16 +79,30 @@ except Exception as exc:  # a probe (no policies): the first OOM, in a step or i
     save({"out_of_memory": True})
 """
 
-ROOM_MIB = {"cnn": 100, "lm": 230}
-ABOUT = {"cnn": 128, "lm": 64}  # about the largest micro-batch that fits (probed on 2 threads: 112-128, 64-72)
+ABOUT = {"cnn": 128, "lm": 64}  # the largest micro-batch that fits: the cap is measured to make it about this
+ROOMS: dict[str, int] = {}  # the cap's headroom per model, measured once on this machine
 
 
-def run(tmp_path, model, start, batch, steps, policies="default"):
-    run_dir = tmp_path / f"{model}-{start}-{Path(str(policies)).stem}"
+def room(tmp_path, model):
+    """The headroom under which 3/4 of ABOUT fits and 5/4 does not, measured in a subprocess
+    that builds the run as `run` does (skips where the machine cannot tell them apart)."""
+    if model not in ROOMS:
+        result, _, _ = run(tmp_path, model, start=1, batch=ABOUT[model] * 2, steps=1, policies=[], headroom=0, calibrate=True)
+        skip_if_uncalibrated(result)
+        ROOMS[model] = result["room"]
+    return ROOMS[model]
+
+
+def run(tmp_path, model, start, batch, steps, policies="default", headroom=None, calibrate=False):
+    run_dir = tmp_path / f"{model}-{start}-{'calibrate' if calibrate else Path(str(policies)).stem}"
     run_dir.mkdir()
-    head = (f"MODEL={model!r}\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nROOM_MIB={ROOM_MIB[model]}\n"
-            f"RUN_DIR={str(run_dir / 'run')!r}\nPOLICIES={policies!r}\n")
+    headroom = room(tmp_path, model) if headroom is None else headroom
+    head = (f"MODEL={model!r}\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nROOM={headroom}\nABOUT={ABOUT[model]}\n"
+            f"RUN_DIR={str(run_dir / 'run')!r}\nPOLICIES={policies!r}\nCALIBRATE={calibrate}\n")
     proc, result = run_python(head + SETUP, run_dir, timeout=240, env={"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "OMP_NUM_THREADS": "1"})
+    if calibrate:
+        assert proc.returncode == 0 and result is not None, proc.stderr[-3000:]
+        return result, [], {}
     if not policies and proc.returncode < 0:
         # A probe that died of a signal: oneDNN sometimes crashes instead of raising when an allocation
         # fails (seen at micro-batch 160 of 1024 here, with or without autotune's sampler thread)

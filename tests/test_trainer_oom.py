@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import journal, run_python
+from tests.conftest import journal, run_python, skip_if_uncalibrated
 
 pytestmark = pytest.mark.slow  # every test trains in subprocesses under RLIMIT_AS
 
@@ -64,7 +64,22 @@ optimizer = RecordingSGD(model.parameters(), lr=0.05, momentum=0.9)
 trainer = AutoTrainer(model, data, step_fn=step_fn, optimizer=optimizer,
                       batch_size=BATCH, micro_batch_size=MICRO, keep_effective_batch=KEEP,
                       device="cpu", run_dir=RUN_DIR, progress=False, seed=1, shuffle=SHUFFLE, policies=POLICIES)
-if BUDGET_MIB:
+if BUDGET_MIB == "measured":  # 96 rows fit, 256 do not: measured here (a row's kernels differ by CPU)
+    from autotune.limits import calibrate_headroom
+
+    def probe(rows):
+        try:
+            nn.functional.cross_entropy(model(torch.randn(rows, 32)), torch.zeros(rows, dtype=torch.long)).backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    momentum = sum(p.numel() * 4 for p in model.parameters())  # SGD's buffers, at its first step
+    calibration = calibrate_headroom(probe, fits=96, fails=256, extra_bytes=momentum)
+    if calibration.headroom_bytes is None:
+        save({"uncalibrated": str(calibration)})
+        raise SystemExit(0)
+    cap_address_space(calibration.headroom_bytes)
+elif BUDGET_MIB:  # a cap no CPU's kernels change: smaller than the gradients alone
     cap_address_space(BUDGET_MIB * 2**20)
 try:
     result = trainer.fit(epochs=EPOCHS)
@@ -85,15 +100,16 @@ def train(tmp_path, name, budget_mib, n=512, width=16384, batch=512, micro=None,
     run_dir = tmp_path / name
     run_dir.mkdir()
     settings = (f"N={n}\nWIDTH={width}\nBATCH={batch}\nMICRO={micro}\nKEEP={keep}\nEPOCHS={epochs}\n"
-                f"BUDGET_MIB={budget_mib}\nRUN_DIR={str(run_dir)!r}\nSHUFFLE={shuffle}\nHEAVY_FROM={heavy_from}\n"
+                f"BUDGET_MIB={budget_mib!r}\nRUN_DIR={str(run_dir)!r}\nSHUFFLE={shuffle}\nHEAVY_FROM={heavy_from}\n"
                 f"POLICIES={policies!r}\n")
     proc, result = run_python(settings + TRAIN, run_dir)  # its result in its own folder: runs may run at once
     assert proc.returncode == 0, proc.stderr[-3000:]
+    skip_if_uncalibrated(result)
     return result, run_dir
 
 
 def test_a_run_that_starts_too_big_completes(tmp_path):
-    result, run_dir = train(tmp_path, "capped", budget_mib=60)
+    result, run_dir = train(tmp_path, "capped", budget_mib="measured")
     assert "error" not in result, result
     assert result["ooms"] >= 1 and result["micro_batch_size"] < 512
     assert result["samples_seen"] == 512 * 2  # nothing skipped, nothing counted twice
@@ -112,7 +128,7 @@ def test_ooms_do_not_change_the_trained_weights(tmp_path):
     # 500 samples: micro-batches of unequal size, so their loss weights must be len(micro)/len(batch)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two processes, each under its own cap (or none)
         (free, free_dir), (capped, capped_dir) = pool.map(lambda case: train(tmp_path, case[0], case[1], n=500),
-                                                          [("free", 0), ("capped", 60)])
+                                                          [("free", 0), ("capped", "measured")])
     assert free["ooms"] == 0 and capped["ooms"] >= 1
     a = torch.load(free_dir / "weights.pt", weights_only=True)
     b = torch.load(capped_dir / "weights.pt", weights_only=True)
@@ -147,7 +163,7 @@ def test_out_of_memory_at_micro_batch_one_is_a_clear_error(tmp_path):
 def test_without_keep_effective_batch_no_sample_is_skipped_or_repeated(tmp_path):
     # The last 64 samples of each batch are heavy, so the OOM comes after the first chunk
     # already made its optimizer step: the retry must resume after it, not redo it.
-    result, run_dir = train(tmp_path, "steps", budget_mib=60, keep=False, shuffle=False, heavy_from=448)
+    result, run_dir = train(tmp_path, "steps", budget_mib="measured", keep=False, shuffle=False, heavy_from=448)
     assert "error" not in result, result
     assert any(r["kind"] == "oom" and r["step"] > 0 for r in journal(run_dir))
     assert result["samples_seen"] == 1024

@@ -10,14 +10,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from autotune import Tuner
 from autotune.report import summarize
-from tests.conftest import journal, run_python
+from tests.conftest import journal, run_python, skip_if_uncalibrated
 
 LOOP = """
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from autotune import Tuner
-from autotune.limits import cap_address_space, lift_address_space_cap
+from autotune.limits import calibrate_headroom, cap_address_space, lift_address_space_cap
 
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)
@@ -58,8 +58,20 @@ if PLAIN:  # the hand-written loop it replaces, with no cap
             losses.append(loss.item())
     outcome = {"committed": committed, "losses": losses}
 else:
+    def probe(size):  # a batch of `size` heavy samples: 128 must not fit, 64 must
+        try:
+            step_fn(model, data[HEAVY_FROM + torch.arange(size) % (N - HEAVY_FROM)]).backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+
     with Tuner(model, optimizer, device="cpu", run_dir=RUN_DIR, monitor=False) as tuner:
-        cap_address_space(BUDGET_MIB * 2**20)
+        momentum = sum(p.numel() * 4 for p in model.parameters())  # SGD's buffers, at its first step
+        calibration = calibrate_headroom(probe, fits=64, fails=128, extra_bytes=momentum)
+        if calibration.headroom_bytes is None:
+            save({"uncalibrated": str(calibration)})
+            raise SystemExit(0)
+        pending.clear()  # the probes' samples trained nothing
+        cap_address_space(calibration.headroom_bytes)
         for epoch in range(2):
             for batch in loader:
                 losses.append(tuner.step(batch, step_fn).item())
@@ -74,8 +86,9 @@ save(outcome)
 def _loop(tmp_path, name, plain):
     run_dir = tmp_path / name
     run_dir.mkdir()
-    proc, result = run_python(f"PLAIN={plain}\nBUDGET_MIB=60\nRUN_DIR={str(run_dir)!r}\n" + LOOP, run_dir)
+    proc, result = run_python(f"PLAIN={plain}\nRUN_DIR={str(run_dir)!r}\n" + LOOP, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    skip_if_uncalibrated(result)
     return result, run_dir
 
 

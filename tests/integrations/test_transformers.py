@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import journal, run_python
+from tests.conftest import journal, run_python, skip_if_uncalibrated
 
 pytest.importorskip("transformers")
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -12,7 +12,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 SCRIPT = """
 import sys, torch
 sys.path.insert(0, EXAMPLES)
-from autotune.limits import fix_mmap_threshold, cap_address_space, lift_address_space_cap
+from autotune.limits import calibrate_headroom, fix_mmap_threshold, cap_address_space, lift_address_space_cap
 from hf_causal_lm import build
 from transformers import Trainer, TrainingArguments
 from autotune.integrations.transformers import AutoTuneTrainer
@@ -31,8 +31,20 @@ def make(cls, out, max_steps, **kw):
 fix_mmap_threshold()
 plain_model, plain = make(Trainer, "plain", 2)  # HF's own, no cap: what the capped runs must end at
 plain.train()
-_, first = make(AutoTuneTrainer, OUT_DIR, 1, tuner_options={"monitor": False})
-cap_address_space(BUDGET_MIB * 2**20)
+first_model, first = make(AutoTuneTrainer, OUT_DIR, 1, tuner_options={"monitor": False})
+_, train, _, collator = build(64)
+
+def probe(size):  # forward and backward at micro-batch `size` (every batch is padded to 64 tokens)
+    try:
+        first_model(**collator([train[i] for i in range(size)])).loss.backward()
+    finally:
+        first_model.zero_grad(set_to_none=True)
+
+calibration = calibrate_headroom(probe, fits=4, fails=16)  # HF's 16 must not fit, a quarter of it must
+if calibration.headroom_bytes is None:
+    save({"uncalibrated": str(calibration)})
+    raise SystemExit(0)
+cap_address_space(calibration.headroom_bytes)
 first.train()  # stops after one optimizer step, with a checkpoint
 second_model, second = make(AutoTuneTrainer, OUT_DIR, 2, tuner_options={"monitor": False})
 second.train(resume_from_checkpoint=True)
@@ -40,16 +52,17 @@ lift_address_space_cap()
 diff = max((a - b).abs().max().item() for a, b in zip(plain_model.state_dict().values(),
                                                      second_model.state_dict().values()))
 save({"settled": first.micro_batch_size, "first_ooms": first.tuner.ooms, "first_samples": first.tuner.samples_seen,
-      "second_samples": second.tuner.samples_seen, "diff": diff})
+      "second_samples": second.tuner.samples_seen, "diff": diff, "cap": str(calibration)})
 """
 
 
 @pytest.mark.slow
 def test_hf_trainer_survives_ooms_resumes_at_the_settled_micro_batch_with_hfs_weights(tmp_path):
     out = tmp_path / "out"
-    settings = f"EXAMPLES={str(EXAMPLES)!r}\nOUT_DIR={str(out)!r}\nBUDGET_MIB=24\n"
+    settings = f"EXAMPLES={str(EXAMPLES)!r}\nOUT_DIR={str(out)!r}\n"
     proc, result = run_python(settings + SCRIPT, tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    skip_if_uncalibrated(result)
     assert result["first_ooms"] >= 1 and result["settled"] < 16
     # 2 batches of 16 per optimizer step, each sample once; then the resumed run does the second step
     assert result["first_samples"] == result["second_samples"] == 32
