@@ -8,8 +8,11 @@
         for batch in loader:
             loss = tuner.step(batch, step_fn)
 
-The library logs through loguru but stays quiet unless asked: `logger.enable("autotune")`
-(the `autotune` command line does this).
+What a user must know (a preemption, an unsafe resume, a failed checkpoint, a non-finite
+step, an OOM survived) reaches stderr by default, once per cause, rank 0 only;
+`autotune.set_verbosity("error")` or AUTOTUNE_VERBOSITY=error keeps only errors (see
+notices.py). Everything else goes through loguru and stays quiet unless asked:
+`logger.enable("autotune")` (the `autotune` command line does this).
 
 Names are imported on first use, so that `autotune.monitor` (run in the monitor process
 and by `autotune monitor`) never imports torch.
@@ -36,6 +39,7 @@ _EXPORTS = {
     "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
     "AutoTrainer": "autotune.trainer", "Tuner": "autotune.tuner", "FitResult": "autotune.progress",
     "PerSample": "autotune.batching", "Fields": "autotune.batching",
+    "set_verbosity": "autotune.notices",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -51,6 +55,7 @@ if TYPE_CHECKING:
     from autotune.actions import Action, CacheSamples, EmptyCache, SetLoaderWorkers, SetMicroBatch
     from autotune.batching import Fields, PerSample
     from autotune.events import Event
+    from autotune.notices import set_verbosity
     from autotune.oom import ExchangeFailed, OutOfMemory, is_oom
     from autotune.policy import Policy, PolicyBase
     from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming

@@ -39,6 +39,7 @@ import torch
 from loguru import logger
 
 from autotune.batching import tensor_bytes
+from autotune.notices import warn
 from autotune.preemption import Preempted
 from autotune.sharded_checkpoint import REST, read_rest, read_shards, split, write_shards
 
@@ -241,7 +242,7 @@ class Checkpoints:
             try:
                 return self.load(path, map_location, template, ranks), path
             except Exception as exc:  # truncated zip, bad pickle, disallowed type: try the one before
-                logger.warning(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}); trying an older one")
+                warn(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}); trying an older one")
         return None
 
     @staticmethod
@@ -345,7 +346,7 @@ class Checkpointer:
             raise
         except Exception as exc:
             self.journal.write("checkpoint_failed", step, epoch, reason=reason, error=repr(exc)[:300])
-            logger.error(f"could not write a checkpoint ({reason}): {exc}")
+            warn(f"could not write a checkpoint ({reason}): {exc}", error=True)
             return None
         self._last = (step, time.monotonic())
         # In order with the rest of the run; a background write that then fails adds checkpoint_failed.
@@ -358,7 +359,7 @@ class Checkpointer:
         # On the writer's thread, once the background write is done.
         if error is not None:
             self.journal.write("checkpoint_failed", step, epoch, reason=reason, path=str(path), error=repr(error)[:300])
-            logger.error(f"could not write the checkpoint {path} ({reason}): {error}")
+            warn(f"could not write the checkpoint {path} ({reason}): {error}", error=True)
         else:
             logger.debug(f"checkpoint {path} written in the background in {seconds:.3f} s")
 
@@ -398,7 +399,7 @@ class Checkpointer:
         message = (f"stopped by {name} at step {progress.step} (epoch {progress.epoch}, {progress.position} samples "
                    f"into it); checkpoint {path}; continue with fit(..., resume=True)")
         self.journal.write("preempted", progress.step, progress.epoch, signal=name, checkpoint=str(path))
-        logger.warning(message)
+        warn(message)
         return Preempted(signum, message)
 
     @property

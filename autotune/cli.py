@@ -12,6 +12,8 @@ import sys
 from loguru import logger
 from tqdm import tqdm
 
+from autotune import notices
+
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from autotune.demo import run_demo
@@ -101,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                level="WARNING" if args.quiet else "INFO",
                format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
     logger.enable("autotune")
+    notices.show_through_loguru()  # the warnings too, once, in this sink's format
     try:
         return args.func(args)
     except (ValueError, TypeError) as exc:

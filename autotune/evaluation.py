@@ -29,11 +29,11 @@ import time
 from typing import Any, Callable, Mapping
 
 import torch
-from loguru import logger
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from autotune.batching import batch_len, micro_batches
 from autotune.memory import describe_memory, free_memory
+from autotune.notices import warn
 from autotune.oom import OutOfMemory, is_oom, oom_message
 from autotune.sharded import PeerFailed
 from autotune.step import StepCore, loss_and_items, to_device
@@ -196,7 +196,8 @@ class Evaluator:
             raise OutOfMemory(f"out of memory in evaluation on {self.core.device} even at micro-batch 1. "
                               f"Memory: {memory}. Last error: {message}")
         self.micro_batch_size = size // 2
-        logger.warning(f"out of memory in evaluation at micro-batch {size}; the same samples at {size // 2}")
+        warn(f"out of memory in evaluation at micro-batch {size}; the same samples at {size // 2}",
+             key=f"eval oom {size}")
 
     def _grow(self) -> bool:
         bigger = min(self.micro_batch_size * 2, self.batch_size)

@@ -63,7 +63,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autotune.batching import SplitFn, batch_len
 from autotune.callbacks import Callbacks
-from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed
+from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed, rank_rng_state
 from autotune.config import (OptimizerFactory, check_evaluation, check_run_limits, check_sample_layout,
                              check_step_options, resolve_device, resolve_micro_batch)
 from autotune.data.pipeline import InputPipeline
@@ -454,8 +454,11 @@ class AutoTrainer:
         """Everything needed to continue exactly: the tuner's (weights, optimizer, scheduler,
         counters, sizes, reliefs, policy states, random states), the position in the epoch, the
         loader's workers, the evaluation's micro-batch and the callbacks' states."""
-        return {**self.tuner.state_dict(), "num_workers": self.knobs.num_workers,
-                "evaluation": self.evaluator.state_dict(), "callbacks": self.callbacks.state_dict()}
+        state = {**self.tuner.state_dict(), "num_workers": self.knobs.num_workers,
+                 "evaluation": self.evaluator.state_dict(), "callbacks": self.callbacks.state_dict()}
+        # A caller's loader's position is this rank's, as the random states are: it travels with them.
+        state["rng"]["loader"] = self.input.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
@@ -463,6 +466,7 @@ class AutoTrainer:
             raise ValueError(f"the checkpoint was made with batch_size {state['batch_size']}, this trainer has "
                              f"{self.knobs.batch_size}: the position in the epoch would not line up")
         self.tuner.load_state_dict(state)
+        self.input.load_state_dict(rank_rng_state(state, self.ranks.rank, self.ranks.world).get("loader"))
         workers = state.get("num_workers", self.knobs.num_workers) if self.input.owned else self.knobs.num_workers
         if self.knobs.restore(state["micro_batch_size"], workers):  # as tuned before the stop
             self.input.set_workers(workers)

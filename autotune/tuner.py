@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from loguru import logger
 from torch import nn
 
 from autotune.actions import Relief
@@ -62,6 +61,7 @@ from autotune.knobs import Knobs
 from autotune.memory import StepDemand, describe_memory, free_memory, warm_up_oom_path
 from autotune.memory_history import AllocationHistory
 from autotune.monitor.link import MonitorLink
+from autotune.notices import warn
 from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.presets import resolve_policies
@@ -379,7 +379,9 @@ class Tuner:
                            device=str(self.device), message=attempt.message, injected=attempt.injected,
                            lost_seconds=round(lost, 4), ooms=self.ooms, breakdown=self.last_breakdown,
                            **({"memory_snapshot": self.last_snapshot} if self.last_snapshot else {}))
-        logger.warning(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch")
+        # One line per size that failed (the journal has every OOM): a user sees it was survived.
+        warn(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch at a smaller "
+             "micro-batch (every OOM is in the run's journal)", key=f"oom {failed_size}")
         self.fire(Event.OOM, failed_micro_batch=failed_size, force=True)
         # Every rank's next move is rank 0's: the size to retry at, and any relief first.
         micro, relief = self.ranks.follow_rank0(self.knobs.micro_batch_size, self.ranks.offer_relief(self.knobs),

@@ -129,6 +129,11 @@ def test_sigterm_checkpoints_exits_143_and_resumes(tmp_path, reference):
     assert preempted and preempted[0]["signal"] == "SIGTERM"
     checkpoint = [r for r in records if r["kind"] == "checkpoint"][-1]
     assert checkpoint["reason"] == "signal SIGTERM" and 0 < checkpoint["step"] < 39
+    # The user is told, on stderr, with no setup of their own: where it stopped and how to go on.
+    told = [line for line in stderr.splitlines() if line.startswith("autotune: stopped by SIGTERM")]
+    assert len(told) == 1, stderr[-2000:]
+    assert f"at step {checkpoint['step']}" in told[0] and checkpoint["path"] in told[0]
+    assert "continue with fit(..., resume=True)" in told[0]
     proc, result = run(tmp_path, run_dir, resume=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert_same(reference, run_dir, result)

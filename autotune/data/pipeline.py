@@ -3,7 +3,8 @@
 
 The order is `EpochSampler`'s, a function of (seed, epoch) that can start mid-epoch: a
 rebuilt loader continues at the same position, so switching mid-epoch skips and repeats
-nothing. A DataLoader the caller built is used as it is and never rebuilt.
+nothing. A DataLoader the caller built is used as it is and never rebuilt; user_loader.py
+resumes it mid-epoch on the same samples.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from autotune.actions import CacheSamples
 from autotune.data.cache import CachedDataset, NotCacheable, SampleCache, cache_budget, profile_input, split_for_caching
 from autotune.data.sampler import EpochSampler
+from autotune.data.user_loader import UserLoaderPosition
 from autotune.detectors import InputDetector
 from autotune.distributed import Ranks, Solo
 from autotune.events import Event
 from autotune.journal import Journal
 from autotune.memory import device_sample
+from autotune.notices import warn
 from autotune.snapshot import InputProfile, InputState, StepTiming
 from autotune.units import format_bytes
 
@@ -53,6 +56,7 @@ class InputPipeline:
                 raise ValueError("the DataLoader must have a batch_size (it is the batch of one optimizer step)")
             self.dataset, self.sampler, self.loader = dataset.dataset, None, dataset
             self.num_workers = dataset.num_workers
+            self.user_position = UserLoaderPosition(dataset)
             return
         if isinstance(dataset, IterableDataset):
             raise TypeError("an IterableDataset must come wrapped in a DataLoader (its batch_size is the batch)")
@@ -100,14 +104,19 @@ class InputPipeline:
             self.loader.generator.manual_seed(self.seed + epoch)  # worker seeds: a function of the epoch
         elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
             self.loader.sampler.set_epoch(epoch)  # e.g. a user's DistributedSampler
-        batches = iter(self.loader)
-        if self.sampler is None and batches_done:
-            # A caller's DataLoader cannot start mid-epoch: replay and drop the batches
-            # already trained (exact only if its order is deterministic).
-            logger.warning(f"resuming a user DataLoader mid-epoch: skipping {batches_done} batches")
-            for _ in range(batches_done):
-                next(batches)
-        return batches
+        if self.sampler is None:
+            return self.user_position.batches(batches_done)
+        return iter(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        """A caller's loader's position, for a checkpoint (per rank); {} for the loader built here,
+        whose order is a function of (seed, epoch, position)."""
+        return {} if self.owned else self.user_position.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore what `state_dict` returned: the next `batches` continues from it."""
+        if not self.owned:
+            self.user_position.load_state_dict(state or None)
 
     # ------------------------------------------------------------------------- watching
     def on_step(self, timing: StepTiming, samples: int, journal: Journal, step: int, epoch: int,
@@ -175,7 +184,7 @@ class InputPipeline:
             split = split_for_caching(self.dataset)
         except NotCacheable as exc:
             journal.write("sample_cache_off", step, epoch, reason=str(exc))
-            logger.warning(f"not caching samples: {exc}")
+            warn(f"not caching samples: {exc}")
             return
         host = device_sample(torch.device("cpu"), host_cap_bytes)
         room = host.cap_bytes - host.used_bytes if host.cap_bytes and host.used_bytes is not None else None

@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import torch
-from loguru import logger
 
 from autotune.detectors import MemoryDetector
 from autotune.events import Event
 from autotune.journal import Journal
 from autotune.memory import cuda_uuid, device_sample
 from autotune.monitor.process import MonitorProcess
+from autotune.notices import warn
 from autotune.snapshot import AllocatorStats, DeviceSample
 
 
@@ -76,11 +76,11 @@ class MonitorLink:
         self.journal.write("monitor_restart" if restarted else "monitor_gave_up", step, epoch,
                            returncode=code, restarts=self.process.restarts, pid=self.process.pid)
         if restarted:
-            logger.warning(f"the monitor process exited (code {code}); restarted it ({self.process.restarts}/"
-                           f"{self.process.max_restarts})")
+            warn(f"the monitor process exited (code {code}); restarted it ({self.process.restarts}/"
+                 f"{self.process.max_restarts})")
         else:
-            logger.error(f"the monitor process exited (code {code}) and its restarts are spent; training "
-                         "goes on without memory samples")
+            warn(f"the monitor process exited (code {code}) and its restarts are spent; training "
+                 "goes on without memory samples", error=True)
             self.stop()
 
     def latest(self, fresh: bool = False) -> DeviceSample:

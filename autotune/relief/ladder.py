@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from loguru import logger
 from torch import nn
 
 from autotune.actions import RELIEF_NAMES, PruneChannels, Relief
@@ -28,6 +27,7 @@ from autotune.batching import map_tensors
 from autotune.distributed import Ranks, Solo
 from autotune.journal import Journal
 from autotune.memory import free_memory
+from autotune.notices import warn
 from autotune.oom import is_oom, oom_message
 from autotune.relief.checkpointing import checkpoint_blocks
 from autotune.relief.pruning import (UnsafePruning, adopt_unrecorded, prune_channels, rebind_scheduler,
@@ -137,7 +137,7 @@ class ReliefLadder:
         if why is not None:  # outside `except`: what the failed try allocated can be freed now
             free_memory(self.core.device)
             self.journal.write("relief_failed", step, epoch, relief=kind, reason=why)
-            logger.warning(f"memory relief {kind} not applied: {why}")
+            warn(f"memory relief {kind} not applied: {why}")
             raise ReliefFailed(f"{kind}: {why}")
         self.applied.append(kind)
         if kind != "autocast":
@@ -145,7 +145,7 @@ class ReliefLadder:
         self.last_step = step
         self._watch = {"relief": kind, "from_step": step, "demands": []}
         self.journal.write("relief", step, epoch, relief=kind, demand_before=demand, **details)
-        logger.warning(f"memory relief: {kind} ({action.reason})")
+        warn(f"memory relief: {kind} ({action.reason})")
         free_memory(self.core.device)
         return True
 
@@ -182,7 +182,7 @@ class ReliefLadder:
         self.core.optimizer = optimizer
         adopted = adopt_unrecorded(optimizer, self.model)
         if adopted:
-            logger.warning(f"{adopted} pruned parameter(s) start with fresh optimizer state (not carried over)")
+            warn(f"{adopted} pruned parameter(s) start with fresh optimizer state (not carried over)")
         rebind_scheduler(self.core.scheduler, optimizer)
         self.ranks.wrap(self.model, self.core.device)  # new parameters: a new DDP wrapper and gradient buffer
         self.pruned_fraction = 1 - (1 - self.pruned_fraction) * (1 - result.removed_fraction)
