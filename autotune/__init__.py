@@ -34,6 +34,7 @@ _EXPORTS = {
     "CacheSamples": "autotune.actions", "SetLoaderWorkers": "autotune.actions",
     "Event": "autotune.events",
     "OutOfMemory": "autotune.oom", "ExchangeFailed": "autotune.oom", "is_oom": "autotune.oom",
+    "NonFiniteStep": "autotune.oom",
     "Policy": "autotune.policy", "PolicyBase": "autotune.policy",
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
     "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from autotune.batching import Fields, PerSample
     from autotune.events import Event
     from autotune.notices import set_verbosity
-    from autotune.oom import ExchangeFailed, OutOfMemory, is_oom
+    from autotune.oom import ExchangeFailed, NonFiniteStep, OutOfMemory, is_oom
     from autotune.policy import Policy, PolicyBase
     from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
     from autotune.progress import FitResult

@@ -71,6 +71,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def nonfinite_weights(weights: dict[str, Any]) -> list[str]:
+    """The names of the floating-point tensors in `weights` (a state dict; a sharded model's:
+    this rank's shards) holding a NaN or an inf: one max-abs a tensor, one read a device."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in weights.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            if local.numel():
+                by_device.setdefault(local.device, []).append((name, local))
+    bad = []
+    for named in by_device.values():
+        norms = torch._foreach_norm([t for _, t in named], float("inf"))
+        finite = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
+        bad += [name for (name, _), ok in zip(named, finite) if not ok]
+    return bad
+
+
 def rank_rng_state(state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     """This rank's random state in a checkpoint: every rank's is saved under torchrun; a run
     alone takes rank 0's."""
@@ -325,12 +342,20 @@ class Checkpointer:
             if sharded and self.ranks.is_main:  # before the gather: no rank writes there yet
                 self.store.clear_unfinished(step)
             state = state_fn()
-            gathered = self.ranks.gather((state["rng"], failure))
-            failures = [f"rank {rank}: {text}" for rank, (_, text) in enumerate(gathered) if text]
+            gathered = self.ranks.gather((state["rng"], failure, nonfinite_weights(state.get("model") or {})))
+            failures = [f"rank {rank}: {text}" for rank, (_, text, _) in enumerate(gathered) if text]
             if failures:
                 raise RankFailed("; ".join(failures))
+            nonfinite = sorted({name for _, _, names in gathered for name in names})
+            if nonfinite:
+                # Never over a finite one: the older checkpoints stay as they are.
+                self.journal.write("checkpoint_refused", step, epoch, reason=reason, nonfinite=nonfinite[:20])
+                warn(f"not writing the checkpoint of step {step} ({reason}): the model's weights are not finite "
+                     f"({', '.join(nonfinite[:5])}{', ...' if len(nonfinite) > 5 else ''}); the older checkpoints "
+                     "are kept", key="checkpoint refused", error=True)
+                return None
             if len(gathered) > 1:  # every rank's random state; the rest is the same everywhere
-                state["rng_ranks"] = [rng for rng, _ in gathered]
+                state["rng_ranks"] = [rng for rng, _, _ in gathered]
             if sharded:  # every rank writes its shards
                 path, seconds = self.store.save_sharded(state, step, self.ranks.is_main)
             if not self.ranks.is_main:

@@ -85,6 +85,10 @@ def resolve_micro_batch(micro_batch_size: int | str | None, batch_size: int) -> 
 
 def make_optimizer(optimizer: torch.optim.Optimizer | OptimizerFactory | None, model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer over the model's parameters: given, built by a factory, or AdamW(lr=1e-3)."""
+    if not any(p.requires_grad for p in model.parameters()):
+        count = sum(1 for _ in model.parameters())
+        raise ValueError(f"the model ({type(model).__name__}) has no trainable parameter "
+                         f"({count} parameter(s), none with requires_grad=True): there is nothing to train")
     if optimizer is None:
         return torch.optim.AdamW(model.parameters(), lr=1e-3)
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -155,9 +159,14 @@ def check_run_limits(*, checkpoint_every: Any, checkpoint_interval: Any, keep_ch
         check_range("", "monitor_interval", monitor_interval, MIN_INTERVAL, MAX_INTERVAL, " s")
 
 
+NONFINITE = ("skip", "stop")
+
+
 def check_step_options(*, precision: Any, clip_grad_norm: Any, clip_grad_value: Any, scheduler_interval: Any,
-                       compile: Any) -> None:
-    """Precision, clipping, the scheduler's interval and torch.compile's options."""
+                       compile: Any, on_nonfinite: Any = "skip") -> None:
+    """Precision, clipping, the scheduler's interval, torch.compile's options, non-finite steps."""
+    if on_nonfinite not in NONFINITE:
+        raise ValueError(f"on_nonfinite={on_nonfinite!r}: pass one of {', '.join(map(repr, NONFINITE))}")
     if not isinstance(compile, (bool, dict)):
         raise TypeError(f"compile={compile!r}: pass True/False or a dict of torch.compile options")
     if precision not in PRECISIONS:

@@ -169,7 +169,7 @@ class Evaluator:
                 self.calm = 0
 
     def _accumulate(self, micro: Any, m: int, sums: torch.Tensor, outputs: list) -> None:
-        loss, items = loss_and_items(self.core.loss(micro, module=self.core.model))
+        loss, items = loss_and_items(self.core.loss(micro, module=self.core.model), self.core.source)
         figures = [(loss, m if items is None else items)]
         targets = micro[1] if self.core.step_fn is None else micro
         for name, metric in self.metrics.items():

@@ -93,3 +93,9 @@ class ExchangeFailed(RuntimeError):
     (sharded.py): the ranks can no longer pair their exchanges, so the job stops on every rank
     with this error, naming the exchange and the step. Never retried, even when what failed
     inside the exchange was an allocation."""
+
+
+class NonFiniteStep(RuntimeError):
+    """A batch's gradients were not finite (NaN or inf) and `on_nonfinite="stop"`: the run stops
+    before the optimizer step, with the weights of the last finite step (checkpointed first by
+    AutoTrainer). The message names the step; AutoTrainer's note names the batch's samples."""

@@ -162,11 +162,14 @@ def load_preset(path: Path) -> list[Policy]:
     return policies
 
 
-def resolve_policies(policies: str | Path | Sequence[Policy]) -> list[Policy]:
+def resolve_policies(policies: str | Path | Sequence[Policy] | None) -> list[Policy]:
     """Turn the `policies=` argument of AutoTrainer into policy objects.
 
-    A preset name ("default"), a path to a TOML file, or a list of policy objects.
+    A preset name ("default"), a path to a TOML file, or a list of policy objects; None or an
+    empty list: no policies (an OOM at the first size is then an `OutOfMemory` error).
     """
+    if policies is None:
+        return []
     if isinstance(policies, (str, Path)):
         path = Path(policies)
         if path.suffix == ".toml" or path.exists():

@@ -38,7 +38,7 @@ from torch import nn
 
 from autotune.batching import SplitFn, map_tensors, micro_batches
 from autotune.distributed import Ranks, Solo
-from autotune.oom import is_oom, maybe_not_memory, oom_message
+from autotune.oom import NonFiniteStep, is_oom, maybe_not_memory, oom_message
 from autotune.progress import Progress
 from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
 from autotune.sharded import PeerFailed
@@ -65,17 +65,27 @@ def _flat_and_there(obj: Any, device: torch.device) -> bool:
     return True
 
 
-def loss_and_items(out: Any) -> tuple[torch.Tensor, Any]:
-    """A step's result as `(mean loss, n_items or None)`; a clear error for anything else."""
+def loss_and_items(out: Any, source: str = "step_fn") -> tuple[torch.Tensor, Any]:
+    """A step's result as `(mean loss, n_items or None)`; a clear error naming `source` (the
+    function the user passed: "loss_fn" or "step_fn") for anything else."""
     if isinstance(out, torch.Tensor):
-        return out, None
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor):
+        return _scalar(out, source), None
+    if source == "step_fn" and isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor):
         items = out[1]
         if isinstance(items, bool) or not isinstance(items, (int, torch.Tensor)):
             raise TypeError(f"step_fn returned (loss, {type(items).__name__}): n_items must be an int or a "
                             "0-d tensor (the number of items the loss is the mean over)")
-        return out[0], items
-    raise TypeError(f"step_fn must return a loss tensor or (loss, n_items), got {type(out).__name__}")
+        return _scalar(out[0], source), items
+    what = "a loss tensor or (loss, n_items)" if source == "step_fn" else "a loss tensor"
+    raise TypeError(f"{source} must return {what}, got {type(out).__name__}"
+                    + (": return the tensor, not .item()" if isinstance(out, (float, int)) else ""))
+
+
+def _scalar(loss: torch.Tensor, source: str) -> torch.Tensor:
+    if loss.ndim != 0:
+        raise ValueError(f"{source} returned a loss of shape {tuple(loss.shape)}: it must be a 0-d tensor, the mean "
+                         "over the micro-batch (reduction='mean', or .mean() it)")
+    return loss
 
 
 @dataclasses.dataclass
@@ -189,9 +199,14 @@ class StepCore:
                  loss_fn: LossFn | None, step_fn: StepFn | None, split_fn: SplitFn | None, device: torch.device,
                  ranks: Solo | Ranks, progress: Progress, keep_effective_batch: bool, inject_oom: float, seed: int,
                  precision: str = "fp32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
-                 scheduler_interval: str = "step", compile: bool | dict[str, Any] = False):
+                 scheduler_interval: str = "step", compile: bool | dict[str, Any] = False,
+                 on_nonfinite: str = "skip"):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.on_nonfinite = on_nonfinite
+        # Optimizer steps not taken since the caller last looked: (step, why, by whom).
+        self.skipped: list[tuple[int, str, str]] = []
         self.loss_fn, self.step_fn, self.split_fn = loss_fn, step_fn, split_fn
+        self.source = "loss_fn" if loss_fn is not None else "step_fn"  # what errors about the loss name
         self.device, self.ranks, self.progress = device, ranks, progress
         self.keep_effective_batch = keep_effective_batch
         self.inject_oom = inject_oom
@@ -242,7 +257,7 @@ class StepCore:
                     inject = self._draw_injection(size)
                     if inject == "forward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
-                    loss, items = loss_and_items(self.loss(to_device(micro, self.device)))
+                    loss, items = loss_and_items(self.loss(to_device(micro, self.device)), self.source)
                     if inject == "backward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune before backward, p={self.inject_oom})")
                     weight = m if items is None else items
@@ -323,7 +338,7 @@ class StepCore:
         autocast, scaler), the gradients dropped after and nothing stepped: what a memory
         calibration measures (limits.py)."""
         try:
-            loss, _ = loss_and_items(self.loss(to_device(micro, self.device)))
+            loss, _ = loss_and_items(self.loss(to_device(micro, self.device)), self.source)
             self._backward(loss)
             del loss
         finally:
@@ -344,12 +359,23 @@ class StepCore:
         a smaller micro-batch cannot help it: it is not retried. It is kept in `failure` for
         the trainer (under torchrun every rank must learn of it before anyone stops)."""
         try:
+            if self.scaler is None and not self._gradients_finite():
+                # Never trained on: the weights stay those of the last finite step.
+                if self.on_nonfinite == "stop":
+                    raise NonFiniteStep(f"non-finite gradients (NaN or inf) at step {self.progress.step + 1}: "
+                                        "stopped before the optimizer step (on_nonfinite='stop')")
+                self._skip("non-finite gradients (NaN or inf)", "autotune")
+                return
             if self.scaler is not None and (self.clip_grad_norm is not None or self.clip_grad_value is not None):
                 self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
             self._clip()
             if self.scaler is not None:
+                scale = self.scaler.get_scale()
                 self.scaler.step(self.optimizer)  # skips the step on inf/nan gradients
                 self.scaler.update()
+                if self.scaler.get_scale() < scale:  # it backs off only when it found inf/nan, and skipped
+                    self._skip(f"inf/NaN gradients at loss scale {scale:g} (fp16)", "the gradient scaler")
+                    return
             else:
                 self.optimizer.step()
         except Exception as exc:
@@ -362,6 +388,25 @@ class StepCore:
             self.scheduler.step()
         self.progress.step += 1
         self.progress.samples_seen += n_samples * self.ranks.world
+
+    def _gradients_finite(self) -> bool:
+        """Whether every gradient is finite: one max-abs a gradient (a fused kernel on CUDA) and
+        one read of the result, the only host sync this check adds to a step. Sharded, every
+        rank looks at its own shards and they agree."""
+        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return True
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        local = [g for g in local if g.numel()]  # an empty shard has no max
+        finite = not local or bool(torch.isfinite(torch.stack(torch._foreach_norm(local, float("inf")))).all())
+        if self.ranks.sharded is not None:
+            finite = not self.ranks.any(not finite, self.device)
+        return finite
+
+    def _skip(self, why: str, by: str) -> None:
+        # The batch is consumed, not trained: no step, no samples counted, no scheduler step.
+        self.zero_grad()
+        self.skipped.append((self.progress.step + 1, why, by))
 
     def _clip(self) -> None:
         if self.clip_grad_norm is None and self.clip_grad_value is None:

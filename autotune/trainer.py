@@ -72,7 +72,8 @@ from autotune.evaluation import Evaluator, Metric
 from autotune.events import Event
 from autotune.memory import memory_text
 from autotune.monitor.host import host_sample
-from autotune.oom import OutOfMemory
+from autotune.notices import warn
+from autotune.oom import ExchangeFailed, OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
 from autotune.progress import FitResult, Progress
@@ -107,7 +108,7 @@ class AutoTrainer:
             (True) or make each smaller chunk its own optimizer step (False).
         device: "cpu", "cuda", "cuda:1" or a `torch.device`; default CUDA when available.
         policies: a preset name ("default", "conservative"), a path to a TOML preset, or a
-            list of policy objects.
+            list of policy objects; None or [] for none (an OOM is then an error at once).
         run_dir: where the journal (events.jsonl) goes; default `runs/<timestamp>`.
         shuffle, seed: the sample order of each epoch is a function of (seed, epoch).
         num_workers, collate_fn: passed to the DataLoader built for a map-style dataset (the
@@ -161,13 +162,17 @@ class AutoTrainer:
             then the root) instead of replicating it with DDP. A model you sharded yourself is
             trained as it is. Either way an OOM on any rank, in forward or backward, is retried
             by every rank at the same smaller micro-batch (see sharded.py). Alone, ignored.
+        on_nonfinite: a batch with NaN or inf gradients is never trained on: "skip" its optimizer
+            step (the default; journaled, said once on stderr, its samples not counted as trained)
+            or "stop" with `autotune.NonFiniteStep`, after a checkpoint of the last finite step.
+            A model whose weights are not finite is never checkpointed (older checkpoints stay).
     """
 
     def __init__(self, model: nn.Module, dataset: Dataset | DataLoader, *,
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None,
                  optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, scheduler: Any = None,
                  batch_size: int = 32, micro_batch_size: int | str | None = None, keep_effective_batch: bool = True,
-                 device: str | torch.device | None = None, policies: str | Path | Sequence[Policy] = "default",
+                 device: str | torch.device | None = None, policies: str | Path | Sequence[Policy] | None = "default",
                  memory_cap: float | int | str | None = None, inject_oom: float | None = None,
                  shuffle: bool = True, seed: int = 0, num_workers: int = 0,
                  collate_fn: Callable[[list], Any] | None = None, split_fn: SplitFn | None = None,
@@ -180,7 +185,7 @@ class AutoTrainer:
                  eval_dataset: Dataset | DataLoader | None = None, eval_every: int | str | None = None,
                  eval_batch_size: int | None = None, metrics: Mapping[str, Metric] | None = None,
                  callbacks: Sequence[Any] | None = None, compile: bool | dict[str, Any] = False,
-                 memory_snapshot: bool | int = False, shard: bool = False):
+                 memory_snapshot: bool | int = False, shard: bool = False, on_nonfinite: str = "skip"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if (loss_fn is None) == (step_fn is None):
@@ -188,7 +193,7 @@ class AutoTrainer:
         check_run_limits(checkpoint_every=checkpoint_every, checkpoint_interval=checkpoint_interval,
                          keep_checkpoints=keep_checkpoints, seed=seed, monitor=monitor, monitor_interval=monitor_interval)
         check_step_options(precision=precision, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                           scheduler_interval=scheduler_interval, compile=compile)
+                           scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
         self.callbacks = Callbacks(callbacks)
         ranks = from_environment()
         device = resolve_device(ranks.device_for(device, keep_effective_batch))
@@ -209,7 +214,8 @@ class AutoTrainer:
                            scheduler_interval=scheduler_interval, split_fn=split_fn, run_dir=run_dir,
                            monitor=monitor, monitor_interval=monitor_interval, tensorboard=tensorboard,
                            inject_oom=inject_oom, seed=seed, compile=compile, progress=progress, ranks=ranks,
-                           counters=self.progress, memory_snapshot=memory_snapshot, shard=shard)
+                           counters=self.progress, memory_snapshot=memory_snapshot, shard=shard,
+                           on_nonfinite=on_nonfinite)
         self.tuner.input_state = self.input.state
         self.tuner.save_checkpoints_with(self._checkpoint)
         self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
@@ -230,6 +236,8 @@ class AutoTrainer:
                                          room_bytes=functools.partial(_host_room, self.knobs, self.device))
         self._loader_version = self.knobs.loader_version
         self._stop_request: str | None = None  # request_stop's reason
+        self._failing_batch: tuple[int, int, int] | None = None  # (epoch, position, batches_done) of the batch in hand
+        self._step_at_batch_start = 0
         self._closed = False
 
     step, epoch, position, batches_done, ooms, samples_seen = map(
@@ -289,8 +297,9 @@ class AutoTrainer:
             self._checkpoint("end" if self._stop_request is None else "stop_requested", background=True)
         except BaseException as exc:
             # On the record before it propagates, so a crashed run's journal says why it ended.
+            saved = self._save_before_raising(exc) if isinstance(exc, Exception) else None
             self.journal.write("fit_failed", self.step, self.epoch, error=f"{type(exc).__name__}: {exc}"[:500],
-                               samples_seen=self.samples_seen)
+                               samples_seen=self.samples_seen, **({"checkpoint": str(saved)} if saved else {}))
             raise
         finally:
             self.log.close_bar()
@@ -363,13 +372,18 @@ class AutoTrainer:
         finished_epoch = True
         while True:
             wait_start = time.perf_counter()
+            # Named in the note of an error raised while the batch is loaded or trained.
+            self._failing_batch = (self.epoch, self.position, self.batches_done)  # put in words only if needed
+            self._step_at_batch_start = self.step
             try:
                 batch = next(batches)
             except StopIteration:
+                self._failing_batch = None
                 break
             step_start = time.perf_counter()
             n = batch_len(batch)
             outcome = self.tuner.train_batch(batch, n, proposal=self._proposal)
+            self._failing_batch = None
             step_end = time.perf_counter()
             epoch_loss_sum.add(outcome.losses)
             self.progress.position += n
@@ -421,6 +435,34 @@ class AutoTrainer:
             self.callbacks.fire("on_epoch_end", self)
             self._stop_requested()
         return epoch_loss
+
+    def _save_before_raising(self, exc: Exception) -> Path | None:
+        """An error that is not an OOM (a sample that cannot be read, a bug in step_fn or a
+        callback, a non-finite step with on_nonfinite="stop") loses nothing: between optimizer
+        steps the weights are those of the last completed step, so that is checkpointed, and the
+        error gets a note naming the batch and the checkpoint. An OOM error and a preemption have
+        written theirs already. Under torchrun a checkpoint needs every rank, and the others are
+        not here: the note says so. (A second Ctrl-C is not an Exception: it aborts at once.)"""
+        if self._failing_batch is not None:
+            exc.add_note(f"autotune: {self.input.describe_batch(*self._failing_batch)}")
+        if isinstance(exc, (OutOfMemory, ExchangeFailed, RankFailed)):
+            return None
+        if self.ranks.world > 1:
+            exc.add_note(f"autotune: not checkpointed (under torchrun a checkpoint needs every rank); the newest "
+                         f"checkpoint in {self.checkpointer.folder} is the one to resume from")
+            return None
+        if self._failing_batch is not None and self.step != self._step_at_batch_start:
+            # keep_effective_batch=False steps inside a batch: a checkpoint would train that part again.
+            exc.add_note("autotune: not checkpointed: this batch was already partly stepped on, and the newest "
+                         f"checkpoint in {self.checkpointer.folder} is the one to resume from")
+            return None
+        path = self._checkpoint("error")
+        if path is not None:
+            exc.add_note(f"autotune: the training up to step {self.step} is in the checkpoint {path}; "
+                         "fix the cause and continue with fit(..., resume=True)")
+            warn(f"stopped by {type(exc).__name__} at step {self.step}; checkpoint {path}; continue with "
+                 "fit(..., resume=True) once the cause is fixed", key="error checkpoint")
+        return path
 
     def _stop_requested(self) -> bool:
         # Under torchrun a stop any rank's callback asked for stops every rank at the same step

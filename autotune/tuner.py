@@ -122,6 +122,10 @@ class Tuner:
         memory_snapshot, shard: as for `AutoTrainer`.
         reliefs: let policies change the model (autocast, activation checkpointing, pruning)
             at the smallest micro-batch; False where another framework owns the optimizer.
+        on_nonfinite: NaN or inf gradients in a batch: "skip" its optimizer step (the default, as
+            the fp16 gradient scaler does; journaled, said once, its samples not counted as
+            trained) or "stop" with `NonFiniteStep` before the step. Never trained on either way;
+            the check costs one host sync a step. With fp16, the scaler's own skips are journaled.
         owns_optimizer: False where another trainer steps the optimizer and wraps the model
             (HF, Lightning): no optimizer here, no DDP wrapper; use `accumulate`.
         progress: a tqdm bar (AutoTrainer's); ranks, counters: AutoTrainer's and the
@@ -132,14 +136,14 @@ class Tuner:
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None, scheduler: Any = None,
                  micro_batch_size: int | None = None, batch_size: int | None = None,
                  keep_effective_batch: bool = True, device: str | torch.device | None = None,
-                 policies: str | Path | Sequence[Policy] = "default", memory_cap: float | int | str | None = None,
+                 policies: str | Path | Sequence[Policy] | None = "default", memory_cap: float | int | str | None = None,
                  precision: str = "fp32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
                  scheduler_interval: str = "step", split_fn: SplitFn | None = None, run_dir: str | Path | None = None,
                  monitor: bool = True, monitor_interval: float = 0.5, tensorboard: bool | str | Path = False,
                  inject_oom: float | None = None, seed: int = 0, compile: bool | dict[str, Any] = False,
                  reliefs: bool = True, progress: bool = False, owns_optimizer: bool = True,
                  ranks: Solo | Ranks | None = None, counters: Progress | None = None,
-                 memory_snapshot: bool | int = False, shard: bool = False):
+                 memory_snapshot: bool | int = False, shard: bool = False, on_nonfinite: str = "skip"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and step_fn is not None:
@@ -151,7 +155,7 @@ class Tuner:
         if micro_batch_size is not None and batch_size is not None and micro_batch_size > batch_size:
             raise ValueError(f"micro_batch_size ({micro_batch_size}) cannot exceed batch_size ({batch_size})")
         check_step_options(precision=precision, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                           scheduler_interval=scheduler_interval, compile=compile)
+                           scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
         self.ranks = ranks if ranks is not None else from_environment()
         self.device = resolve_device(self.ranks.device_for(device, keep_effective_batch))
         if ranks is None:  # ranks given: the caller joined the job
@@ -176,7 +180,7 @@ class Tuner:
                              ranks=self.ranks, progress=self.progress, keep_effective_batch=keep_effective_batch,
                              inject_oom=injection_rate(inject_oom), seed=seed, precision=precision,
                              clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                             scheduler_interval=scheduler_interval, compile=compile)
+                             scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
         # Sizes are known once batches are: the first one sets them unless given here.
         self.knobs = Knobs(batch_size=batch_size or micro_batch_size or 1,
                            micro_batch_size=micro_batch_size or batch_size or 1, device=self.device,
@@ -355,9 +359,22 @@ class Tuner:
             self._recover_from_oom(agreed.failed_size, tried, attempt)
             measured = self.measured = True  # the retry is measured, whatever the cadence said
             rebase = False  # the room was measured after the clean-up
+        if self.core.skipped:
+            self._report_skipped(losses)
         self.last_good_micro = self.knobs.micro_batch_size
         cadence.done(measured, self.demand.finish() if measured else None)
         return BatchOutcome(len(tried), losses if losses is not None else Losses(additive=additive), self.device)
+
+    def _report_skipped(self, losses: Losses | None) -> None:
+        """Journal the optimizer steps not taken on non-finite gradients, and tell the user once."""
+        for step, why, by in self.core.skipped:
+            self.journal.write("nonfinite", self.step_count, self.progress.epoch, at_step=step, error=why,
+                               action=f"optimizer step skipped by {by}")
+            warn(f"{why} at step {step}: the optimizer step was skipped by {by} (its samples are not counted as "
+                 "trained; every one is in the run's journal)", key=f"nonfinite {by}")
+        self.core.skipped.clear()
+        if losses is not None and self.keep_effective_batch:
+            losses.parts.clear()  # a skipped batch's loss is not the epoch's
 
     def _recover_from_oom(self, failed_size: int, tried: list[int], attempt: Attempt) -> None:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""

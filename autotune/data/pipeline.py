@@ -108,6 +108,16 @@ class InputPipeline:
             return self.user_position.batches(batches_done)
         return iter(self.loader)
 
+    def describe_batch(self, epoch: int, position: int, batches_done: int) -> str:
+        """The batch that starts at sample `position` of `epoch`, in words: with its dataset
+        indices where this pipeline's sampler knows them (at most 64 named)."""
+        where = f"the error came while loading or training batch {batches_done + 1} of epoch {epoch + 1}"
+        if self.sampler is None:
+            return where
+        indices = self.sampler.order()[position:position + self._batch_size]  # the sampler is at `epoch`
+        shown = ", ".join(map(str, indices[:64])) + (", ..." if len(indices) > 64 else "")
+        return f"{where}, the dataset's samples [{shown}]"
+
     def state_dict(self) -> dict[str, Any]:
         """A caller's loader's position, for a checkpoint (per rank); {} for the loader built here,
         whose order is a function of (seed, epoch, position)."""

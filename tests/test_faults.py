@@ -1,0 +1,178 @@
+"""Faults that are not out-of-memory errors lose nothing and are never silent: a NaN sample, weights
+that turn non-finite, a corrupt image file, bad inputs. Real faults: a real NaN in the data, a real
+truncated JPEG read by torchvision's ImageFolder."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from autotune import AutoTrainer, NonFiniteStep
+from autotune.checkpoint import nonfinite_weights
+from tests.conftest import journal
+
+N, BATCH = 256, 32  # 8 steps an epoch; batch 6 holds samples 160..191
+
+
+def nan_data(at=170):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(N, 8, generator=g), torch.randn(N, 1, generator=g)
+    x[at] = float("nan")  # a real NaN: its batch's loss and gradients are NaN
+    return TensorDataset(x, y)
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def trainer(tmp_path, net, data, **kwargs):
+    options = dict(loss_fn=nn.functional.mse_loss, batch_size=BATCH, device="cpu", shuffle=False, progress=False,
+                   monitor=False, run_dir=tmp_path / "run", optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+    return AutoTrainer(net, data, **{**options, **kwargs})
+
+
+def kept_checkpoints(tmp_path):
+    return sorted((tmp_path / "run" / "checkpoints").glob("step-*.pt"))
+
+
+def test_a_nan_batch_is_skipped_not_trained_and_no_checkpoint_is_nonfinite(tmp_path, capfd):
+    data = nan_data()
+    net = model()
+    with trainer(tmp_path, net, data, checkpoint_every=2, keep_checkpoints=3) as t:
+        result = t.fit(epochs=1)
+    # The weights of a plain loop that leaves the NaN batch out.
+    reference = model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    x, y = data.tensors
+    for start in range(0, N, BATCH):
+        if start == 160:
+            continue
+        nn.functional.mse_loss(reference(x[start:start + BATCH]), y[start:start + BATCH]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for mine, theirs in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+    assert result.samples_seen == N - BATCH and result.steps == 7 and result.loss == result.loss  # not NaN
+    records = journal(tmp_path / "run")
+    skipped = [r for r in records if r["kind"] == "nonfinite"]
+    assert len(skipped) == 1 and skipped[0]["at_step"] == 6 and "skipped" in skipped[0]["action"]
+    for path in kept_checkpoints(tmp_path):
+        assert not nonfinite_weights(torch.load(path, weights_only=True)["model"]), path
+    err = capfd.readouterr().err
+    assert err.count("non-finite gradients (NaN or inf) at step 6: the optimizer step was skipped") == 1, err
+
+
+def test_stop_on_nonfinite_checkpoints_the_last_finite_step_and_names_the_samples(tmp_path):
+    net = model()
+    t = trainer(tmp_path, net, nan_data(), on_nonfinite="stop", checkpoint_interval=None)
+    with pytest.raises(NonFiniteStep, match="at step 6") as caught:
+        t.fit(epochs=1)
+    notes = "\n".join(caught.value.__notes__)
+    assert "batch 6 of epoch 1" in notes and "samples [160, 161," in notes and "170" in notes
+    assert "step 5" in notes and "resume=True" in notes
+    (path,) = kept_checkpoints(tmp_path)
+    state = torch.load(path, weights_only=True)
+    assert state["step"] == 5 and not nonfinite_weights(state["model"])
+    t.close()
+
+
+def test_weights_that_turn_nonfinite_never_replace_the_finite_checkpoints(tmp_path, capfd):
+    class Spoil:
+        def on_step_end(self, trainer):
+            if trainer.step == 6:
+                with torch.no_grad():
+                    trainer.model[0].weight[0, 0] = float("inf")
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(N, 8, generator=g), torch.randn(N, 1, generator=g))
+    with trainer(tmp_path, model(), data, checkpoint_every=2, keep_checkpoints=3, callbacks=[Spoil()]) as t:
+        t.fit(epochs=2)
+    steps = [int(path.stem.split("-")[1]) for path in kept_checkpoints(tmp_path)]
+    assert steps == [2, 4], steps  # 6, 8, ... and the end were refused; the last good ones kept
+    refused = [r for r in journal(tmp_path / "run") if r["kind"] == "checkpoint_refused"]
+    assert refused and refused[0]["step"] == 6 and refused[0]["nonfinite"] == ["0.weight"]
+    assert "the model's weights are not finite (0.weight)" in capfd.readouterr().err
+
+
+def test_a_corrupt_image_at_step_6_checkpoints_step_5_names_the_sample_and_resumes(tmp_path):
+    PIL = pytest.importorskip("PIL.Image")
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+
+    def images(folder, corrupt):
+        (folder / "a").mkdir(parents=True, exist_ok=True)
+        g = torch.Generator().manual_seed(1)
+        for i in range(N):
+            pixels = (torch.rand(6, 6, 3, generator=g) * 255).to(torch.uint8).numpy()
+            PIL.fromarray(pixels).save(folder / "a" / f"{i:04d}.jpg")
+        if corrupt:  # a truncated download: the header and then garbage
+            path = folder / "a" / "0170.jpg"
+            path.write_bytes(path.read_bytes()[:20] + b"\x00garbage")
+        return ImageFolder(folder, transform=transforms.ToTensor())
+
+    def loss(out, target):
+        return out.pow(2).mean()
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Linear(108, 1))
+
+    kw = dict(loss_fn=loss, batch_size=BATCH, device="cpu", shuffle=False, progress=False, monitor=False,
+              optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+    broken = images(tmp_path / "images", corrupt=True)
+    t = AutoTrainer(net(), broken, run_dir=tmp_path / "run", **kw)  # the default: a checkpoint every 900 s
+    with pytest.raises(Exception, match="cannot identify image file") as caught:
+        t.fit(epochs=1)
+    notes = "\n".join(caught.value.__notes__)
+    assert "samples [160, " in notes and ", 170," in notes and "step 5" in notes
+    t.close()
+    (path,) = kept_checkpoints(tmp_path)
+    assert torch.load(path, weights_only=True)["step"] == 5
+    failed = [r for r in journal(tmp_path / "run") if r["kind"] == "fit_failed"]
+    assert failed[-1]["checkpoint"] == str(path)
+
+    fixed = images(tmp_path / "images", corrupt=False)  # the file downloaded again
+    resumed = net()
+    with AutoTrainer(resumed, fixed, run_dir=tmp_path / "run", **kw) as t:
+        assert t.fit(epochs=1, resume=True).samples_seen == N
+    reference = net()
+    with AutoTrainer(reference, fixed, run_dir=tmp_path / "reference", **kw) as t:
+        t.fit(epochs=1)
+    for mine, theirs in zip(resumed.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_a_loss_that_is_not_a_0d_tensor_fails_on_the_first_micro_batch_naming_the_function(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    net = model()
+    before = [p.detach().clone() for p in net.parameters()]
+    vector = trainer(tmp_path, net, data, loss_fn=lambda out, y: (out - y).pow(2))
+    with pytest.raises(ValueError, match=r"loss_fn returned a loss of shape \(32, 1\): it must be a 0-d tensor"):
+        vector.fit()
+    as_float = trainer(tmp_path, net, data, loss_fn=lambda out, y: nn.functional.mse_loss(out, y).item())
+    with pytest.raises(TypeError, match="loss_fn must return a loss tensor, got float: return the tensor"):
+        as_float.fit()
+    by_step = trainer(tmp_path, net, data, loss_fn=None, step_fn=lambda m, b: m(b[0]).sum(dim=1))
+    with pytest.raises(ValueError, match="step_fn returned a loss of shape"):
+        by_step.fit()
+    for p, q in zip(net.parameters(), before):
+        assert torch.equal(p, q)  # no optimizer step was taken
+    for t in (vector, as_float, by_step):
+        t.close()
+
+
+def test_policies_none_means_no_policies_and_a_frozen_model_is_refused_at_once(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    with trainer(tmp_path, model(), data, policies=None) as t:
+        assert t.tuner.dispatcher.policies == [] and t.fit().steps == 2
+    frozen = model().requires_grad_(False)
+    with pytest.raises(ValueError, match="has no trainable parameter .*none with requires_grad=True"):
+        trainer(tmp_path / "frozen", frozen, data)
+
+
+def test_on_nonfinite_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="on_nonfinite='ignore': pass one of 'skip', 'stop'"):
+        trainer(tmp_path, model(), nan_data(), on_nonfinite="ignore")
