@@ -34,7 +34,7 @@ _EXPORTS = {
     "CacheSamples": "autotune.actions", "SetLoaderWorkers": "autotune.actions",
     "Event": "autotune.events",
     "OutOfMemory": "autotune.oom", "ExchangeFailed": "autotune.oom", "is_oom": "autotune.oom",
-    "NonFiniteStep": "autotune.oom",
+    "NonFiniteStep": "autotune.oom", "CheckpointFailed": "autotune.checkpoint",
     "Policy": "autotune.policy", "PolicyBase": "autotune.policy",
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
     "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
@@ -55,6 +55,7 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from autotune.actions import Action, CacheSamples, EmptyCache, SetLoaderWorkers, SetMicroBatch
     from autotune.batching import Fields, PerSample
+    from autotune.checkpoint import CheckpointFailed
     from autotune.events import Event
     from autotune.notices import set_verbosity
     from autotune.oom import ExchangeFailed, NonFiniteStep, OutOfMemory, is_oom

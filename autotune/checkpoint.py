@@ -42,6 +42,7 @@ from autotune.batching import tensor_bytes
 from autotune.notices import warn
 from autotune.preemption import Preempted
 from autotune.sharded_checkpoint import REST, read_rest, read_shards, split, write_shards
+from autotune.units import format_bytes
 
 _NAME = re.compile(r"^step-(\d{9,})(\.pt)?$")  # a file, or a sharded checkpoint's folder
 
@@ -109,15 +110,47 @@ def _fsync_dir(path: Path) -> None:
 def _write_atomically(data: Any, final: Path) -> None:
     """`data` (bytes, or a state to torch.save) to `final`: a temporary file, fsynced, renamed, the folder fsynced."""
     temporary = final.parent / f".{final.name}.{os.getpid()}.tmp"
-    with open(temporary, "wb") as f:
-        if isinstance(data, (bytes, memoryview)):
-            f.write(data)
-        else:
-            torch.save(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, final)
+    try:
+        with open(temporary, "wb") as f:
+            if isinstance(data, (bytes, memoryview)):
+                f.write(data)
+            else:
+                torch.save(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, final)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a full disk stays no fuller than before the attempt
+        raise
     _fsync_dir(final.parent)
+
+
+_TEMPORARY = re.compile(r"\.step-\d{9}\.pt\.(\d+)\.tmp$")
+
+
+def remove_stale_temporaries(folder: Path) -> int:
+    """Remove what writes killed midway left in `folder` (their process is gone); returns how many."""
+    removed = 0
+    if not folder.is_dir():
+        return removed
+    for path in folder.iterdir():
+        match = _TEMPORARY.match(path.name)
+        if match and not _alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process writes nothing yet: a file with its pid is an earlier process's
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 _writing: dict[Path, threading.Thread] = {}  # folder -> its background write (one at a time)
@@ -196,9 +229,9 @@ class Checkpoints:
         return final, time.perf_counter() - started
 
     def save_in_background(self, state: dict[str, Any], step: int, room_bytes: int | None,
-                           done: Callable[[Path, float, BaseException | None], None]) -> tuple[Path, float] | None:
-        """Serialize `state` now and write it on a thread; `done(path, seconds, error)` is called
-        there when it is on disk (or failed). Returns (path, seconds of serializing), or None
+                           done: Callable[[Path, float, float, BaseException | None], None]) -> tuple[Path, float] | None:
+        """Serialize `state` now and write it on a thread; `done(path, seconds serializing, seconds
+        writing, error)` is called there when it is on disk (or failed). Returns (path, seconds of serializing), or None
         where it must be written synchronously: a copy would not fit in a quarter of
         `room_bytes` (the memory left, None: unknown), or the copy or the thread failed."""
         wait_for_writes(self.folder)
@@ -214,7 +247,8 @@ class Checkpoints:
         self.folder.mkdir(parents=True, exist_ok=True)
         final = self._path(step)
         serialized = time.perf_counter() - started
-        thread = threading.Thread(target=self._write, args=(buffer, final, done), name="autotune-checkpoint")
+        thread = threading.Thread(target=self._write, args=(buffer, final, functools.partial(done, final, serialized)),
+                                  name="autotune-checkpoint")
         with _writing_lock:
             try:
                 thread.start()  # not a daemon: the interpreter's exit waits for the checkpoint
@@ -224,8 +258,7 @@ class Checkpoints:
             _writing[self.folder.resolve()] = thread
         return final, serialized
 
-    def _write(self, buffer: io.BytesIO, final: Path,
-               done: Callable[[Path, float, BaseException | None], None]) -> None:
+    def _write(self, buffer: io.BytesIO, final: Path, done: Callable[[float, BaseException | None], None]) -> None:
         started = time.perf_counter()
         error: BaseException | None = None
         try:
@@ -236,7 +269,7 @@ class Checkpoints:
             error = exc
         buffer.close()
         try:
-            done(final, time.perf_counter() - started, error)  # before a waiter goes on (and closes the journal)
+            done(time.perf_counter() - started, error)  # before a waiter goes on (and closes the journal)
         finally:
             with _writing_lock:
                 if _writing.get(self.folder.resolve()) is threading.current_thread():
@@ -300,6 +333,15 @@ class RankFailed(Exception):
     """A rank reported, in a checkpoint's gather, that it cannot go on (see distributed.py)."""
 
 
+class CheckpointFailed(RuntimeError):
+    """Several checkpoints in a row could not be written (a full disk, a folder gone read-only):
+    the run stops rather than train on with nothing saved. The message names the folder, the
+    bytes a checkpoint needs and those free, and the newest checkpoint on disk."""
+
+
+MAX_FAILED_CHECKPOINTS = 3  # in a row, before the run stops
+
+
 class Checkpointer:
     """When checkpoints are due, writing them (rank 0, with every rank's random state) and
     finding the newest for a resume. Owns `run_dir/checkpoints/` and nothing else: the state
@@ -312,6 +354,13 @@ class Checkpointer:
         self.ranks, self.journal = ranks, journal
         self.room_bytes = room_bytes  # the memory left for a copy of the state; None: no background writes
         self._last = (0, time.monotonic())  # (step, time) of the last checkpoint or of the fit's start
+        self.failed_in_a_row = 0  # checkpoints that could not be written since the last one that was
+        self._last_error: str | None = None
+        self._state_bytes = 0  # the size of the last state taken, for the error that says what is needed
+        if ranks.is_main:
+            removed = remove_stale_temporaries(self.store.folder)
+            if removed:
+                logger.info(f"removed {removed} unfinished checkpoint file(s) of a killed run from {self.store.folder}")
 
     def restart_clock(self, step: int) -> None:
         """Count from `step` and now (at the start of a fit)."""
@@ -342,6 +391,7 @@ class Checkpointer:
             if sharded and self.ranks.is_main:  # before the gather: no rank writes there yet
                 self.store.clear_unfinished(step)
             state = state_fn()
+            self._state_bytes = tensor_bytes(state)
             gathered = self.ranks.gather((state["rng"], failure, nonfinite_weights(state.get("model") or {})))
             failures = [f"rank {rank}: {text}" for rank, (_, text, _) in enumerate(gathered) if text]
             if failures:
@@ -352,7 +402,7 @@ class Checkpointer:
                 self.journal.write("checkpoint_refused", step, epoch, reason=reason, nonfinite=nonfinite[:20])
                 warn(f"not writing the checkpoint of step {step} ({reason}): the model's weights are not finite "
                      f"({', '.join(nonfinite[:5])}{', ...' if len(nonfinite) > 5 else ''}); the older checkpoints "
-                     "are kept", key="checkpoint refused", error=True)
+                     "are kept", key=f"checkpoint refused {self.store.folder}", error=True)
                 return None
             if len(gathered) > 1:  # every rank's random state; the rest is the same everywhere
                 state["rng_ranks"] = [rng for rng, _, _ in gathered]
@@ -364,29 +414,63 @@ class Checkpointer:
             queued = None
             if not sharded:
                 if background and self.room_bytes is not None:
-                    done = functools.partial(self._written, reason, step, epoch)
+                    done = functools.partial(self._written, reason, step, epoch, journal_fields)
                     queued = self.store.save_in_background(state, step, self.room_bytes(), done)
                 path, seconds = queued if queued is not None else self.store.save(state, step)
         except RankFailed:
             raise
         except Exception as exc:
-            self.journal.write("checkpoint_failed", step, epoch, reason=reason, error=repr(exc)[:300])
-            warn(f"could not write a checkpoint ({reason}): {exc}", error=True)
+            self._failed(reason, step, epoch, None, exc)
             return None
         self._last = (step, time.monotonic())
-        # In order with the rest of the run; a background write that then fails adds checkpoint_failed.
+        if queued is not None:
+            return path  # journaled by `_written` once it is on disk
+        self.failed_in_a_row = 0
         self.journal.write("checkpoint", step, epoch, reason=reason, path=str(path), seconds=round(seconds, 4),
-                           **({"background": True} if queued is not None else {}), **journal_fields)
+                           **journal_fields)
         return path
 
-    def _written(self, reason: str, step: int, epoch: int, path: Path, seconds: float,
-                 error: BaseException | None) -> None:
+    def _written(self, reason: str, step: int, epoch: int, journal_fields: dict[str, Any], path: Path,
+                 serialized: float, seconds: float, error: BaseException | None) -> None:
         # On the writer's thread, once the background write is done.
         if error is not None:
-            self.journal.write("checkpoint_failed", step, epoch, reason=reason, path=str(path), error=repr(error)[:300])
-            warn(f"could not write the checkpoint {path} ({reason}): {error}", error=True)
-        else:
-            logger.debug(f"checkpoint {path} written in the background in {seconds:.3f} s")
+            self._failed(reason, step, epoch, path, error)
+            return
+        self.failed_in_a_row = 0
+        self.journal.write("checkpoint", step, epoch, reason=reason, path=str(path), seconds=round(serialized, 4),
+                           background=True, write_seconds=round(seconds, 4), **journal_fields)
+
+    def _failed(self, reason: str, step: int, epoch: int, path: Path | None, error: BaseException) -> None:
+        # Retried at the next due time (every N steps, every interval), not at every step: `_last`
+        # moves on as after a checkpoint; several in a row stop the run (`raise_if_failing`).
+        self._last = (step, time.monotonic())
+        self.failed_in_a_row += 1
+        self._last_error = f"{type(error).__name__}: {error}"
+        self.journal.write("checkpoint_failed", step, epoch, reason=reason, error=repr(error)[:300],
+                           **({"path": str(path)} if path is not None else {}), in_a_row=self.failed_in_a_row)
+        warn(f"could not write the checkpoint of step {step} ({reason}) into {self.store.folder}: {error}; "
+             f"retried at the next one, and the run stops after {MAX_FAILED_CHECKPOINTS} failures in a row",
+             key=f"checkpoint failed {self.store.folder}", error=True)
+
+    def raise_if_failing(self, failing: bool) -> None:
+        """After a scheduled checkpoint: stop the run (`CheckpointFailed`) where the last
+        MAX_FAILED_CHECKPOINTS could not be written (`failing`: on any rank, as agreed)."""
+        if not failing:
+            return
+        self.wait()
+        newest = next(iter(self.store._paths()), None)
+        free = shutil.disk_usage(self.store.folder).free if self.store.folder.is_dir() else None
+        raise CheckpointFailed(
+            f"{self.failed_in_a_row} checkpoints in a row could not be written into {self.store.folder} (last: "
+            f"{self._last_error}); one needs about {format_bytes(self._state_bytes)}"
+            + (f" and the disk there has {format_bytes(free)} free" if free is not None else "")
+            + f". The newest checkpoint on disk is {newest if newest is not None else 'none'}: make room (or pass "
+              "run_dir= elsewhere) and continue with fit(..., resume=True)")
+
+    @property
+    def failing(self) -> bool:
+        """Whether the last MAX_FAILED_CHECKPOINTS checkpoints all failed (this rank's view)."""
+        return self.failed_in_a_row >= MAX_FAILED_CHECKPOINTS
 
     def wait(self) -> None:
         """Until the checkpoint being written in the background, if any, is on disk."""

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator
 
 from tqdm.auto import tqdm
 
+from autotune.notices import warn
+
 
 class Journal:
     """Append-only JSONL writer. `Journal(None)` records nothing (e.g. non-zero ranks).
@@ -27,6 +29,7 @@ class Journal:
         self.path = path
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self._file = None
+        self.lost = 0  # lines that could not be written
         self._lock = threading.Lock()  # a background checkpoint's line comes from its writer thread
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,7 +40,12 @@ class Journal:
         record = {"time": time.time(), "kind": kind, "step": step, "epoch": epoch, **fields}
         with self._lock:
             if self._file is not None:
-                self._file.write(json.dumps(record, default=str) + "\n")
+                try:
+                    self._file.write(json.dumps(record, default=str) + "\n")
+                except OSError as exc:  # a full disk: the run's record suffers, never the training
+                    self.lost += 1
+                    warn(f"could not write the run's journal {self.path} ({exc}); training goes on, and the lines "
+                         "it loses are counted at the end", key=f"journal write failed {self.path}", error=True)
                 for listener in self.listeners:
                     listener(record)
         return record
@@ -45,8 +53,15 @@ class Journal:
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
-                self._file.close()
+                try:
+                    self._file.close()  # flushes what is left in its buffer
+                except OSError as exc:
+                    self.lost += 1
+                    warn(f"could not write the end of the run's journal {self.path} ({exc})", key=f"journal close {self.path}")
                 self._file = None
+            if self.lost:
+                warn(f"{self.lost} line(s) of the run's journal {self.path} could not be written (see above)",
+                     key=f"journal lost {self.path}")
 
 
 def read_journal(path: Path) -> Iterator[dict[str, Any]]:

@@ -29,10 +29,23 @@ _said: set[str] = set()
 _through_loguru = False  # the CLI shows everything through its loguru sink: no second copy
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each write (a notebook's, a test's capture), not as it
+    was when the handler was made."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: D102
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _library_logger() -> logging.Logger:
     log = logging.getLogger("autotune")
     if not getattr(log, "_autotune_configured", False):
-        handler = logging.StreamHandler()  # sys.stderr at the time of each write
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("autotune: %(message)s"))
         log.addHandler(handler)
         log.propagate = False  # the user's root logger does not print it twice

@@ -81,6 +81,11 @@ def throughput_over_time(steps: list[dict[str, Any]], windows: int = 8) -> list[
     return result
 
 
+def _on_disk(path: str | None, run_dir: Path) -> bool:
+    # A relative path is the training's working directory's; the run folder may have moved since.
+    return bool(path) and (Path(path).exists() or (run_dir / "checkpoints" / Path(path).name).exists())
+
+
 def summarize(run_dir: str | Path) -> dict[str, Any]:
     """The summary of a run as plain data (what `--json` prints)."""
     # A checkpoint this process is still writing: its journal line comes when it is on disk. (Asked
@@ -96,7 +101,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         by_kind[record.get("kind", "?")].append(record)
 
     first = records[0]["time"] if records else None
-    last = records[-1]["time"] if records else None
+    # A background checkpoint's line comes when it is on disk, after the training it saved.
+    timed = [r for r in records if not (r.get("kind") == "checkpoint" and r.get("background"))]
+    last = timed[-1]["time"] if timed else None
     ends, failures = by_kind["fit_end"], by_kind["fit_failed"]
     started = by_kind["fit_start"][-1]["time"] if by_kind["fit_start"] else None
 
@@ -165,8 +172,15 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "sample_cache": [{"epoch": c["epoch"], "hit_rate": c.get("hit_rate"), "bytes": c.get("bytes"),
                           "entries": c.get("entries")} for c in cache],
         "loader_workers": [r.get("num_workers") for r in by_kind["loader_rebuilt"]],
-        "checkpoints": [{"step": c["step"], "reason": c.get("reason"), "path": c.get("path")}
-                        for c in by_kind["checkpoint"]],
+        # `on_disk`: the file is there now (older ones are pruned, and a copied run may lack them).
+        "checkpoints": [{"step": c["step"], "reason": c.get("reason"), "path": c.get("path"),
+                         "on_disk": _on_disk(c.get("path"), run_dir)} for c in by_kind["checkpoint"]],
+        "checkpoints_failed": [{"step": c["step"], "reason": c.get("reason"), "error": c.get("error")}
+                               for c in by_kind["checkpoint_failed"]],
+        "checkpoints_refused": [{"step": c["step"], "reason": c.get("reason"), "nonfinite": c.get("nonfinite")}
+                                for c in by_kind["checkpoint_refused"]],
+        "nonfinite_steps": [{"step": r.get("at_step"), "error": r.get("error"), "action": r.get("action")}
+                            for r in by_kind["nonfinite"]],
         "evaluations": [{"step": e["step"], "metrics": e.get("metrics", {}), "micro_batch_size": e.get("micro_batch_size"),
                          "ooms": e.get("ooms", 0)} for e in by_kind["evaluate"]],
         "stopped_early": next((r.get("reason") for r in reversed(by_kind["stop_requested"])), None),
@@ -254,10 +268,22 @@ def render(summary: dict[str, Any]) -> str:
     memory = summary["memory"]
     lines.append(f"  memory: peak {size(memory['peak_used_bytes'])} of cap {size(memory['cap_bytes'])}"
                  + (f" ({memory['source']}, {memory['samples']} samples)" if memory["samples"] else " (no samples)"))
-    checkpoints = summary["checkpoints"]
-    if checkpoints:
-        lines.append(f"  checkpoints: {len(checkpoints)}, last at step {checkpoints[-1]['step']} "
-                     f"({checkpoints[-1]['reason']}): {checkpoints[-1]['path']}")
+    checkpoints, failed, refused = summary["checkpoints"], summary["checkpoints_failed"], summary["checkpoints_refused"]
+    if checkpoints or failed or refused:
+        on_disk = [c for c in checkpoints if c["on_disk"]]
+        newest = (f"newest on disk: step {on_disk[-1]['step']} ({on_disk[-1]['reason']}): {on_disk[-1]['path']}"
+                  if on_disk else "none on disk")
+        lines.append(f"  checkpoints: {len(checkpoints)} written, {newest}")
+        if failed:
+            lines.append(f"  checkpoints that failed: {len(failed)}, at steps {', '.join(str(c['step']) for c in failed)}"
+                         f"; last: {failed[-1]['error']}")
+        if refused:
+            lines.append(f"  checkpoints refused (weights not finite): {len(refused)}, at steps "
+                         f"{', '.join(str(c['step']) for c in refused)}")
+    nonfinite = summary["nonfinite_steps"]
+    if nonfinite:
+        lines.append(f"  non-finite steps: {len(nonfinite)}, at steps {', '.join(str(r['step']) for r in nonfinite)}"
+                     f" ({nonfinite[-1]['action']})")
     return "\n".join(lines)
 
 

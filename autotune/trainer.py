@@ -63,7 +63,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autotune.batching import SplitFn, batch_len
 from autotune.callbacks import Callbacks
-from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed, rank_rng_state
+from autotune.checkpoint import CheckpointDue, CheckpointFailed, Checkpointer, RankFailed, rank_rng_state
 from autotune.config import (OptimizerFactory, check_evaluation, check_run_limits, check_sample_layout,
                              check_step_options, resolve_device, resolve_micro_batch)
 from autotune.data.pipeline import InputPipeline
@@ -412,6 +412,8 @@ class AutoTrainer:
             # After the step's callbacks and evaluation: a resume from this checkpoint has seen them.
             if agreed.checkpoint_due:
                 self._checkpoint("every" if agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
+                # Several failed in a row (a full disk): stop, every rank alike, rather than train unsaved.
+                self.checkpointer.raise_if_failing(self.ranks.any(self.checkpointer.failing, self.device))
             if self._stop_requested():
                 finished_epoch = False
                 break
@@ -445,7 +447,7 @@ class AutoTrainer:
         not here: the note says so. (A second Ctrl-C is not an Exception: it aborts at once.)"""
         if self._failing_batch is not None:
             exc.add_note(f"autotune: {self.input.describe_batch(*self._failing_batch)}")
-        if isinstance(exc, (OutOfMemory, ExchangeFailed, RankFailed)):
+        if isinstance(exc, (OutOfMemory, ExchangeFailed, RankFailed, CheckpointFailed)):
             return None
         if self.ranks.world > 1:
             exc.add_note(f"autotune: not checkpointed (under torchrun a checkpoint needs every rank); the newest "
@@ -461,7 +463,7 @@ class AutoTrainer:
             exc.add_note(f"autotune: the training up to step {self.step} is in the checkpoint {path}; "
                          "fix the cause and continue with fit(..., resume=True)")
             warn(f"stopped by {type(exc).__name__} at step {self.step}; checkpoint {path}; continue with "
-                 "fit(..., resume=True) once the cause is fixed", key="error checkpoint")
+                 "fit(..., resume=True) once the cause is fixed", key=f"error checkpoint {path}")
         return path
 
     def _stop_requested(self) -> bool:

@@ -371,7 +371,7 @@ class Tuner:
             self.journal.write("nonfinite", self.step_count, self.progress.epoch, at_step=step, error=why,
                                action=f"optimizer step skipped by {by}")
             warn(f"{why} at step {step}: the optimizer step was skipped by {by} (its samples are not counted as "
-                 "trained; every one is in the run's journal)", key=f"nonfinite {by}")
+                 "trained; every one is in the run's journal)", key=f"nonfinite {by} {self.run_dir}")
         self.core.skipped.clear()
         if losses is not None and self.keep_effective_batch:
             losses.parts.clear()  # a skipped batch's loss is not the epoch's
@@ -398,7 +398,7 @@ class Tuner:
                            **({"memory_snapshot": self.last_snapshot} if self.last_snapshot else {}))
         # One line per size that failed (the journal has every OOM): a user sees it was survived.
         warn(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch at a smaller "
-             "micro-batch (every OOM is in the run's journal)", key=f"oom {failed_size}")
+             "micro-batch (every OOM is in the run's journal)", key=f"oom {failed_size} {self.run_dir}")
         self.fire(Event.OOM, failed_micro_batch=failed_size, force=True)
         # Every rank's next move is rank 0's: the size to retry at, and any relief first.
         micro, relief = self.ranks.follow_rank0(self.knobs.micro_batch_size, self.ranks.offer_relief(self.knobs),
