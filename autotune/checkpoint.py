@@ -74,19 +74,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def nonfinite_weights(weights: dict[str, Any]) -> list[str]:
     """The names of the floating-point tensors in `weights` (a state dict; a sharded model's:
-    this rank's shards) holding a NaN or an inf: one max-abs a tensor, one read a device."""
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in weights.items():
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            if local.numel():
-                by_device.setdefault(local.device, []).append((name, local))
-    bad = []
-    for named in by_device.values():
-        norms = torch._foreach_norm([t for _, t in named], float("inf"))
-        finite = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
-        bad += [name for (name, _), ok in zip(named, finite) if not ok]
-    return bad
+    this rank's shards) holding a NaN or an inf (`step.nonfinite`: one read a device)."""
+    from autotune.step import nonfinite  # step.py imports much of torch's distributed side: only when saving
+
+    named = [(name, t.to_local() if hasattr(t, "to_local") else t) for name, t in weights.items()
+             if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    named = [(name, t) for name, t in named if t.numel()]
+    return [named[i][0] for i in nonfinite([t for _, t in named])]
 
 
 def rank_rng_state(state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:

@@ -186,6 +186,26 @@ class LossSum:
         self._pending.clear()
 
 
+def nonfinite(tensors: list[torch.Tensor]) -> list[int]:
+    """The positions of the tensors holding a NaN or an inf. Each tensor's L2 norm, accumulated in
+    float32 (one fused kernel on CUDA, ~0.2 ms for 7 MiB on one CPU core; a max-abs is 40 times
+    slower there, a per-tensor isfinite() 20 times and one byte an element), is read once; a
+    norm that is not finite is then confirmed exactly, since squares of finite values beyond
+    1.8e19 overflow too."""
+    tensors = [t for t in tensors if t.numel()]  # an empty shard has nothing to say
+    bad: list[int] = []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for positions in by_device.values():
+        norms = torch._foreach_norm([tensors[i] for i in positions], 2, dtype=torch.float32)
+        finite = torch.isfinite(torch.stack(norms))
+        if bool(finite.all()):
+            continue
+        bad += [i for i, ok in zip(positions, finite.tolist()) if not ok and not bool(torch.isfinite(tensors[i]).all())]
+    return bad
+
+
 def is_zero(weight: Any) -> bool:
     """Whether a loss weight (samples or items) is a plain zero."""
     # Only a plain count can be told zero without reading the device; a tensor never is (items >= 1 by then).
@@ -390,15 +410,11 @@ class StepCore:
         self.progress.samples_seen += n_samples * self.ranks.world
 
     def _gradients_finite(self) -> bool:
-        """Whether every gradient is finite: one max-abs a gradient (a fused kernel on CUDA) and
-        one read of the result, the only host sync this check adds to a step. Sharded, every
-        rank looks at its own shards and they agree."""
+        """Whether every gradient is finite (see `nonfinite`), read once: the only host sync this
+        check adds to a step. Sharded, every rank looks at its own shards and they agree."""
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:
-            return True
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        local = [g for g in local if g.numel()]  # an empty shard has no max
-        finite = not local or bool(torch.isfinite(torch.stack(torch._foreach_norm(local, float("inf")))).all())
+        finite = not nonfinite(local)
         if self.ranks.sharded is not None:
             finite = not self.ranks.any(not finite, self.device)
         return finite
