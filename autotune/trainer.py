@@ -14,6 +14,7 @@ The loop, and where each `Event` fires (the one copy of this picture; events.py 
             agree (distributed.py): under torchrun every rank joins one small all-reduce,
               failed or not; alone, the agreement is this process's own proposal
             no failure: average gradients (torchrun; by items when the step counts them);
+              a NaN/inf gradient: skip the step (journaled, said once) or stop (on_nonfinite);
               unscale, clip; optimizer.step(); zero_grad()
             failure: clean up outside `except`: zero_grad(set_to_none), gc, empty_cache
                                                     OOM -> policies -> e.g. SetMicroBatch(n // 2)
@@ -33,6 +34,7 @@ The loop, and where each `Event` fires (the one copy of this picture; events.py 
                                                     EPOCH_END
         eval_every="epoch": evaluate(); per-epoch scheduler step; callbacks.on_epoch_end
                                                     FIT_END; callbacks.on_fit_end
+      any other error on the way: checkpoint the last completed step, note the batch, raise
 
 With `keep_effective_batch=True` the micro-batches of a batch are accumulated with loss
 weights len(micro)/len(batch), so the optimizer step equals the one without an OOM. With
