@@ -176,3 +176,12 @@ def test_policies_none_means_no_policies_and_a_frozen_model_is_refused_at_once(t
 def test_on_nonfinite_is_checked(tmp_path):
     with pytest.raises(ValueError, match="on_nonfinite='ignore': pass one of 'skip', 'stop'"):
         trainer(tmp_path, model(), nan_data(), on_nonfinite="ignore")
+
+
+def test_fp16_skips_by_the_gradient_scaler_are_journaled_and_not_counted(tmp_path, capfd):
+    with trainer(tmp_path, model(), nan_data(), precision="fp16", checkpoint_interval=None) as t:
+        result = t.fit(epochs=1)
+    assert result.samples_seen == N - BATCH and result.steps == 7
+    (skipped,) = [r for r in journal(tmp_path / "run") if r["kind"] == "nonfinite"]
+    assert skipped["at_step"] == 6 and skipped["action"] == "optimizer step skipped by the gradient scaler"
+    assert "(fp16) at step 6: the optimizer step was skipped by the gradient scaler" in capfd.readouterr().err

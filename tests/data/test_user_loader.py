@@ -79,3 +79,30 @@ def test_a_shuffled_user_loader_killed_at_step_11_of_16_resumes_on_the_same_samp
     weights = torch.load(tmp_path / "b" / "run" / "final.pt", weights_only=True)
     for key, value in torch.load(tmp_path / "a" / "run" / "final.pt", weights_only=True).items():
         torch.testing.assert_close(weights[key], value, rtol=1e-6, atol=1e-7)
+
+
+def test_an_iterable_dataset_resumed_mid_epoch_says_the_replay_may_not_be_exact(tmp_path, capfd):
+    from torch import nn
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from autotune import AutoTrainer
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            for _ in range(256):
+                yield torch.randn(8, generator=g), torch.randn(1, generator=g)
+
+    def fit(resume, max_steps):
+        torch.manual_seed(0)
+        with AutoTrainer(nn.Linear(8, 1), DataLoader(Stream(), batch_size=32), loss_fn=nn.functional.mse_loss,
+                         device="cpu", run_dir=tmp_path / "run", checkpoint_every=1, progress=False,
+                         monitor=False) as t:
+            return t.fit(epochs=1, max_steps=max_steps, resume=resume)
+
+    assert fit(False, 3).steps == 3
+    assert "replaying" not in capfd.readouterr().err
+    assert fit(True, None).samples_seen == 256
+    err = capfd.readouterr().err
+    assert "resuming your DataLoader mid-epoch by replaying its first 3 batches: its dataset is an IterableDataset " \
+           "(Stream)" in err and "StatefulDataLoader" in err, err
