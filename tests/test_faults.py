@@ -185,3 +185,22 @@ def test_fp16_skips_by_the_gradient_scaler_are_journaled_and_not_counted(tmp_pat
     (skipped,) = [r for r in journal(tmp_path / "run") if r["kind"] == "nonfinite"]
     assert skipped["at_step"] == 6 and skipped["action"] == "optimizer step skipped by the gradient scaler"
     assert "(fp16) at step 6: the optimizer step was skipped by the gradient scaler" in capfd.readouterr().err
+
+
+def test_a_dataloader_workers_error_checkpoints_first_too(tmp_path):
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            if i == 170:
+                raise ValueError(f"sample {i}: unreadable")
+            return torch.full((8,), i / N), torch.ones(1)
+
+    t = trainer(tmp_path, model(), Broken(), num_workers=2)
+    with pytest.raises(ValueError, match="sample 170: unreadable") as caught:
+        t.fit(epochs=1)
+    t.close()
+    assert "samples [160, " in "\n".join(caught.value.__notes__)
+    (path,) = kept_checkpoints(tmp_path)
+    assert torch.load(path, weights_only=True)["step"] == 5
