@@ -39,7 +39,7 @@ import torch
 from loguru import logger
 
 from autotune.batching import tensor_bytes
-from autotune.notices import warn
+from autotune.notices import info, warn
 from autotune.preemption import Preempted
 from autotune.sharded_checkpoint import REST, read_rest, read_shards, split, write_shards
 from autotune.units import format_bytes
@@ -486,13 +486,12 @@ class Checkpointer:
         else:
             found = self.store.load_latest(device, template, self.ranks)
         if found is None:
-            logger.info(f"no checkpoint in {self.folder}: starting fresh")
+            info(f"no checkpoint in {self.folder}: starting fresh")
             self.journal.write("resume", progress.step, progress.epoch, found=False)
             return
         state, path = found
         load(state)
-        logger.info(f"resumed from {path}: step {progress.step}, epoch {progress.epoch}, {progress.position} "
-                    "samples into it")
+        info(f"resumed from {path}: step {progress.step}, epoch {progress.epoch}, {progress.position} samples into it")
         self.journal.write("resume", progress.step, progress.epoch, found=True, path=str(path),
                            position=progress.position, samples_seen=progress.samples_seen)
 
