@@ -210,6 +210,7 @@ class Tuner:
         self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
         self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"
         self._started = False  # the standalone run's start is journaled on the first step
+        self._holding = False  # gradients of earlier batches set aside during this one (train_batch)
         self._last_step_end: float | None = None
         self._closed = False
 
@@ -230,7 +231,12 @@ class Tuner:
         that waits for the device). `step_fn`/`loss_fn` default to the constructor's."""
         self._use(step_fn, loss_fn)
         n = self._begin_batch(batch)
-        outcome = self.train_batch(batch, n)
+        # What the loop accumulated before this call (Accelerate's accumulate() holds gradients
+        # back over several batches) is kept out of the attempts and added back before the
+        # optimizer step: a failed attempt's gradients are dropped by the Tuner itself, never
+        # through an optimizer wrapper's zero_grad (Accelerate's skips it between sync steps).
+        held = set_aside_gradients(self.model) if self.keep_effective_batch else None
+        outcome = self.train_batch(batch, n, held=held)
         self._end_own_batch(n, outcome)
         return outcome.mean_loss()
 
@@ -242,7 +248,7 @@ class Tuner:
         self._use(step_fn, None)
         n = self._begin_batch(batch, n)
         held = set_aside_gradients(self.model)  # a retry drops the failed attempt's gradients, never these
-        outcome = self.train_batch(batch, n, optimizer_step=False)
+        outcome = self.train_batch(batch, n, optimizer_step=False, held=held)
         add_gradients(held)
         self.progress.samples_seen += n * self.ranks.world
         self._end_own_batch(n, outcome)
@@ -304,10 +310,15 @@ class Tuner:
 
     # ------------------------------------------------------------------------- one batch
     def train_batch(self, batch: Any, n: int, *, optimizer_step: bool = True,
-                    proposal: Callable[[], dict[str, Any]] | None = None) -> BatchOutcome:
+                    proposal: Callable[[], dict[str, Any]] | None = None,
+                    held: list[tuple[nn.Parameter, torch.Tensor]] | None = None) -> BatchOutcome:
         """Train on one batch until every sample of it is in a completed optimizer step (or, with
         `optimizer_step=False`, in the accumulated gradients). `proposal()` adds the caller's
-        fields to each attempt's agreement (a stop signal, a checkpoint due)."""
+        fields to each attempt's agreement (a stop signal, a checkpoint due). `held`: gradients
+        set aside before the batch (`set_aside_gradients`), added to the batch's before its
+        optimizer step; while they are held, a failed attempt's gradients are dropped from the
+        parameters directly."""
+        self._holding = held is not None
         done = 0  # samples whose optimizer step has completed
         tried: list[int] = []
         additive = not optimizer_step
@@ -346,7 +357,14 @@ class Tuner:
                 if not optimizer_step:
                     done = n
                 elif self.keep_effective_batch:
+                    if held and getattr(self.ranks, "bucket", None) is not None:
+                        # The held gradients are views of DDP's flat buffer: added into it first
+                        # (rank-alike already, so averaging leaves them as they are).
+                        add_gradients(held)
+                        held = None
                     self.core.reduce_gradients(attempt)
+                    if held:
+                        add_gradients(held)
                     self.core.optimizer_step(n)
                     done = n
                 failure = self.ranks.known_to_all(self.core.failure)
@@ -379,7 +397,11 @@ class Tuner:
     def _recover_from_oom(self, failed_size: int, tried: list[int], attempt: Attempt) -> None:
         """Free what the failed attempt held, tell the policies, and give up if none helped."""
         self.ranks.reset_after_failure()  # sharded: FSDP2's state as before the attempt
-        self.core.zero_grad()  # partial gradients of the failed batch must not leak into the retry
+        # Partial gradients of the failed batch must not leak into the retry.
+        if self._holding:
+            drop_gradients(self.model)  # the held ones are set aside: only the attempt's are on the parameters
+        else:
+            self.core.zero_grad()
         free_memory(self.device)
         held, gradients, cached = self.demand.take_failure()
         self.last_breakdown = None if attempt.injected else oom_breakdown(
@@ -612,6 +634,12 @@ def set_aside_gradients(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tens
     for p, _ in held:
         p.grad = None
     return held
+
+
+def drop_gradients(model: nn.Module) -> None:
+    """Every parameter's gradient gone (`.grad = None`), whatever the optimizer's zero_grad would do."""
+    for p in model.parameters():
+        p.grad = None
 
 
 def add_gradients(held: list[tuple[nn.Parameter, torch.Tensor]]) -> None:

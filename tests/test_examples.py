@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow  # each example runs in its own interpreter
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
-HAS = {name: importlib.util.find_spec(name) is not None for name in ("transformers", "lightning")}
+HAS = {name: importlib.util.find_spec(name) is not None for name in ("transformers", "lightning", "accelerate")}
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,8 @@ def examples(tmp_path_factory):
         runs["hf_trainer.py"] = ["--samples", "64", "--output-dir", "run"]
     if HAS["transformers"] and HAS["lightning"]:
         runs["lightning_module.py"] = ["--epochs", "1", "--root-dir", "run"]
+    if HAS["accelerate"]:
+        runs["accelerate_loop.py"] = ["--epochs", "1", "--run-dir", "run"]
     env = {**os.environ, "MALLOC_ARENA_MAX": "1"}  # what fits under a cap the same on every run (conftest.py)
     started = {}
     for script, args in runs.items():
@@ -81,3 +83,13 @@ def test_the_three_keep_your_trainer_examples_survive_their_ooms(examples):
         for run_dir in run_dirs:
             kinds = [json.loads(line)["kind"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
             assert "oom" in kinds and kinds[-1] == "fit_end", run_dir
+
+
+@pytest.mark.skipif(not HAS["accelerate"], reason="needs accelerate")
+def test_the_accelerate_example_survives_its_ooms_with_the_plain_loops_weights(examples):
+    import re
+
+    out, folder = run(examples, "accelerate_loop.py")
+    found = re.search(r"(\d+) OOMs survived.*weights vs the plain Accelerate loop: (\S+) apart", out)
+    assert found and int(found.group(1)) >= 1, out
+    assert float(found.group(2)) < 1e-5, out
