@@ -195,7 +195,7 @@ def tiny(rounds: int) -> None:
         own = median([v - p for v, p in zip(values, base)])
         lines.append(f"| {name} | {median(values) * 1e6:.1f} | {own * 1e6:.1f} |")
     lines += ["", "The check for non-finite gradients before each optimizer step autotune takes (on_nonfinite, "
-              "issue 28; part of every AutoTrainer row above; Tuner.step leaves the step to the caller), alone: "
+              "issue 28; part of every AutoTrainer and Tuner row above), alone: "
               "microseconds a call, median of 2000 calls, one thread.", "",
               "| model | gradients | check (us) |", "| --- | --- | --- |"]
     for name, model in (("Linear(8, 2)", nn.Linear(8, 2)), ("MLP 784-1024-1024-10", make_model())):
