@@ -98,12 +98,28 @@ class Evaluator:
 
     def _batch(self, batch: Any, sums: torch.Tensor, outputs: list, step: int, epoch: int) -> int:
         n = batch_len(batch)
-        done = 0
+
+        def figures(micro: Any, m: int) -> list[tuple[Any, Any]]:
+            return self._figures(to_device(micro, self.core.device), m, outputs)
+
+        for pieces, _ in self.in_pieces(batch, figures, step, epoch, n=n, on_failure=lambda: outputs.__setitem__(0, None)):
+            self._add(pieces, sums)
+        return n
+
+    def in_pieces(self, batch: Any, run: Callable[[Any, int], Any], step: int, epoch: int, *, n: int | None = None,
+                  on_failure: Callable[[], None] | None = None) -> list[tuple[Any, int]]:
+        """`run(micro, m)` over `batch` in micro-batches of the evaluation's own size, in order:
+        an OOM frees the failed piece, halves the size and runs the same samples again, and
+        calm pieces grow it back (module docstring). Returns each piece's result with its
+        number of samples. The one OOM-resilient evaluation path: AutoTrainer's figures, and
+        the integrations' (HF's `prediction_step` on each piece) go through it."""
+        n = batch_len(batch) if n is None else n
+        done, results = 0, []
         while done < n:
             size, failed = self.micro_batch_size, None
             try:
-                for micro, m in micro_batches(batch, size, start=done, split_fn=self.core.split_fn):
-                    self._accumulate(to_device(micro, self.core.device), m, sums, outputs)
+                for micro, m in micro_batches(batch, size, start=done, split_fn=self.core.split_fn, total=n):
+                    results.append((run(micro, m), m))  # only once the piece ran: an OOM in it keeps nothing
                     done += m
                     self.calm += 1
                     self.since_failure += 1
@@ -115,11 +131,12 @@ class Evaluator:
                     raise
                 failed = oom_message(exc)
             if failed is not None:  # outside `except`: the failed micro-batch's tensors can go
-                outputs[0] = None
+                if on_failure is not None:
+                    on_failure()
                 free_memory(self.core.device)
                 self._shrink(size, failed, step, epoch)
                 self.calm = self.since_failure = 0
-        return n
+        return results
 
     def _lockstep(self, loader: DataLoader, sums: torch.Tensor, outputs: list, step: int, epoch: int) -> int:
         # A sharded model's evaluation, in rounds of one forward on every rank (module docstring).
@@ -169,6 +186,10 @@ class Evaluator:
                 self.calm = 0
 
     def _accumulate(self, micro: Any, m: int, sums: torch.Tensor, outputs: list) -> None:
+        self._add(self._figures(micro, m, outputs), sums)
+
+    def _figures(self, micro: Any, m: int, outputs: list) -> list[tuple[Any, Any]]:
+        """The micro-batch's (value, weight) of the loss and each metric."""
         loss, items = loss_and_items(self.core.loss(micro, module=self.core.model), self.core.source)
         figures = [(loss, m if items is None else items)]
         targets = micro[1] if self.core.step_fn is None else micro
@@ -179,13 +200,17 @@ class Evaluator:
             else:
                 weight = m
             figures.append((value, weight))
-        # Only now, with every figure of the micro-batch in hand: an OOM above loses nothing.
+        outputs[0] = None
+        return figures
+
+    @staticmethod
+    def _add(figures: list[tuple[Any, Any]], sums: torch.Tensor) -> None:
+        # Only with every figure of the micro-batch in hand: an OOM in any of them loses nothing.
         for i, (value, weight) in enumerate(figures):
             value = torch.as_tensor(value, dtype=torch.float64, device=sums.device)
             weight = torch.as_tensor(weight, dtype=torch.float64, device=sums.device)
             sums[2 * i] += value.detach() * weight
             sums[2 * i + 1] += weight
-        outputs[0] = None
 
     def _shrink(self, size: int, message: str, step: int, epoch: int) -> None:
         self.ooms += 1

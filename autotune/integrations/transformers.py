@@ -32,10 +32,12 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from autotune.batching import batch_len
 from autotune.distributed import Solo
+from autotune.evaluation import Evaluator
 from autotune.tuner import Tuner
 
 STATE_FILE = "autotune.pt"
@@ -62,6 +64,10 @@ class AutoTuneTrainer(Trainer):
                            **(tuner_options or {}))
         self.tuner.save_checkpoints_with(self._checkpoint_before_giving_up)
         self.add_callback(_SaveTuning(self))
+        # Evaluation's own micro-batch (`evaluate`, `predict` and the evaluation inside `train`).
+        self.evaluator = Evaluator(self.tuner.core, batch_size=self.args.per_device_eval_batch_size, collate_fn=None,
+                                   metrics=None, journal=self.tuner.journal)
+        self._whole_batch_items: Any = None  # the evaluated batch's label items, while its pieces run
 
     @property
     def micro_batch_size(self) -> int:
@@ -108,6 +114,45 @@ class AutoTuneTrainer(Trainer):
         self.tuner.core.backward_fn = self.accelerator.backward
         outcome = self.tuner.accumulate(inputs, micro_loss, n=n)
         return outcome.loss_sum.detach()
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """HF's prediction step, on pieces of `inputs` that survive OOMs (the evaluation's own
+        micro-batch, halved on OOM, the same samples again), put back together as HF's on the
+        whole batch: logits and labels concatenated; the loss HF's `compute_loss` of each piece
+        with the whole batch's `num_items_in_batch` (their sum is the batch's loss, where HF's
+        eval loss is not the mean of each piece's token mean), or each piece's mean weighted
+        by its share of the samples where the loss does not count items."""
+        n = batch_len(inputs)
+        has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        items = super()._get_num_items_in_batch([inputs], self.args.device) if has_labels else None
+        additive = items is not None and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+
+        def piece(micro: dict[str, Any], m: int) -> tuple[Any, Any, Any]:
+            return super(AutoTuneTrainer, self).prediction_step(model, micro, prediction_loss_only, ignore_keys)
+
+        self._whole_batch_items = items
+        try:
+            pieces = self.evaluator.in_pieces(inputs, piece, self.state.global_step, int(self.state.epoch or 0), n=n)
+        finally:
+            self._whole_batch_items = None
+        if len(pieces) == 1:
+            return pieces[0][0]
+        losses = [(loss, m) for (loss, _, _), m in pieces if loss is not None]
+        loss = None
+        if losses:
+            loss = sum(l for l, _ in losses) if additive else sum(l * (m / n) for l, m in losses)
+        logits = labels = None
+        for (_, piece_logits, piece_labels), _ in pieces:
+            logits = piece_logits if logits is None else nested_concat(logits, piece_logits, padding_index=-100)
+            labels = piece_labels if labels is None else nested_concat(labels, piece_labels, padding_index=-100)
+        return loss, logits, labels
+
+    def _get_num_items_in_batch(self, batch_samples: Any, device: Any) -> Any:
+        # While an evaluated batch's pieces run: the whole batch's label items (prediction_step).
+        if self._whole_batch_items is not None:
+            return self._whole_batch_items
+        return super()._get_num_items_in_batch(batch_samples, device)
 
     def _checkpoint_before_giving_up(self, reason: str, report_failure: bool = True) -> Path | None:
         # HF's own checkpoint at the last completed optimizer step: a resume redoes the

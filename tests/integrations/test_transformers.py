@@ -77,3 +77,56 @@ def test_hf_trainer_survives_ooms_resumes_at_the_settled_micro_batch_with_hfs_we
     assert all(r["micro_batch_size"] <= result["settled"] for r in records[after:] if r["kind"] == "oom")
     assert (out / "checkpoint-1" / "autotune.pt").is_file() and (out / "checkpoint-2" / "autotune.pt").is_file()
     assert [r["kind"] for r in records].count("fit_end") == 2  # `autotune report OUT_DIR` reads both runs
+
+
+EVAL_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, EXAMPLES)
+from autotune.limits import calibrate_headroom, fix_mmap_threshold, cap_address_space, lift_address_space_cap
+from hf_causal_lm import build
+from transformers import Trainer, TrainingArguments
+from autotune.integrations.transformers import AutoTuneTrainer
+
+fix_mmap_threshold()
+model, _, evals, collator = build(256)  # 64 evaluation samples: 2 batches of 32
+args = TrainingArguments(output_dir=OUT_DIR, per_device_eval_batch_size=32, report_to="none", use_cpu=True,
+                         disable_tqdm=True)
+plain = Trainer(model=model, args=args, eval_dataset=evals, data_collator=collator)
+reference = plain.evaluate()["eval_loss"]  # HF's own, no cap
+tuned = AutoTuneTrainer(model=model, args=args, eval_dataset=evals, data_collator=collator,
+                        tuner_options={"monitor": False})
+
+def probe(size):  # an evaluation forward at `size` (the logits, 64 tokens x 4096, dominate)
+    with torch.no_grad():
+        model(**collator([evals[i] for i in range(size)]))
+
+calibration = calibrate_headroom(probe, fits=4, fails=32)
+if calibration.headroom_bytes is None:
+    save({"uncalibrated": str(calibration)})
+    raise SystemExit(0)
+cap_address_space(calibration.headroom_bytes)
+capped = tuned.evaluate()["eval_loss"]
+result = {"reference": reference, "capped": capped, "ooms": tuned.evaluator.ooms,
+          "micro": tuned.evaluator.micro_batch_size, "cap": str(calibration)}
+save(result)
+try:  # HF's own under the same cap (last: it may take the process with it)
+    plain.evaluate()
+    result["plain"] = "finished"
+except Exception as exc:
+    result["plain"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+save(result)
+"""
+
+
+@pytest.mark.slow
+def test_an_hf_evaluation_that_does_not_fit_finishes_with_the_uncapped_eval_loss(tmp_path):
+    settings = f"EXAMPLES={str(EXAMPLES)!r}\nOUT_DIR={str(tmp_path / 'out')!r}\n"
+    proc, result = run_python(settings + EVAL_SCRIPT, tmp_path, timeout=240)
+    skip_if_uncalibrated(result)
+    assert result is not None and "capped" in result, proc.stderr[-3000:]
+    assert result["ooms"] >= 1 and result["micro"] < 32, result
+    assert abs(result["capped"] - result["reference"]) < 1e-6, result
+    # HF's Trainer under the same cap does not get through it (an error, or the process lost).
+    assert result.get("plain", "lost") != "finished", result
+    oom = [r for r in journal(tmp_path / "out") if r["kind"] == "eval_oom"]
+    assert oom and oom[0]["micro_batch_size"] == 32
