@@ -169,22 +169,31 @@ def test_memory_high_reaches_a_policy(tmp_path):
         from autotune import AutoTrainer, EmptyCache, Event
         from autotune.limits import cap_address_space
 
+        decided = []
+
         @dataclasses.dataclass
         class Notices:
             name: ClassVar[str] = "notices"
             events: ClassVar[frozenset] = frozenset({{Event.MEMORY_HIGH}})
             def decide(self, event, snap):
+                decided.append(event)
                 return [EmptyCache(reason=f"memory at {{snap.sample.used_fraction:.3f}} of {{snap.sample.source}}")]
             def state_dict(self): return {{}}
             def load_state_dict(self, state): return None
+
+        class StopOnceDecided:  # not a fixed number of steps: on a loaded machine the monitor starts late
+            def on_step_end(self, trainer):
+                if decided:
+                    trainer.request_stop("the policy saw MEMORY_HIGH")
 
         def step(model, batch):
             time.sleep(0.03)
             return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
-        data = TensorDataset(torch.randn(256, 4), torch.randint(0, 2, (256,)))
+        data = TensorDataset(torch.randn(4096, 4), torch.randint(0, 2, (4096,)))  # 30 s at the most
         trainer = AutoTrainer(nn.Linear(4, 2), data, step_fn=step, batch_size=4, device="cpu", progress=False,
-                              run_dir={str(tmp_path / "run")!r}, monitor_interval=0.05, policies=[Notices()])
+                              run_dir={str(tmp_path / "run")!r}, monitor_interval=0.05, policies=[Notices()],
+                              callbacks=[StopOnceDecided()])
         cap_address_space(64 * 2**20)
         trainer.fit()
     """, tmp_path)
