@@ -17,13 +17,23 @@ Under DDP the ranks agree after every attempt (one small all-reduce, as in `Auto
 gradients are averaged once, just before the optimizer step, in one flat all-reduce: DDP's
 own sync inside backward is never used. The micro-batch is saved in Lightning's checkpoints
 (`checkpoint["autotune"]`) and restored with `ckpt_path=`. The journal goes to the trainer's
-`log_dir`. Notes: `training_step` and the backward hooks (`on_before_backward`,
-`on_after_backward`) run once per micro-batch; a value you `self.log` in `training_step` is the
-last micro-batch's for the step. Reliefs are off (Lightning owns the optimizer).
+`log_dir`. Reliefs are off (Lightning owns the optimizer).
+
+What runs per micro-batch, and what per batch: `training_step`, `validation_step`, `test_step`,
+`predict_step` and the backward hooks (`on_before_backward`, `on_after_backward`) run once per
+micro-batch (a failed attempt's included); what they `self.log` is put back together into one
+call a name for the batch, each value weighted by its micro-batch's samples (or the
+`batch_size=` it was logged with) and logged with the batch's size, a failed attempt's calls
+dropped: `train_loss_epoch`, `val_loss` and what `ModelCheckpoint`/`EarlyStopping` watch are
+those of a run without micro-batches. Validation, test, predict and the sanity check have an
+evaluation micro-batch of their own (evaluation.py): halved on OOM, the same samples again;
+a step's returned loss is the batch's, predictions are concatenated. Batch hooks
+(`on_train_batch_start/end`, `on_validation_batch_end`) run once per batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +43,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from autotune.batching import batch_len
 from autotune.distributed import GradientBucket, Ranks, Solo
+from autotune.evaluation import Evaluator
 from autotune.tuner import Tuner, add_gradients, set_aside_gradients
 
 STATE_KEY = "autotune"
@@ -48,6 +59,7 @@ class _TunedSteps:
         self.tuner = None
         self._pending_state: dict[str, Any] | None = None
         self._computed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # training_step's gradients
+        self._evaluator: Evaluator | None = None  # validation/test/predict's own micro-batch
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -86,8 +98,12 @@ class _TunedSteps:
         scale = 1.0 / trainer.accumulate_grad_batches
         extras: dict[str, Any] = {}
 
+        logs = _Logs(module)
+
         def micro_loss(_: torch.nn.Module, micro: Any) -> torch.Tensor:
-            out = module.training_step(micro, *rest, **kwargs)
+            # A failed attempt's logs are dropped: each call is tagged with the OOMs survived so far.
+            with logs.piece(batch_len(micro), attempt=self.tuner.progress.ooms):
+                out = module.training_step(micro, *rest, **kwargs)
             loss = out["loss"] if isinstance(out, Mapping) else out
             if not isinstance(loss, torch.Tensor):
                 raise TypeError(f"training_step returned {type(out).__name__}: autotune needs the loss "
@@ -104,10 +120,46 @@ class _TunedSteps:
         earlier = set_aside_gradients(module)
         with self.precision_plugin.train_step_context():
             outcome = self.tuner.accumulate(batch, micro_loss, n=n)
+        logs.replay(n, attempt=self.tuner.progress.ooms)  # one value a name for the batch, as without pieces
         self._computed = set_aside_gradients(module)
         add_gradients(earlier)
         loss = outcome.loss_sum.detach() / scale  # the batch's mean loss, as training_step would return it
         return {"loss": loss, **extras} if extras else loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's `validation_step` (the sanity check's too) on pieces of the batch that
+        survive OOMs (the evaluation's own micro-batch: evaluation.py), logged as one batch."""
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's `test_step`, as `validation_step`."""
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's `predict_step` on pieces of the batch; tensor predictions concatenated."""
+        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _evaluation_step(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        if self.tuner is None:
+            self.tuner = self._make_tuner()
+        module = self.lightning_module
+        trainer = module.trainer
+        batch, rest = args[0], args[1:]
+        n = batch_len(batch)
+        if self._evaluator is None:
+            self._evaluator = Evaluator(self.tuner.core, batch_size=n, collate_fn=None, metrics=None,
+                                        journal=self.tuner.journal)
+        self._evaluator.batch_size = max(self._evaluator.batch_size, n)  # the micro-batch may grow to the largest
+        logs = _Logs(module)
+        step = getattr(module, hook)  # the module's own, not through DDP's forward (no collective inside)
+
+        def piece(micro: Any, m: int) -> Any:
+            with logs.piece(m, attempt=0), context():
+                return step(micro, *rest, **kwargs)
+
+        pieces = self._evaluator.in_pieces(batch, piece, trainer.global_step, trainer.current_epoch, n=n)
+        logs.replay(n, attempt=0)
+        return _combined([out for out, _ in pieces], [m for _, m in pieces], n, concatenate=hook == "predict_step")
 
     def _micro_backward(self, loss: torch.Tensor) -> None:
         # Lightning's backward (precision plugin: loss scaling, the backward hooks) on one micro-batch.
@@ -188,3 +240,76 @@ class AutoTuneDDPStrategy(_TunedSteps, DDPStrategy):
             return result
 
         return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+
+
+class _Logs:
+    """What a LightningModule logs (`self.log`, `self.log_dict`) while a batch runs in pieces,
+    put back together as one call a name for the batch: each numeric value weighted by its
+    piece's samples (or the `batch_size` it was logged with), logged with the batch's size,
+    so epoch means and what `ModelCheckpoint`/`EarlyStopping` watch are those of a run without
+    pieces. A failed piece's calls are dropped; a torchmetrics `Metric` is logged once, as is."""
+
+    def __init__(self, module: Any):
+        self.module = module
+        self.calls: list[tuple[int, list[tuple[str, Any, dict[str, Any]]], int]] = []  # (attempt, calls, samples)
+
+    @contextlib.contextmanager
+    def piece(self, samples: int, attempt: int) -> Any:
+        current: list[tuple[str, Any, dict[str, Any]]] = []
+        original = self.module.log
+
+        def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if args:
+                raise TypeError("autotune's Lightning strategies need self.log's options as keywords")
+            current.append((name, value, kwargs))
+
+        self.module.log = record  # log_dict calls self.log too
+        try:
+            yield
+            self.calls.append((attempt, current, samples))  # only a piece that ran: a failed one's calls go
+        finally:
+            self.module.log = original
+
+    def replay(self, n: int, attempt: int) -> None:
+        merged: dict[str, list[Any]] = {}  # name -> [weighted sum, weight, kwargs, as-is value]
+        for tag, calls, samples in self.calls:
+            if tag != attempt:
+                continue  # an attempt that ran out of memory: retried, its logs with it
+            for name, value, kwargs in calls:
+                entry = merged.setdefault(name, [0.0, 0.0, kwargs, None])
+                entry[2] = kwargs
+                if isinstance(value, (torch.Tensor, float, int)) and not isinstance(value, bool) and \
+                        (not isinstance(value, torch.Tensor) or value.numel() == 1):
+                    weight = kwargs.get("batch_size") or samples
+                    entry[0] = entry[0] + value.detach().double() * weight if isinstance(value, torch.Tensor) \
+                        else entry[0] + float(value) * weight
+                    entry[1] += weight
+                else:
+                    entry[3] = value  # a Metric (or anything else): as it is, once
+        self.calls.clear()
+        for name, (total, weight, kwargs, as_is) in merged.items():
+            if as_is is not None:
+                self.module.log(name, as_is, **kwargs)
+            elif weight:
+                value = total / weight
+                if isinstance(value, torch.Tensor):
+                    value = value.float()
+                options = {**kwargs, "batch_size": int(weight) if kwargs.get("batch_size") else n}
+                self.module.log(name, value, **options)
+
+
+def _combined(outputs: list[Any], samples: list[int], n: int, concatenate: bool) -> Any:
+    """One step output from its pieces': a loss (0-d tensor) weighted by samples; predictions
+    (tensors with a sample dimension) concatenated; anything else, the last piece's."""
+    if len(outputs) == 1:
+        return outputs[0]
+    if all(isinstance(o, torch.Tensor) for o in outputs):
+        if concatenate and all(o.ndim > 0 for o in outputs):
+            return torch.cat(outputs)
+        if all(o.numel() == 1 for o in outputs):
+            return sum(o * (m / n) for o, m in zip(outputs, samples))
+    if all(isinstance(o, Mapping) and isinstance(o.get("loss"), torch.Tensor) for o in outputs):
+        return {**outputs[-1], "loss": sum(o["loss"] * (m / n) for o, m in zip(outputs, samples))}
+    if concatenate and all(isinstance(o, list) for o in outputs):
+        return [item for o in outputs for item in o]
+    return outputs[-1]
