@@ -436,8 +436,10 @@ class Tuner:
         relief = self.ranks.relief_now(self.knobs, self.ladder.take_agreed())
         if relief is not None:
             # Without the relief the run would stop here; a relief changes the model or the
-            # kernels it runs, under memory that is already exhausted: save the progress first.
-            self.checkpoint("before_relief")
+            # kernels it runs, under memory that is already exhausted: save the progress first
+            # (where reliefs are off, carry_out only says so: no checkpoint for nothing).
+            if self.reliefs_allowed:
+                self.checkpoint("before_relief")
             if self.carry_out(relief):
                 return  # the same batch again, with the relief
         memory = describe_memory(self.device)

@@ -35,12 +35,16 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from autotune.batching import batch_len
+from autotune.batching import batch_len, tensor_bytes
 from autotune.distributed import Solo
 from autotune.evaluation import Evaluator
+from autotune.monitor.host import host_sample
+from autotune.notices import warn
 from autotune.tuner import Tuner
+from autotune.units import format_bytes
 
 STATE_FILE = "autotune.pt"
+SAVE_MARGIN_BYTES = 16 * 2**20  # beside the weights' copy: HF's metadata, the optimizer's file buffers
 
 
 class AutoTuneTrainer(Trainer):
@@ -156,7 +160,21 @@ class AutoTuneTrainer(Trainer):
 
     def _checkpoint_before_giving_up(self, reason: str, report_failure: bool = True) -> Path | None:
         # HF's own checkpoint at the last completed optimizer step: a resume redoes the
-        # accumulation in progress from its first batch.
+        # accumulation in progress from its first batch. Called once the failed attempt's memory
+        # is freed. HF's save serializes the weights in native code (safetensors), which aborts
+        # the process where an allocation fails: under memory that is still too short for that
+        # copy, it is skipped with a word, and the OutOfMemory error is raised all the same.
+        need = tensor_bytes(self.model.state_dict()) + SAVE_MARGIN_BYTES
+        sample = host_sample(self.tuner.knobs.memory_cap_bytes if self.tuner.device.type == "cpu" else None)
+        room = None if sample.cap_bytes is None or sample.used_bytes is None else sample.cap_bytes - sample.used_bytes
+        if room is not None and room < need:
+            newest = get_last_checkpoint(self.args.output_dir) if Path(self.args.output_dir).is_dir() else None
+            self.tuner.journal.write("checkpoint_skipped", self.state.global_step, int(self.state.epoch or 0),
+                                     reason=reason, need_bytes=need, room_bytes=room)
+            warn(f"not writing HF's checkpoint before the out-of-memory error: its save needs about "
+                 f"{format_bytes(need)} and {format_bytes(room)} are left under the memory limit, where HF's "
+                 f"save can abort the process; the newest checkpoint is {newest or 'none'}", error=True)
+            return None
         self._save_checkpoint(self.model, trial=None)
         return save_tuning(self.tuner, self.args, self.state, reason)
 

@@ -130,3 +130,80 @@ def test_an_hf_evaluation_that_does_not_fit_finishes_with_the_uncapped_eval_loss
     assert result.get("plain", "lost") != "finished", result
     oom = [r for r in journal(tmp_path / "out") if r["kind"] == "eval_oom"]
     assert oom and oom[0]["micro_batch_size"] == 32
+
+
+GIVE_UP_SCRIPT = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from autotune import OutOfMemory
+from autotune.integrations.transformers import AutoTuneTrainer
+from autotune.limits import cap_address_space, fix_mmap_threshold, least_headroom, lift_address_space_cap
+
+fix_mmap_threshold()
+torch.manual_seed(0)
+# Long sequences on a small model: one sample's logits (1024 tokens x 16384) need far more than
+# the weights, so a cap can refuse micro-batch 1 and still leave room to save them.
+model = GPT2LMHeadModel(GPT2Config(vocab_size=16384, n_positions=1024, n_embd=64, n_layer=2, n_head=2))
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(0, 16384, (32, 1024), generator=g)
+train = [{"input_ids": row, "labels": row} for row in ids]
+args = TrainingArguments(output_dir=OUT_DIR, per_device_train_batch_size=8, max_steps=2, optim="sgd",
+                         learning_rate=0.1, report_to="none", use_cpu=True, bf16=True, gradient_checkpointing=True,
+                         save_strategy="no", disable_tqdm=True)
+trainer = AutoTuneTrainer(model=model, args=args, train_dataset=train, tuner_options={"monitor": False})
+
+def probe():
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids[:1], labels=ids[:1]).loss.backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+
+model.gradient_checkpointing_enable()
+need = least_headroom(probe, 2**30)
+if need is None or need // 2 < 40 * 2**20:
+    save({"uncalibrated": f"micro-batch 1 needs {need} bytes of headroom: too little to refuse it and keep 40 MiB"})
+    raise SystemExit(0)
+cap_address_space(need // 2)  # micro-batch 1 does not fit; HF's save of 4 MB of weights does
+try:
+    trainer.train()
+    save({"raised": None})
+except OutOfMemory as exc:
+    lift_address_space_cap()
+    save({"raised": str(exc)[:300]})
+"""
+
+
+@pytest.mark.slow
+def test_hf_where_nothing_fits_raises_out_of_memory_after_one_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    proc, result = run_python(f"OUT_DIR={str(out)!r}\n" + GIVE_UP_SCRIPT, tmp_path, timeout=240)
+    skip_if_uncalibrated(result)
+    assert proc.returncode == 0 and result is not None, proc.stderr[-3000:]  # no signal, no abort
+    assert result["raised"] and "even at micro-batch 1" in result["raised"], result
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-0"]
+    reasons = [r["reason"] for r in journal(out) if r["kind"] == "checkpoint"]
+    assert reasons == ["out_of_memory"], reasons  # once, and no "before_relief" where reliefs are off
+
+
+def test_hfs_save_is_skipped_with_a_word_where_the_memory_left_cannot_hold_it(tmp_path, capfd):
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))
+    from hf_causal_lm import build
+    from transformers import TrainingArguments
+
+    from autotune.integrations.transformers import AutoTuneTrainer
+
+    model, train, _, collator = build(16)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, report_to="none",
+                             use_cpu=True, disable_tqdm=True)
+    # A soft cap far below what the process holds: no room is left for the copy HF's save makes.
+    trainer = AutoTuneTrainer(model=model, args=args, train_dataset=train, data_collator=collator,
+                              tuner_options={"monitor": False, "memory_cap": "1MiB"})
+    assert trainer._checkpoint_before_giving_up("out_of_memory") is None
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+    skipped = [r for r in journal(tmp_path / "out") if r["kind"] == "checkpoint_skipped"]
+    assert skipped and skipped[0]["room_bytes"] < skipped[0]["need_bytes"]
+    assert "not writing HF's checkpoint before the out-of-memory error" in capfd.readouterr().err
+    trainer.tuner.close()
