@@ -545,7 +545,9 @@ class Tuner:
         """Only what the tuner itself decided: micro-batch, reliefs, policy states (an integration's
         checkpoint, beside the weights and optimizer its trainer saves)."""
         return {"micro_batch_size": self.knobs.micro_batch_size, "batch_size": self.knobs.batch_size,
-                "reliefs": self.ladder.state_dict(), "policies": self.dispatcher.state_dict()}
+                "reliefs": self.ladder.state_dict(), "policies": self.dispatcher.state_dict(),
+                # what the run has done so far, so a resumed integration's report counts all of it
+                "counters": {"samples_seen": self.progress.samples_seen, "ooms": self.progress.ooms}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (the reliefs first: a pruned model's weights fit
@@ -565,6 +567,8 @@ class Tuner:
         if state.get("reliefs"):
             self.ladder.load_state_dict(state["reliefs"])
         self.knobs.micro_batch_size = state["micro_batch_size"]
+        for name, value in state.get("counters", {}).items():
+            setattr(self.progress, name, value)
         if not self._batch_size_fixed and state.get("batch_size"):
             self.knobs.batch_size = max(self.knobs.batch_size, state["batch_size"])
         self._sized = True

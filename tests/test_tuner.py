@@ -40,6 +40,10 @@ class RecordingSGD(torch.optim.SGD):  # which samples each completed optimizer s
 
 def step_fn(model, micro):
     x, y, ids = micro
+    if pending and int(ids[0]) == pending[0]:
+        # A retry starts at the batch's first sample again: the failed attempt trained nothing
+        # (Tuner.step drops its gradients itself, not through this optimizer's zero_grad).
+        pending.clear()
     pending.extend(ids.tolist())
     if bool((ids >= HEAVY_FROM).any()):
         x, y = x.repeat(4, 1), y.repeat(4)  # 4x the activations, the same mean loss and gradient

@@ -64,8 +64,11 @@ def test_hf_trainer_survives_ooms_resumes_at_the_settled_micro_batch_with_hfs_we
     assert proc.returncode == 0, proc.stderr[-3000:]
     skip_if_uncalibrated(result)
     assert result["first_ooms"] >= 1 and result["settled"] < 16
-    # 2 batches of 16 per optimizer step, each sample once; then the resumed run does the second step
-    assert result["first_samples"] == result["second_samples"] == 32
+    # 2 batches of 16 per optimizer step, each sample once; then the resumed run does the second
+    # step, and counts on from the first run's (the report's figure is the whole run's)
+    assert result["first_samples"] == 32 and result["second_samples"] == 64
+    from autotune.report import summarize
+    assert summarize(out)["samples_seen"] == 64
     assert result["diff"] < 1e-5  # the same weights as HF's Trainer without OOMs
     records = journal(out)
     resumed = [r for r in records if r["kind"] == "resume"]
