@@ -137,7 +137,7 @@ def remove_stale_temporaries(folder: Path) -> int:
 
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
-        return False  # this process writes nothing yet: a file with its pid is an earlier process's
+        return True  # this process's own: another trainer's background write in progress, maybe
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -317,8 +317,10 @@ def test_a_tuner_in_the_users_own_loop_on_a_model_they_sharded_survives_an_oom_o
 
 def test_sigkill_of_both_ranks_then_resume_ends_with_the_uninterrupted_weights(runs):
     ranks, weights, run_dir = runs["killed"]
-    resumes = [r for r in journal(run_dir) if r["kind"] == "resume"]
-    assert resumes and resumes[-1]["found"] and resumes[-1]["step"] == 3  # the checkpoint of step 3
+    resumes = [r for r in journal(run_dir) if r["kind"] == "resume" and r["found"]]
+    assert resumes and resumes[0]["step"] == 3  # the checkpoint of step 3
+    # Where gloo aborted at an exit (conftest.torchrun repeats that job once), the repeat resumes from the end.
+    assert all(r["step"] == 8 for r in resumes[1:]), resumes
     assert ranks[0]["steps"] == ranks[1]["steps"] == 8
     assert_same_weights(weights, runs["clean"][1])
     # Sharded checkpoints: a folder per step, each rank's half of the shards in its own file, no whole model.

@@ -31,6 +31,7 @@ def _read(folder):
 def test_a_run_with_ooms_writes_loss_throughput_memory_micro_batch_and_actions(tmp_path):
     trainer = _trainer(tmp_path / "run", inject_oom=0.3, tensorboard=True)
     result = trainer.fit(epochs=2)
+    trainer.close()  # the end checkpoint's line comes once it is on disk
     board = _read(tmp_path / "run" / "tb")
     tags = board.Tags()["scalars"]
     for tag in ("train/loss", "train/samples_per_second", "train/micro_batch_size", "train/data_wait_fraction",
