@@ -326,6 +326,8 @@ class GradientBucket:
             if p.grad is not view:
                 if p.grad is not None:
                     view.copy_(p.grad)
+                else:  # no gradient this step (an optimizer's zero_grad set it to None): not the last step's
+                    view.zero_()
                 p.grad = view
             offset += p.numel()
 

@@ -339,16 +339,20 @@ class Tuner:
                                       attempt.peer_failed):
                 attempt.discard()  # sharded: another rank failed, during this attempt or after it
             done = attempt.done
-            if losses is None:
-                losses = attempt.losses
-            else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
-                losses.parts += attempt.losses.parts
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
             # rank that ran out of memory.
             agreed = self.agreed = self.ranks.agree(Agreement(
                 failed_size=attempt.failed_size, micro_batch_size=self.knobs.micro_batch_size,
                 relief=self.ranks.offer_relief(self.knobs), fatal=self.core.failure,
                 **(proposal() if proposal is not None else {})), self.device)
+            if agreed.failed_size is not None and (self.keep_effective_batch or additive):
+                # Another rank ran out of memory: this rank's whole attempt is retried with
+                # it, so its losses go too (kept, they were counted twice).
+                attempt.discard()
+            if losses is None:
+                losses = attempt.losses
+            else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
+                losses.parts += attempt.losses.parts
             self.knobs.follow(agreed.micro_batch_size)  # rank 0's
             self.ladder.agreed = agreed.relief or self.ladder.agreed
             if agreed.fatal:

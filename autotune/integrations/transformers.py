@@ -18,10 +18,19 @@ optimizer step; autotune splits each of them further only when it has to. Gradie
 earlier training steps of the same optimizer step accumulated are set aside during a retry
 and added back after it, so a retry neither loses nor doubles them.
 
+Under torchrun or `accelerate launch` (DDP, one process a device), the ranks agree after every
+attempt (one small all-reduce, as in `AutoTrainer`), so an OOM on one rank is retried by all at
+the same new micro-batch. DDP's own gradient sync inside backward is never used: the
+micro-batches run on the module inside HF's DDP wrapper (a collective inside an attempt could
+wait for a rank that has failed), and on the batch after which HF steps its optimizer, the
+gradients are averaged in one flat all-reduce, before HF's clipping and optimizer step. Where
+DDP broadcasts buffers in forward, rank 0's are broadcast once a batch instead. FSDP, DeepSpeed
+and tensor parallelism are refused with a clear error.
+
 The micro-batch (and the policies' state) is saved as `autotune.pt` in each HF checkpoint
 folder and restored by `train(resume_from_checkpoint=...)`. The journal (`events.jsonl`) goes
 to `args.output_dir`, so `autotune report OUTPUT_DIR` works. Pruning and the other reliefs
-are off (HF owns the optimizer and the precision); one process (HF's DDP is not covered yet).
+are off (HF owns the optimizer and the precision).
 """
 
 from __future__ import annotations
@@ -31,12 +40,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from autotune.batching import batch_len, tensor_bytes
-from autotune.distributed import Solo
+from autotune.distributed import GradientBucket, Ranks, Solo
 from autotune.evaluation import Evaluator
 from autotune.monitor.host import host_sample
 from autotune.notices import warn
@@ -59,19 +70,32 @@ class AutoTuneTrainer(Trainer):
 
     def __init__(self, *args: Any, tuner_options: dict[str, Any] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        if self.args.world_size > 1:
-            raise NotImplementedError("AutoTuneTrainer runs in one process for now: under torchrun/accelerate "
-                                      f"launch (world size {self.args.world_size}) its OOM retries are not agreed "
-                                      "across ranks; use autotune.AutoTrainer or the Lightning integration")
+        ranks = self._job()
         self.tuner = Tuner(self.model, device=self.args.device, run_dir=self.args.output_dir,
-                           owns_optimizer=False, reliefs=False, ranks=Solo(),
+                           owns_optimizer=False, reliefs=False, ranks=ranks,
                            **(tuner_options or {}))
+        if isinstance(ranks, Ranks):
+            # The gradients' one flat all-reduce, on the batch before HF's optimizer step (never inside backward).
+            ranks.bucket = GradientBucket(self.model.parameters())
         self.tuner.save_checkpoints_with(self._checkpoint_before_giving_up)
         self.add_callback(_SaveTuning(self))
         # Evaluation's own micro-batch (`evaluate`, `predict` and the evaluation inside `train`).
         self.evaluator = Evaluator(self.tuner.core, batch_size=self.args.per_device_eval_batch_size, collate_fn=None,
                                    metrics=None, journal=self.tuner.journal)
         self._whole_batch_items: Any = None  # the evaluated batch's label items, while its pieces run
+
+    def _job(self) -> Solo | Ranks:
+        """This process alone, or its place among DDP's ranks (the process group HF's Accelerate joined)."""
+        if self.args.world_size <= 1:
+            return Solo()
+        kind = str(getattr(self.accelerator.distributed_type, "value", self.accelerator.distributed_type))
+        if not kind.startswith("MULTI_") or getattr(self.args, "tp_size", 1) > 1 or self.is_fsdp_enabled or \
+                self.is_deepspeed_enabled:
+            raise NotImplementedError(f"AutoTuneTrainer under {kind} (world size {self.args.world_size}): only DDP "
+                                      "(torchrun or `accelerate launch` without FSDP, DeepSpeed or tensor "
+                                      "parallelism) has its OOM retries agreed across ranks; for FSDP2 use "
+                                      "autotune.AutoTrainer(shard=True)")
+        return Ranks(self.args.process_index, self.args.world_size, self.args.local_process_index)
 
     @property
     def micro_batch_size(self) -> int:
@@ -88,7 +112,9 @@ class AutoTuneTrainer(Trainer):
             self.tuner.journal.write("resume", 0, 0, found=True, path=str(Path(folder) / STATE_FILE),
                                      micro_batch_size=self.tuner.micro_batch_size)
         try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
+            self.tuner.agree_on_micro_batch()  # one size on every rank at the end, as AutoTrainer's fits
+            return result
         finally:
             self.tuner.progress.step = self.state.global_step
             self.tuner.end()
@@ -99,6 +125,7 @@ class AutoTuneTrainer(Trainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
+        model = _inside_ddp(model)  # no collective inside an attempt: a rank may fail in it
         inputs = self._prepare_inputs(inputs)
         n = batch_len(inputs)
         scaled = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else (
@@ -117,6 +144,8 @@ class AutoTuneTrainer(Trainer):
         self.tuner.progress.step = self.state.global_step
         self.tuner.core.backward_fn = self.accelerator.backward
         outcome = self.tuner.accumulate(inputs, micro_loss, n=n)
+        if self.tuner.ranks.world > 1 and self.accelerator.sync_gradients:
+            self.tuner.ranks.average_gradients()  # HF clips and steps its optimizer after this batch
         return outcome.loss_sum.detach()
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -127,6 +156,7 @@ class AutoTuneTrainer(Trainer):
         with the whole batch's `num_items_in_batch` (their sum is the batch's loss, where HF's
         eval loss is not the mean of each piece's token mean), or each piece's mean weighted
         by its share of the samples where the loss does not count items."""
+        model = _inside_ddp(model)  # pieces may differ between ranks: no collective inside them
         n = batch_len(inputs)
         has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
         items = super()._get_num_items_in_batch([inputs], self.args.device) if has_labels else None
@@ -167,16 +197,31 @@ class AutoTuneTrainer(Trainer):
         need = tensor_bytes(self.model.state_dict()) + SAVE_MARGIN_BYTES
         sample = host_sample(self.tuner.knobs.memory_cap_bytes if self.tuner.device.type == "cpu" else None)
         room = None if sample.cap_bytes is None or sample.used_bytes is None else sample.cap_bytes - sample.used_bytes
-        if room is not None and room < need:
+        # Every rank decides alike: HF's save has collectives of its own.
+        if self.tuner.ranks.any(room is not None and room < need, self.tuner.device):
             newest = get_last_checkpoint(self.args.output_dir) if Path(self.args.output_dir).is_dir() else None
             self.tuner.journal.write("checkpoint_skipped", self.state.global_step, int(self.state.epoch or 0),
                                      reason=reason, need_bytes=need, room_bytes=room)
+            left = f"{format_bytes(room)} are left" if room is not None else "another rank has less left"
             warn(f"not writing HF's checkpoint before the out-of-memory error: its save needs about "
-                 f"{format_bytes(need)} and {format_bytes(room)} are left under the memory limit, where HF's "
+                 f"{format_bytes(need)} and {left} under the memory limit, where HF's "
                  f"save can abort the process; the newest checkpoint is {newest or 'none'}", error=True)
             return None
         self._save_checkpoint(self.model, trial=None)
         return save_tuning(self.tuner, self.args, self.state, reason)
+
+
+def _inside_ddp(model: nn.Module) -> nn.Module:
+    """The module inside HF's DDP wrapper, whose forward and backward make no collective; DDP's
+    forward-time buffer broadcast is made here instead, once a batch, on every rank."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return model
+    will_sync = getattr(model, "will_sync_module_buffers", None)
+    if will_sync is not None and will_sync():
+        with torch.no_grad():
+            for buffer in model.module.buffers():
+                dist.broadcast(buffer, src=0)
+    return model.module
 
 
 def save_tuning(tuner: Tuner, args: Any, state: Any, reason: str) -> Path | None:

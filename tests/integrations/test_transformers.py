@@ -1,10 +1,11 @@
 """AutoTuneTrainer: HF's Trainer under a real memory cap (RLIMIT_AS, in a subprocess)."""
 
+import json
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import journal, run_python, skip_if_uncalibrated
+from tests.conftest import journal, run_python, skip_if_uncalibrated, torchrun
 
 pytest.importorskip("transformers")
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -133,6 +134,88 @@ def test_an_hf_evaluation_that_does_not_fit_finishes_with_the_uncapped_eval_loss
     assert result.get("plain", "lost") != "finished", result
     oom = [r for r in journal(tmp_path / "out") if r["kind"] == "eval_oom"]
     assert oom and oom[0]["micro_batch_size"] == 32
+
+
+DDP_SCRIPT = """
+import json, os, sys, torch
+import torch.distributed as dist
+sys.path.insert(0, os.environ["EXAMPLES"])
+from autotune.limits import calibrate_headroom, fix_mmap_threshold, cap_address_space, lift_address_space_cap
+from hf_causal_lm import build
+from transformers import Trainer, TrainingArguments
+from autotune.integrations.transformers import AutoTuneTrainer
+
+out = sys.argv[1]
+rank = int(os.environ["RANK"])
+
+def save(result):
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+def make(cls, folder, **kw):
+    model, train, evals, collator = build(128)  # 32 evaluation samples: one batch of 16 a rank
+    args = TrainingArguments(output_dir=os.path.join(out, folder), per_device_train_batch_size=16,
+                             per_device_eval_batch_size=16, gradient_accumulation_steps=2, max_steps=2, optim="sgd",
+                             learning_rate=0.1, max_grad_norm=1.0, lr_scheduler_type="constant", report_to="none",
+                             use_cpu=True, ddp_backend="gloo", save_strategy="no", logging_steps=1, seed=0,
+                             data_seed=0, disable_tqdm=True)
+    return model, cls(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator, **kw)
+
+fix_mmap_threshold()
+plain_model, plain = make(Trainer, "plain")  # HF's own DDP run, no cap: what the capped job must end at
+plain.train()
+plain_eval = plain.evaluate()["eval_loss"]
+tuned_model, tuned = make(AutoTuneTrainer, "tuned", tuner_options={"monitor": False})
+_, train, _, collator = build(128)
+
+def probe(size):  # forward and backward at micro-batch `size` (every batch is padded to 64 tokens)
+    try:
+        tuned_model(**collator([train[i] for i in range(size)])).loss.backward()
+    finally:
+        tuned_model.zero_grad(set_to_none=True)
+
+box = [None]
+if rank == 1:  # only rank 1 is capped: HF's 16 a rank must not fit there, a quarter of it must
+    calibration = calibrate_headroom(probe, fits=4, fails=16)
+    box = [None if calibration.headroom_bytes is None else str(calibration)]
+dist.broadcast_object_list(box, src=1)
+if box[0] is None:
+    save({"uncalibrated": "rank 1's cap"})
+    raise SystemExit(0)
+if rank == 1:
+    cap_address_space(calibration.headroom_bytes)
+tuned.train()
+tuned_eval = tuned.evaluate()["eval_loss"]
+lift_address_space_cap()
+diff = max((a - b).abs().max().item() for a, b in zip(plain_model.state_dict().values(),
+                                                     tuned_model.state_dict().values()))
+logged = lambda trainer: [r["loss"] for r in trainer.state.log_history if "loss" in r]
+save({"diff": diff, "ooms": tuned.tuner.ooms, "settled": tuned.micro_batch_size, "samples": tuned.tuner.samples_seen,
+      "steps": tuned.state.global_step, "plain_losses": logged(plain), "losses": logged(tuned),
+      "plain_eval": plain_eval, "eval": tuned_eval, "cap": box[0]})
+"""
+
+
+@pytest.mark.slow
+def test_hf_under_torchrun_with_one_rank_capped_ends_at_plain_hf_ddps_weights(tmp_path, monkeypatch):
+    # Two gloo ranks, HF's DDP; only rank 1 runs out of memory, and both retry at its size.
+    script = tmp_path / "train.py"
+    script.write_text(DDP_SCRIPT)
+    results = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    monkeypatch.setenv("EXAMPLES", str(EXAMPLES))
+    torchrun(script, [str(tmp_path)], results)
+    ranks = [json.loads(path.read_text()) for path in results]
+    skip_if_uncalibrated(ranks[0])
+    for result in ranks:
+        assert result["ooms"] >= 1 and result["settled"] < 16, result  # rank 1's OOMs, agreed by rank 0
+        assert result["diff"] < 1e-6, result  # plain HF DDP's weights
+        assert result["samples"] == 128 and result["steps"] == 2  # 2 steps of 2 batches of 16, on 2 ranks
+        # the logged training loss is HF's: a retry is counted once, on the rank that did not fail too
+        assert result["losses"] == pytest.approx(result["plain_losses"], abs=1e-4), result
+        assert abs(result["eval"] - result["plain_eval"]) < 1e-6, result
+    assert ranks[0]["settled"] == ranks[1]["settled"]
+    oom = [r for r in journal(tmp_path / "tuned") if r["kind"] == "oom"]
+    assert oom and oom[0]["micro_batch_size"] == 16
 
 
 GIVE_UP_SCRIPT = """
