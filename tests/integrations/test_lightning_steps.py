@@ -103,3 +103,63 @@ def test_a_validation_that_does_not_fit_ends_with_the_uncapped_val_loss(tmp_path
     for name in ("val_loss", "val_acc"):
         assert abs(result["capped"][name] - result["reference"][name]) < 1e-6, result
     assert result.get("plain_capped", "lost") != "finished", result
+
+
+BF16_SCRIPT = """
+import torch
+import lightning as L
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from autotune.integrations.lightning import AutoTuneStrategy
+from autotune.limits import cap_address_space, fix_mmap_threshold, least_headroom, lift_address_space_cap
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 10))
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(256, 256, generator=g), torch.randint(0, 10, (256,), generator=g))
+
+def fit(strategy):
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=OUT_DIR)
+    module = Module()
+    trainer.fit(module, DataLoader(data, batch_size=128))
+    return module
+
+fix_mmap_threshold()
+plain = fit("auto")  # imports and the kernels of batch 128, before any cap
+need = least_headroom(lambda: fit("auto"), 256 * 2**20, resolution_bytes=2**20)  # plain Lightning's, here
+if need is None:
+    save({"uncalibrated": "plain Lightning did not run under 256 MiB of headroom"})
+    raise SystemExit(0)
+cap_address_space(need + MARGIN)  # autotune's Tuner is built under the cap, at the first training_step
+strategy = AutoTuneStrategy("cpu", tuner_options={"monitor": False})
+tuned = fit(strategy)
+lift_address_space_cap()
+diff = max((a - b).abs().max().item() for a, b in zip(plain.state_dict().values(), tuned.state_dict().values()))
+save({"need": need, "ooms": strategy.tuner.ooms, "micro": strategy.micro_batch_size, "diff": diff})
+"""
+
+
+def test_a_bf16_lightning_run_fits_where_plain_lightning_does(tmp_path):
+    # The Tuner starts under the user's cap: before, its sampler thread's 8 MiB stack alone made
+    # this run need 24 MiB of headroom where plain Lightning needed 14 (it ended "even at
+    # micro-batch 1", or oneDNN crashed compiling the smaller sizes' kernels).
+    settings = f"OUT_DIR={str(tmp_path / 'out')!r}\nMARGIN={6 * 2**20}\n"
+    proc, result = run_python(settings + BF16_SCRIPT, tmp_path, timeout=240)
+    assert proc.returncode == 0 and result is not None, proc.stderr[-3000:]
+    if "uncalibrated" in result:
+        pytest.skip(result["uncalibrated"])
+    assert result["ooms"] == 0 and result["micro"] == 128, result  # plain's batch, in one piece
+    assert result["diff"] < 1e-6, result  # the same computation as plain Lightning's
