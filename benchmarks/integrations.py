@@ -16,8 +16,14 @@ the run finished. Then each integration's cost per step on a ~1 ms step with no 
 step interval with it vs the same trainer without it (alternating rounds in one process).
 Each run is its own process.
 
+Evaluation (`--part eval`, also in a whole run): the long tenth (154 sequences of 160 tokens)
+evaluated in one batch under the same kind of cap, where the evaluation's batch does not fit:
+HF `evaluate()` with `per_device_eval_batch_size=154` and Lightning `validate()` with a loader of
+batch 154, each plain and through autotune. Reported: whether it finished, the eval loss against
+the same loss computed uncapped in pieces in the same process, evaluation OOMs survived.
+
     pip install -e '.[bench]'
-    python benchmarks/integrations.py [--trials 3] [--rounds 5]
+    python benchmarks/integrations.py [--trials 3] [--rounds 5] [--part all|late|eval]
 """
 
 from __future__ import annotations
@@ -298,6 +304,108 @@ def late_jump(spec: dict) -> dict:
                 "error": str(exc).splitlines()[0][:120]}
 
 
+# ----------------------------------------------------------------------------- evaluation too big
+def evaluation(spec: dict) -> dict:
+    """One evaluation in this process: build, reference loss uncapped, cap, evaluate; what happened."""
+    import torch
+    from torch.utils.data import DataLoader, Subset
+
+    from autotune.limits import cap_address_space, single_malloc_arena
+    from autotune.oom import is_oom
+
+    single_malloc_arena()
+    tool = spec["tool"]
+    data, collate, TokenMLP = _parts()
+    evals = Subset(data, range(int(SAMPLES * (1 - LONG_SHARE)), SAMPLES))  # the long sequences
+    model = TokenMLP(Ledger())
+    model.eval()
+    with torch.no_grad():  # the reference: the same loss uncapped, in pieces of 16, weighted by samples
+        pieces = [(model(**batch)["loss"].item(), len(batch["labels"]))
+                  for batch in DataLoader(evals, batch_size=16, collate_fn=collate)]
+    reference = sum(loss * n for loss, n in pieces) / len(evals)
+    start = time.perf_counter()
+    try:
+        if tool.startswith("hf"):
+            from transformers import Trainer
+
+            from autotune.integrations.transformers import AutoTuneTrainer
+
+            args = _hf_args(f"runs/bench-integrations/{tool}", per_device_eval_batch_size=len(evals))
+            cls = AutoTuneTrainer if tool == "hf-autotune-eval" else Trainer
+            kwargs = {"tuner_options": {"monitor": False}} if cls is AutoTuneTrainer else {}
+            trainer = cls(model=model, args=args, eval_dataset=evals, data_collator=collate, **kwargs)
+            cap_address_space(spec["budget_mib"] * 2**20)
+            start = time.perf_counter()
+            loss = trainer.evaluate()["eval_loss"]
+            ooms = trainer.evaluator.ooms if cls is AutoTuneTrainer else None
+        else:
+            import lightning as L
+
+            from autotune.integrations.lightning import AutoTuneStrategy
+
+            class Module(L.LightningModule):
+                def __init__(self) -> None:
+                    super().__init__()
+                    self.net = model
+
+                def validation_step(self, batch, batch_idx):
+                    loss = self.net(**batch)["loss"]
+                    self.log("val_loss", loss, batch_size=len(batch["labels"]))
+                    return loss
+
+            strategy = AutoTuneStrategy("cpu", tuner_options={"monitor": False}) if tool == "pl-autotune-eval" \
+                else "auto"
+            trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=f"runs/bench-integrations/{tool}")
+            module = Module()
+            cap_address_space(spec["budget_mib"] * 2**20)
+            start = time.perf_counter()
+            loss = trainer.validate(module, DataLoader(evals, batch_size=len(evals), collate_fn=collate),
+                                    verbose=False)[0]["val_loss"]
+            ooms = strategy._evaluator.ooms if tool == "pl-autotune-eval" else None
+        return {"finished": True, "seconds": time.perf_counter() - start, "loss": float(loss),
+                "reference": reference, "ooms": ooms}
+    except Exception as exc:  # the evaluation died: which error
+        if not is_oom(exc):
+            raise
+        return {"finished": False, "seconds": time.perf_counter() - start, "reference": reference,
+                "error": str(exc).splitlines()[0][:100]}
+
+
+EVAL_TOOLS = {
+    "hf-plain-eval": ("HF Trainer", "`Trainer.evaluate()`"),
+    "hf-autotune-eval": ("HF Trainer", "autotune `AutoTuneTrainer.evaluate()`"),
+    "pl-plain-eval": ("Lightning", "`Trainer.validate()`, Lightning's strategy"),
+    "pl-autotune-eval": ("Lightning", "`Trainer.validate()`, autotune `AutoTuneStrategy`"),
+}
+
+
+def evaluation_table(trials: int, budget_mib: int) -> list[str]:
+    results: dict[str, list[dict]] = {tool: [] for tool in EVAL_TOOLS}
+    for trial in range(trials):
+        for tool in EVAL_TOOLS:
+            r = run("eval", {"tool": tool, "budget_mib": budget_mib})
+            results[tool].append(r)
+            print(trial, tool, r, file=sys.stderr)
+    lines = [f"## Evaluation batch too big: {SAMPLES - int(SAMPLES * (1 - LONG_SHARE))} sequences of {LONG} tokens in one batch, "
+             f"RLIMIT_AS = virtual size + {budget_mib} MiB", "",
+             f"{trials} trials per tool, each its own process. Loss error: against the same loss computed uncapped "
+             "in pieces of 16 in the same process.", "",
+             "| trainer | evaluation | finished | loss error (max) | eval OOMs survived | wall (s) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for tool, (where, name) in EVAL_TOOLS.items():
+        rs = results[tool]
+        done = [r for r in rs if r["finished"]]
+        if not done:
+            lines.append(f"| {where} | {name} | no: {len(rs)}/{len(rs)} raised (`{rs[0]['error']}`) | - | - | - |")
+            continue
+        error = max(abs(r["loss"] - r["reference"]) for r in done)
+        ooms = [r["ooms"] for r in done if r["ooms"] is not None]
+        lines.append(f"| {where} | {name} | {len(done)}/{len(rs)} | {error:.1e} | "
+                     f"{int(median(ooms)) if ooms else 'n/a'} | {median([r['seconds'] for r in done]):.2f} |")
+    return lines
+
+
 # ----------------------------------------------------------------------------- cost per step
 def overhead(spec: dict) -> dict:
     """Median step interval with and without the integration, alternating rounds, no cap."""
@@ -399,11 +507,18 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of the per-step cost")
     parser.add_argument("--budget-mib", type=int, default=BUDGET_MIB)
+    parser.add_argument("--part", choices=("all", "late", "eval"), default="all",
+                        help="eval: only the evaluation table (its own results file)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         mode, spec = args.worker
-        print(json.dumps((late_jump if mode == "late" else overhead)(json.loads(spec))))
+        print(json.dumps({"late": late_jump, "eval": evaluation, "overhead": overhead}[mode](json.loads(spec))))
+        return
+    if args.part in ("all", "eval"):
+        write_results("integrations_eval", "Evaluation too big for memory: autotune vs each trainer's own (CPU, "
+                      "RLIMIT_AS)", evaluation_table(args.trials, args.budget_mib))
+    if args.part == "eval":
         return
     results: dict[str, list[dict]] = {tool: [] for tool in TOOLS}
     for trial in range(args.trials):
