@@ -45,7 +45,8 @@ def test_demo_survives_its_ooms_and_says_so(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "OOMs survived" in proc.stdout and "samples trained     256" in proc.stdout
     records = journal(run_dir)
-    assert any(r["kind"] == "oom" for r in records)
+    # Once (AVX2, two suites' load beside it) the run had no OOM: its measure and summary say why.
+    assert any(r["kind"] == "oom" for r in records), proc.stdout[-3000:]
     assert any(r["kind"] == "action" and r["action"] == "set_micro_batch" and r["applied"] for r in records)
     if tensorboard:
         assert "tensorboard --logdir" in proc.stdout and list((run_dir / "tb").glob("events.out.tfevents.*"))
