@@ -65,7 +65,7 @@ def _measured_budget(model, device, batch_size: int) -> int:
     # Half the batch must fail (the whole one then does too): a probe that runs takes seconds
     # here, and the bisection of the half size runs half as long.
     # Measured again when the two sizes come out too close: on a loaded machine a size's measure
-    # came out low once in a few runs (64 needs 172 MiB, 128 needs 181 here; 114 MiB apart when
+    # came out low once in a few runs (64 needs 172 MiB, 128 needs 181; 26 MiB apart, not 9, when
     # measured again), and the demo is the first command a newcomer runs.
     for attempt in range(3):
         calibration = calibrate_headroom(probe, fits=max(1, batch_size // 4), fails=max(2, batch_size // 2),
