@@ -42,6 +42,7 @@ from common import median, write_results  # noqa: E402
 SAMPLES, SHORT, LONG, LONG_SHARE = 1536, 32, 160, 0.1
 VOCAB, DIM, WIDTH, CLASSES = 1000, 64, 1024, 4
 BATCH, BUDGET_MIB = 64, 96
+EVALUATED = range(int(SAMPLES * (1 - LONG_SHARE)), SAMPLES)  # the evaluation's samples: the long tenth
 
 
 class Ledger:
@@ -316,7 +317,7 @@ def evaluation(spec: dict) -> dict:
     single_malloc_arena()
     tool = spec["tool"]
     data, collate, TokenMLP = _parts()
-    evals = Subset(data, range(int(SAMPLES * (1 - LONG_SHARE)), SAMPLES))  # the long sequences
+    evals = Subset(data, EVALUATED)
     model = TokenMLP(Ledger())
     model.eval()
     with torch.no_grad():  # the reference: the same loss uncapped, in pieces of 16, weighted by samples
@@ -387,7 +388,7 @@ def evaluation_table(trials: int, budget_mib: int) -> list[str]:
             r = run("eval", {"tool": tool, "budget_mib": budget_mib})
             results[tool].append(r)
             print(trial, tool, r, file=sys.stderr)
-    lines = [f"## Evaluation batch too big: {SAMPLES - int(SAMPLES * (1 - LONG_SHARE))} sequences of {LONG} tokens in one batch, "
+    lines = [f"## Evaluation batch too big: {len(EVALUATED)} sequences of {LONG} tokens in one batch, "
              f"RLIMIT_AS = virtual size + {budget_mib} MiB", "",
              f"{trials} trials per tool, each its own process. Loss error: against the same loss computed uncapped "
              "in pieces of 16 in the same process.", "",

@@ -7,6 +7,7 @@ import torch
 
 from autotune.memory import StepDemand
 from tests.conftest import run_python
+
 MiB = 1 << 20
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")

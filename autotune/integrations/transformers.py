@@ -74,9 +74,6 @@ class AutoTuneTrainer(Trainer):
         self.tuner = Tuner(self.model, device=self.args.device, run_dir=self.args.output_dir,
                            owns_optimizer=False, reliefs=False, ranks=ranks,
                            **(tuner_options or {}))
-        if isinstance(ranks, Ranks):
-            # The gradients' one flat all-reduce, on the batch before HF's optimizer step (never inside backward).
-            ranks.bucket = GradientBucket(self.model.parameters())
         self.tuner.save_checkpoints_with(self._checkpoint_before_giving_up)
         self.add_callback(_SaveTuning(self))
         # Evaluation's own micro-batch (`evaluate`, `predict` and the evaluation inside `train`).
@@ -95,7 +92,10 @@ class AutoTuneTrainer(Trainer):
                                       "(torchrun or `accelerate launch` without FSDP, DeepSpeed or tensor "
                                       "parallelism) has its OOM retries agreed across ranks; for FSDP2 use "
                                       "autotune.AutoTrainer(shard=True)")
-        return Ranks(self.args.process_index, self.args.world_size, self.args.local_process_index)
+        ranks = Ranks(self.args.process_index, self.args.world_size, self.args.local_process_index)
+        # The gradients' one flat all-reduce, on the batch before HF's optimizer step (never inside backward).
+        ranks.bucket = GradientBucket(self.model.parameters())
+        return ranks
 
     @property
     def micro_batch_size(self) -> int:
