@@ -306,47 +306,70 @@ def _drop_wrapper(ranks_ref: weakref.ref) -> None:
 
 
 class GradientBucket:
-    """All gradients as views of one flat buffer, so averaging them is one in-place all-reduce
+    """All gradients as views of flat buffers, one per (dtype, device) of the parameters (bf16
+    weights beside fp32 norms make two), so averaging them is one in-place all-reduce a buffer
     with no copies. Gradients are zeroed in place (never set to None) to keep the views."""
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter]):
         self.params = [p for p in parameters if p.requires_grad]
-        total = sum(p.numel() for p in self.params)
-        first = self.params[0] if self.params else None
-        # One slot more than the gradients: a batch's item count rides in the same all-reduce.
-        self.flat = torch.zeros(total + 1, dtype=first.dtype if first is not None else torch.float32,
-                                device=first.device if first is not None else "cpu")
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        for p in self.params:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        # A batch's item count rides in the same all-reduce as the gradients: one slot more in the
+        # first buffer wide enough to count exactly (fp32 and up); else a buffer of its own.
+        counter = next((key for key in groups if key[0] in (torch.float32, torch.float64)), None)
+        self.groups = [(params, torch.zeros(sum(p.numel() for p in params) + (key == counter), dtype=key[0],
+                                            device=key[1]))
+                       for key, params in groups.items()]
+        if counter is None:
+            device = self.params[0].device if self.params else torch.device("cpu")
+            self.groups.append(([], torch.zeros(1, dtype=torch.float64, device=device)))
+            counter_at = len(self.groups) - 1
+        else:
+            counter_at = list(groups).index(counter)
+        self.count = self.groups[counter_at][1][-1:]
         self.bind()
 
     def bind(self) -> None:
-        """Point every parameter's .grad at its slice of the buffer (again, if something reset it)."""
-        offset = 0
-        for p in self.params:
-            view = self.flat[offset:offset + p.numel()].view_as(p)
-            if p.grad is not view:
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                else:  # no gradient this step (an optimizer's zero_grad set it to None): not the last step's
-                    view.zero_()
-                p.grad = view
-            offset += p.numel()
+        """Point every parameter's .grad at its slice of its buffer (again, if something reset it)."""
+        for params, flat in self.groups:
+            offset = 0
+            for p in params:
+                view = flat[offset:offset + p.numel()].view_as(p)
+                if p.grad is not view:
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    else:  # no gradient this step (an optimizer's zero_grad set it to None): not the last step's
+                        view.zero_()
+                    p.grad = view
+                offset += p.numel()
+
+    def _gradients(self) -> list[torch.Tensor]:
+        # Each buffer's gradient slots (the count slot left out).
+        return [flat[:sum(p.numel() for p in params)] for params, flat in self.groups if params]
 
     def average(self, world: int) -> None:
         self.bind()
-        dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
-        self.flat /= world
+        for _, flat in self.groups:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat /= world
 
     def sum_over_items(self, ref: Any, items: Any) -> None:
         self.bind()
-        grads, count = self.flat[:-1], self.flat[-1:]
-        grads.mul_(ref)
+        grads = self._gradients()
+        for grad in grads:
+            grad.mul_(ref)
         if isinstance(items, torch.Tensor):
-            count.copy_(items.reshape(1))
+            self.count.copy_(items.reshape(1))
         else:
-            count.fill_(items)
-        dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
-        grads.div_(count.clamp_min(1))
+            self.count.fill_(items)
+        for _, flat in self.groups:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        count = self.count.clamp_min(1)
+        for grad in grads:
+            grad.div_(count.to(grad.device))
 
     def zero(self) -> None:
-        self.flat.zero_()
+        for _, flat in self.groups:
+            flat.zero_()
         self.bind()

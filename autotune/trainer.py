@@ -353,11 +353,13 @@ class AutoTrainer:
 
     def close(self) -> None:
         """Leave the user's model as it was given (the trainer's hook off it), give back the CUDA
-        memory fraction, and close the journal, steps log and TensorBoard. Idempotent."""
+        memory fraction, remove the sample cache's shared memory, and close the journal, steps log
+        and TensorBoard. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self.checkpointer.wait()  # a checkpoint still being written: on disk, and journaled, first
+        self.input.close()
         self.tuner.close()
 
     def __enter__(self) -> "AutoTrainer":

@@ -247,3 +247,55 @@ def test_token_weighted_steps_over_two_ranks_equal_one_process_over_all_tokens(r
     assert ranks[0]["metrics"] == ranks[1]["metrics"] and ranks[0]["metrics"]["loss"] == pytest.approx(expected, rel=1e-5)
     # A stop that only rank 1's callback asks for stops both ranks at the same step.
     assert [r["steps"] for r in stopped] == [1, 1] and stopped[0]["stopped"] == "another rank's callback asked to stop"
+
+
+MIXED_DTYPES = r'''
+import os, sys, torch
+from torch import nn
+from autotune import Tuner
+
+rank, out = int(os.environ["RANK"]), sys.argv[1]
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        # bf16 weights beside fp32 ones, as a half-precision model with fp32 norms
+        self.a, self.norm, self.b = nn.Linear(8, 16).to(torch.bfloat16), nn.LayerNorm(16), nn.Linear(16, 2)
+    def forward(self, x):
+        return self.b(self.norm(self.a(x.to(torch.bfloat16)).float()))
+
+g = torch.Generator().manual_seed(rank)
+batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)) for _ in range(4)]
+loss = lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1])
+with Tuner(Net(), lambda p: torch.optim.SGD(p, lr=0.5), device="cpu", monitor=False,
+           run_dir=os.path.join(out, "run")) as tuner:
+    for batch in batches:
+        tuner.step(batch, loss)
+    tuned = dict(tuner.model.state_dict())
+plain = nn.parallel.DistributedDataParallel(Net())  # torch's own DDP, which buckets by dtype
+optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
+for x, y in batches:
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(plain(x), y).backward()  # DDP averages the gradients over the ranks
+    optimizer.step()
+if rank == 0:
+    torch.save({"tuned": tuned, "plain": plain.module.state_dict()},
+               os.path.join(out, "weights.pt"))
+open(os.path.join(out, f"rank{rank}.done"), "w").close()
+'''
+
+
+def test_a_model_with_bf16_and_fp32_parameters_trains_under_torchrun_as_plain_ddp(tmp_path):
+    # One flat gradient buffer in the first parameter's dtype could not hold fp32 gradients beside
+    # bf16 ones: the bucket is one buffer per dtype.
+    script = tmp_path / "mixed.py"
+    script.write_text(MIXED_DTYPES)
+    torchrun(script, [str(tmp_path)], [tmp_path / f"rank{r}.done" for r in (0, 1)])
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    for name, plain in weights["plain"].items():
+        # The whole batch in one micro-batch on both sides: the same sums, so the same weights (bf16 ones
+        # included) up to the order of a two-rank sum.
+        tuned = weights["tuned"][name]
+        assert tuned.dtype == plain.dtype and torch.allclose(tuned.float(), plain.float(), rtol=0, atol=1e-6), \
+            (name, (tuned - plain).abs().max())

@@ -1,6 +1,7 @@
 """Input-bound loops end to end through AutoTrainer: detection, caching switched on at a batch
 boundary without changing the order, and compute-bound runs left alone."""
 
+import os
 import time
 
 import torch
@@ -40,6 +41,8 @@ def test_an_image_folder_is_detected_input_bound_and_cached(tmp_path):
     per_epoch = kinds(tmp_path / "run", "sample_cache")
     assert per_epoch[-1]["hit_rate"] == 1.0 and per_epoch[-1]["entries"] == 320, per_epoch
     assert dataset.transform is not None  # the user's dataset object is unchanged
+    trainer.close()  # the shared-memory region goes with it, not when the trainer is collected
+    assert not os.path.exists(on["path"])
 
 
 class SlowToLoad(Dataset):
