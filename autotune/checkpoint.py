@@ -83,14 +83,9 @@ def nonfinite_weights(weights: dict[str, Any]) -> list[str]:
     return [named[i][0] for i in nonfinite([t for _, t in named])]
 
 
-def rank_rng_state(state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    """This rank's random state in a checkpoint: every rank's is saved under torchrun; a run
-    alone takes rank 0's."""
-    if "rng_ranks" not in state or world == 1:
-        return state["rng"]
-    if len(state["rng_ranks"]) != world:
-        raise ValueError(f"the checkpoint was made by {len(state['rng_ranks'])} ranks, this job has {world}")
-    return state["rng_ranks"][rank]
+def _weights(state: dict[str, Any]) -> dict[str, Any]:
+    # The weights in a state to save (checkpoint_format.py's "core"; {} in a state that has none).
+    return (state.get("core") or {}).get("model") or {}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -386,7 +381,7 @@ class Checkpointer:
                 self.store.clear_unfinished(step)
             state = state_fn()
             self._state_bytes = tensor_bytes(state)
-            gathered = self.ranks.gather((state["rng"], failure, nonfinite_weights(state.get("model") or {})))
+            gathered = self.ranks.gather((state["rng"], failure, nonfinite_weights(_weights(state))))
             failures = [f"rank {rank}: {text}" for rank, (_, text, _) in enumerate(gathered) if text]
             if failures:
                 raise RankFailed("; ".join(failures))
@@ -399,7 +394,7 @@ class Checkpointer:
                      "are kept", key=f"checkpoint refused {self.store.folder}", error=True)
                 return None
             if len(gathered) > 1:  # every rank's random state; the rest is the same everywhere
-                state["rng_ranks"] = [rng for rng, _, _ in gathered]
+                state["rng"] = {**state["rng"], "ranks": [rng for rng, _, _ in gathered]}
             if sharded:  # every rank writes its shards
                 path, seconds = self.store.save_sharded(state, step, self.ranks.is_main)
             if not self.ranks.is_main:

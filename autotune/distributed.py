@@ -36,7 +36,7 @@ from loguru import logger
 from torch import nn
 
 from autotune.actions import Relief, relief_from_ints, relief_to_ints
-from autotune.sharded import ShardedSteps, is_sharded, shard as shard_blocks
+from autotune.sharded import ShardedSteps, is_sharded, load_sharded_state, shard as shard_blocks, sharded_state
 
 
 _NOTHING_TO_SYNC = contextlib.nullcontext()  # reusable: one for every step alone
@@ -112,6 +112,15 @@ class Solo:
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
+
+    def model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
+        """The weights and the optimizer's state for a checkpoint (alone: the whole of both)."""
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+
+    def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
+                         optimizer_state: Any) -> None:
+        """Put what `model_state` returned back into the model and the optimizer."""
+        _load_whole(model, optimizer, weights, optimizer_state)
 
     def gather(self, obj: Any) -> list[Any]:
         return [obj]
@@ -264,6 +273,21 @@ class Ranks:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
 
+    def model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
+        """The weights and the optimizer's state for a checkpoint: replicated, the whole of both
+        (the same on every rank); sharded, this rank's shards (sharded_checkpoint.py writes them)."""
+        if self.sharded is not None:
+            return sharded_state(model, optimizer)
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+
+    def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
+                         optimizer_state: Any) -> None:
+        """Put what `model_state` returned back into the model and the optimizer."""
+        if self.sharded is not None:
+            load_sharded_state(model, optimizer, weights, optimizer_state)
+        else:
+            _load_whole(model, optimizer, weights, optimizer_state)
+
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank (per-rank RNG states, failure messages)."""
         gathered: list[Any] = [None] * self.world
@@ -283,6 +307,13 @@ def from_environment() -> Solo | Ranks:
     if world <= 1:
         return Solo()
     return Ranks(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _load_whole(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
+                optimizer_state: Any) -> None:
+    model.load_state_dict(weights)
+    if optimizer is not None and optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
 
 
 def _rank0s(code: int, ratio: int) -> Relief | None:

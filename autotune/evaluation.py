@@ -239,4 +239,4 @@ class Evaluator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_batch_size = min(state["micro_batch_size"], self.batch_size)
         self.failed_size, self.ooms = state["failed_size"], state["ooms"]
-        self.calm, self.since_failure = state.get("calm", 0), state.get("since_failure", 0)
+        self.calm, self.since_failure = state["calm"], state["since_failure"]

@@ -14,7 +14,10 @@ still holds tensors and plain data, never code.
 Loading needs somewhere to put the shards: the state of the model as it is now (its DTensors,
 the optimizer's state), which DCP fills in place, each rank reading the slices it owns. (DCP
 could reshard onto another number of ranks; a run resumes on as many as it had, since every
-rank's random state is saved as that rank's: `checkpoint.rank_rng_state`.)
+rank's random state is saved as that rank's: `checkpoint_format.rank_rng`.)
+
+The DCP keys are "model/<name>" and "optimizer/<path>" in every format: format 2 keeps the two
+entries in its "core" section, format 1 at the top (checkpoint_format.py), and both are read alike.
 """
 
 from __future__ import annotations
@@ -42,6 +45,16 @@ def _in_dcp(value: Any) -> bool:
     return isinstance(value, str) and value == IN_DCP
 
 
+def _entries(state: dict[str, Any]) -> dict[str, Any]:
+    # The dict holding the sharded entries: format 2's "core" section, or the state itself (format 1).
+    core = state.get("core")
+    return core if isinstance(core, dict) and any(key in core for key in SHARDED_ENTRIES) else state
+
+
+def _with_entries(state: dict[str, Any], entries: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "core": entries} if _entries(state) is not state else entries
+
+
 def split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(the sharded entries' tensors by path, the state with `IN_DCP` in their place)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -52,8 +65,9 @@ def split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any
         tensors[where] = value
         return IN_DCP
 
-    rest = {key: _map(value, key, take) if key in SHARDED_ENTRIES else value for key, value in state.items()}
-    return tensors, rest
+    entries = {key: _map(value, key, take) if key in SHARDED_ENTRIES else value
+               for key, value in _entries(state).items()}
+    return tensors, _with_entries(state, entries)
 
 
 def join(rest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -62,15 +76,18 @@ def join(rest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, An
     def put(value: Any, where: str) -> Any:
         return tensors[where] if _in_dcp(value) else value
 
-    return {key: _map(value, key, put) if key in SHARDED_ENTRIES else value for key, value in rest.items()}
+    entries = {key: _map(value, key, put) if key in SHARDED_ENTRIES else value
+               for key, value in _entries(rest).items()}
+    return _with_entries(rest, entries)
 
 
 def needed(rest: dict[str, Any]) -> list[str]:
     """The paths of the tensors `rest` says DCP holds."""
     found: list[str] = []
+    entries = _entries(rest)
     for key in SHARDED_ENTRIES:
-        if key in rest:
-            _map(rest[key], key, lambda value, where: found.append(where) if _in_dcp(value) else None)
+        if key in entries:
+            _map(entries[key], key, lambda value, where: found.append(where) if _in_dcp(value) else None)
     return found
 
 

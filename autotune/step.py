@@ -461,19 +461,18 @@ class StepCore:
         self.ranks.zero_grad(self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer, the scheduler, the gradient scaler and the injector's random stream."""
+        """The scheduler, the gradient scaler and the injector's random stream (the weights and
+        the optimizer are the job's to take: `Solo.model_state`, sharded or not)."""
         version, keys, gauss = self._injector.getstate()
-        return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "injector": [version, list(keys), gauss]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.optimizer is not None and state["optimizer"] is not None:  # None: loaded by the caller (sharded)
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
+        """Restore what `state_dict` returned (a migrated checkpoint's "core": checkpoint_format.py)."""
+        if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state.get("grad_scaler"):
+        if self.scaler is not None and state["grad_scaler"]:
             self.scaler.load_state_dict(state["grad_scaler"])  # fp16: the loss scale it had reached
         version, keys, gauss = state["injector"]
         self._injector.setstate((version, tuple(keys), gauss))

@@ -65,7 +65,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autotune.batching import SplitFn, batch_len
 from autotune.callbacks import Callbacks
-from autotune.checkpoint import CheckpointDue, CheckpointFailed, Checkpointer, RankFailed, rank_rng_state
+from autotune import checkpoint_format
+from autotune.checkpoint import CheckpointDue, CheckpointFailed, Checkpointer, RankFailed
 from autotune.config import (OptimizerFactory, check_evaluation, check_run_limits, check_sample_layout,
                              check_step_options, resolve_device, resolve_micro_batch)
 from autotune.data.pipeline import InputPipeline
@@ -500,27 +501,31 @@ class AutoTrainer:
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: the tuner's (weights, optimizer, scheduler,
-        counters, sizes, reliefs, policy states, random states), the position in the epoch, the
-        loader's workers, the evaluation's micro-batch and the callbacks' states."""
-        state = {**self.tuner.state_dict(), "num_workers": self.knobs.num_workers,
-                 "evaluation": self.evaluator.state_dict(), "callbacks": self.callbacks.state_dict()}
+        counters, sizes, reliefs, policy states, random states), the position in the epoch, and as
+        the host's part the loader's workers, the evaluation's micro-batch and the callbacks' states
+        (checkpoint_format.py has the layout)."""
+        state = self.tuner.state_dict()
+        state["host"] = {"num_workers": self.knobs.num_workers, "evaluation": self.evaluator.state_dict(),
+                         "callbacks": self.callbacks.state_dict()}
         # A caller's loader's position is this rank's, as the random states are: it travels with them.
         state["rng"]["loader"] = self.input.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
-        if state["batch_size"] != self.knobs.batch_size:
-            raise ValueError(f"the checkpoint was made with batch_size {state['batch_size']}, this trainer has "
-                             f"{self.knobs.batch_size}: the position in the epoch would not line up")
+        """Restore what `state_dict` returned (by this autotune or an older one)."""
+        state = checkpoint_format.migrate(state)
+        if state["tuning"]["batch_size"] != self.knobs.batch_size:
+            raise ValueError(f"the checkpoint was made with batch_size {state['tuning']['batch_size']}, this trainer "
+                             f"has {self.knobs.batch_size}: the position in the epoch would not line up")
         self.tuner.load_state_dict(state)
-        self.input.load_state_dict(rank_rng_state(state, self.ranks.rank, self.ranks.world).get("loader"))
-        workers = state.get("num_workers", self.knobs.num_workers) if self.input.owned else self.knobs.num_workers
-        if self.knobs.restore(state["micro_batch_size"], workers):  # as tuned before the stop
+        self.input.load_state_dict(checkpoint_format.rank_rng(state, self.ranks.rank, self.ranks.world).get("loader"))
+        host = state["host"]
+        workers = host.get("num_workers", self.knobs.num_workers) if self.input.owned else self.knobs.num_workers
+        if self.knobs.restore(state["tuning"]["micro_batch_size"], workers):  # as tuned before the stop
             self.input.set_workers(workers)
-        if state.get("evaluation"):
-            self.evaluator.load_state_dict(state["evaluation"])
-        self.callbacks.load_state_dict(state.get("callbacks", {}))
+        if host.get("evaluation"):
+            self.evaluator.load_state_dict(host["evaluation"])
+        self.callbacks.load_state_dict(host.get("callbacks", {}))
 
     def _checkpoint(self, reason: str, report_failure: bool = True, background: bool = False) -> Path | None:
         try:

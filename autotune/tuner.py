@@ -50,7 +50,8 @@ from autotune.actions import Relief
 from autotune.batching import SplitFn, batch_len
 from autotune.breakdown import describe_breakdown, gradient_bytes, oom_breakdown
 from autotune.cadence import MeasureCadence
-from autotune.checkpoint import Checkpointer, RankFailed, rank_rng_state, rng_state, set_rng_state
+from autotune import checkpoint_format
+from autotune.checkpoint import Checkpointer, RankFailed, rng_state, set_rng_state
 from autotune.config import (OptimizerFactory, check_step_options, injection_rate, make_optimizer, make_scheduler,
                              resolve_device, resolve_memory_cap)
 from autotune.dispatch import Dispatcher
@@ -67,7 +68,6 @@ from autotune.policy import Policy
 from autotune.presets import resolve_policies
 from autotune.progress import Progress
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
-from autotune.sharded import load_sharded_state, sharded_state
 from autotune.snapshot import InputState, Snapshot, StepTiming
 from autotune.step import Attempt, LossFn, Losses, StepCore, StepFn
 from autotune.validate import check_int
@@ -534,16 +534,14 @@ class Tuner:
     def state_dict(self) -> dict[str, Any]:
         """What continuing exactly needs, for your own checkpoints: the model's weights, the
         optimizer, scheduler and gradient scaler, the micro-batch, reliefs, policy states,
-        counters and random states. Load it with `load_state_dict` on a Tuner built alike. A
-        sharded (FSDP2) model's weights and optimizer state are this rank's shards (DTensors):
-        save them with `torch.distributed.checkpoint`, as autotune's own checkpoints do."""
-        state = {"format": 1, **self.core.state_dict(), **self.tuning_state(), **self.progress.state_dict(),
-                 "rng": rng_state()}
-        if self.ranks.sharded is not None:  # this rank's shards, by parameter name (sharded_checkpoint.py)
-            state["model"], state["optimizer"] = sharded_state(self.model, self.core.optimizer)
-        else:
-            state["model"] = self.model.state_dict()
-        return state
+        counters and random states, as one versioned record (checkpoint_format.py). Load it with
+        `load_state_dict` on a Tuner built alike. A sharded (FSDP2) model's weights and optimizer
+        state are this rank's shards (DTensors): save them with `torch.distributed.checkpoint`, as
+        autotune's own checkpoints do."""
+        weights, optimizer = self.ranks.model_state(self.model, self.core.optimizer)
+        return checkpoint_format.build(core={**self.core.state_dict(), "model": weights, "optimizer": optimizer},
+                                       tuning=self.tuning_state(), progress=self.progress.state_dict(),
+                                       rng=rng_state())
 
     def tuning_state(self) -> dict[str, Any]:
         """Only what the tuner itself decided: micro-batch, reliefs, policy states (an integration's
@@ -554,29 +552,27 @@ class Tuner:
                 "counters": {"samples_seen": self.progress.samples_seen, "ooms": self.progress.ooms}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned (the reliefs first: a pruned model's weights fit
-        only a pruned model)."""
-        self.load_tuning_state(state)
-        if self.ranks.sharded is not None:
-            load_sharded_state(self.model, self.core.optimizer, state["model"], state["optimizer"])
-            state = {**state, "optimizer": None}
-        else:
-            self.model.load_state_dict(state["model"])
-        self.core.load_state_dict(state)
-        self.progress.load_state_dict(state)
-        set_rng_state(rank_rng_state(state, self.ranks.rank, self.ranks.world))
+        """Restore what `state_dict` returned, by this autotune or an older one (the reliefs
+        first: a pruned model's weights fit only a pruned model)."""
+        state = checkpoint_format.migrate(state)
+        self.load_tuning_state(state["tuning"])
+        core = state["core"]
+        self.ranks.load_model_state(self.model, self.core.optimizer, core["model"], core["optimizer"])
+        self.core.load_state_dict(core)
+        self.progress.load_state_dict(state["progress"])
+        set_rng_state(checkpoint_format.rank_rng(state, self.ranks.rank, self.ranks.world))
 
-    def load_tuning_state(self, state: dict[str, Any]) -> None:
-        """Restore what `tuning_state` returned."""
-        if state.get("reliefs"):
-            self.ladder.load_state_dict(state["reliefs"])
-        self.knobs.micro_batch_size = state["micro_batch_size"]
-        for name, value in state.get("counters", {}).items():
+    def load_tuning_state(self, tuning: dict[str, Any]) -> None:
+        """Restore what `tuning_state` returned (an older autotune's too)."""
+        tuning = checkpoint_format.migrate_tuning(tuning)
+        self.ladder.load_state_dict(tuning["reliefs"])
+        self.knobs.micro_batch_size = tuning["micro_batch_size"]
+        for name, value in tuning["counters"].items():
             setattr(self.progress, name, value)
-        if not self._batch_size_fixed and state.get("batch_size"):
-            self.knobs.batch_size = max(self.knobs.batch_size, state["batch_size"])
+        if not self._batch_size_fixed and tuning["batch_size"]:
+            self.knobs.batch_size = max(self.knobs.batch_size, tuning["batch_size"])
         self._sized = True
-        self.dispatcher.load_state_dict(state["policies"])
+        self.dispatcher.load_state_dict(tuning["policies"])
 
     def save_checkpoints_with(self, save: Callable[[str, bool], Path | None]) -> None:
         """Let `save(reason, report_failure)` (a bound method, held weakly: no reference cycle)

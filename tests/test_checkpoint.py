@@ -116,7 +116,7 @@ def test_the_end_checkpoint_is_written_behind_fit_with_the_state_fit_ended_with(
     state, path = loaded[0]
     assert path.name == "step-000000004.pt"
     for key, value in at_the_end.items():
-        assert torch.equal(state["model"][key], value)
+        assert torch.equal(state["core"]["model"][key], value)
     trainer.close()
     (record,) = [r for r in journal(tmp_path / "run") if r["kind"] == "checkpoint"]
     assert record["reason"] == "end" and record["background"] is True

@@ -58,7 +58,7 @@ def test_a_nan_batch_is_skipped_not_trained_and_no_checkpoint_is_nonfinite(tmp_p
     skipped = [r for r in records if r["kind"] == "nonfinite"]
     assert len(skipped) == 1 and skipped[0]["at_step"] == 6 and "skipped" in skipped[0]["action"]
     for path in kept_checkpoints(tmp_path):
-        assert not nonfinite_weights(torch.load(path, weights_only=True)["model"]), path
+        assert not nonfinite_weights(torch.load(path, weights_only=True)["core"]["model"]), path
     err = capfd.readouterr().err
     assert err.count("non-finite gradients (NaN or inf) at step 6: the optimizer step was skipped") == 1, err
 
@@ -73,7 +73,7 @@ def test_stop_on_nonfinite_checkpoints_the_last_finite_step_and_names_the_sample
     assert "step 5" in notes and "resume=True" in notes
     (path,) = kept_checkpoints(tmp_path)
     state = torch.load(path, weights_only=True)
-    assert state["step"] == 5 and not nonfinite_weights(state["model"])
+    assert state["progress"]["step"] == 5 and not nonfinite_weights(state["core"]["model"])
     t.close()
 
 
@@ -128,7 +128,7 @@ def test_a_corrupt_image_at_step_6_checkpoints_step_5_names_the_sample_and_resum
     assert "samples [160, " in notes and ", 170," in notes and "step 5" in notes
     t.close()
     (path,) = kept_checkpoints(tmp_path)
-    assert torch.load(path, weights_only=True)["step"] == 5
+    assert torch.load(path, weights_only=True)["progress"]["step"] == 5
     failed = [r for r in journal(tmp_path / "run") if r["kind"] == "fit_failed"]
     assert failed[-1]["checkpoint"] == str(path)
 
@@ -203,4 +203,4 @@ def test_a_dataloader_workers_error_checkpoints_first_too(tmp_path):
     t.close()
     assert "samples [160, " in "\n".join(caught.value.__notes__)
     (path,) = kept_checkpoints(tmp_path)
-    assert torch.load(path, weights_only=True)["step"] == 5
+    assert torch.load(path, weights_only=True)["progress"]["step"] == 5

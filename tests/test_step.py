@@ -220,7 +220,7 @@ def test_mixed_precision_runs_resume_exactly(tmp_path, precision):
     first.close()  # the end checkpoint is on disk once close() returns (written in the background)
     state = torch.load(next((tmp_path / "halves" / "checkpoints").glob("*.pt")), weights_only=True)
     if precision == "fp16":
-        assert state["grad_scaler"]["scale"] > 0  # the loss scale reached travels in the checkpoint
+        assert state["core"]["grad_scaler"]["scale"] > 0  # the loss scale reached travels in the checkpoint
     second, second_net = make("halves")
     second.fit(epochs=2, resume=True)
     assert_same(weights(second_net), weights(whole_net), rtol=0, atol=0)

@@ -209,13 +209,13 @@ class ReliefLadder:
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Make this (fresh) trainer's model and forward what they were when the checkpoint was
         written: the reliefs again, in order, and a pruned model pruned the same way."""
-        applied = [kind for kind in saved.get("applied", []) if kind != "pruning_unsafe"]  # written before 0.2
+        applied = list(saved["applied"])  # migrated: checkpoint_format.migrate_tuning
         if self.applied == applied:
             return  # this trainer is in that state already (resumed in the same process)
         if self.applied:
             raise ValueError(f"this trainer's model already has the reliefs {self.applied}, the checkpoint "
                              f"{applied}: resume into a fresh trainer built like the original one")
-        prunes = iter(saved.get("pruning", []))
+        prunes = iter(saved["pruning"])
         for kind in applied:
             if kind == "autocast":
                 self.core.enable_autocast()
@@ -230,8 +230,6 @@ class ReliefLadder:
                 rebind_scheduler(self.core.scheduler, self.core.optimizer)
                 self._history.append(entry)
             self.applied.append(kind)
-        self.pruned_fraction = saved.get("pruned_fraction", 0.0)
+        self.pruned_fraction = saved["pruned_fraction"]
         if any(kind != "autocast" for kind in applied):
             self.core.model_changed()
-        if self.core.scaler is not None and saved.get("grad_scaler"):
-            self.core.scaler.load_state_dict(saved["grad_scaler"])  # fp16: the loss scale it had reached

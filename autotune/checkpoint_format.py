@@ -1,0 +1,95 @@
+"""The layout of a checkpoint: one nested, versioned record, and `migrate` from every older layout.
+
+    {"format": 2,
+     "core":     {"model", "optimizer", "scheduler", "grad_scaler", "injector"}   # step.py + the weights
+     "tuning":   {"micro_batch_size", "batch_size", "reliefs", "policies", "counters"}   # Tuner.tuning_state
+     "progress": {"step", "epoch", "position", "batches_done", "samples_seen", "ooms"}   # progress.py
+     "rng":      this rank's random states (+ "loader": a caller's DataLoader's position),
+                 + "ranks": every rank's, in a checkpoint written under torchrun
+     "host":     the host's own part (AutoTrainer: "num_workers", "evaluation", "callbacks"; {} for a Tuner)}
+
+Each section has one writer; nobody merges dicts into one namespace, so no key can shadow another.
+`migrate` holds every compatibility rule: it takes any layout autotune has written (format 1, the
+flat dict of 0.x, with or without "counters"; format 2) and returns format 2 with every field
+present, so the loaders index plainly. A checkpoint from a newer autotune is an error that says so.
+An integration's own checkpoint holds the "tuning" section only: `migrate_tuning` is its rule.
+
+Owns the layout and its rules; touches nothing else (no torch, no files).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FORMAT = 2
+SECTIONS = ("core", "tuning", "progress", "rng", "host")
+PROGRESS_FIELDS = ("step", "epoch", "position", "batches_done", "samples_seen", "ooms")
+CORE_FIELDS = ("model", "optimizer", "scheduler", "grad_scaler", "injector")
+HOST_FIELDS = ("num_workers", "evaluation", "callbacks")  # AutoTrainer's, in format 1
+
+
+def build(*, core: dict[str, Any], tuning: dict[str, Any], progress: dict[str, Any], rng: dict[str, Any],
+          host: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A checkpoint of today's format from its sections (each from its one writer)."""
+    return {"format": FORMAT, "core": core, "tuning": tuning, "progress": progress, "rng": rng, "host": host or {}}
+
+
+def migrate(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` in today's format, whatever format autotune wrote it in (a new dict; the tensors
+    are shared, not copied). Raises ValueError for a format this version cannot read."""
+    if not isinstance(state, dict):
+        raise ValueError(f"a checkpoint is a dict, this one is a {type(state).__name__}")
+    version = state.get("format", 1)  # the first checkpoints wrote no format
+    if not isinstance(version, int) or version < 1:
+        raise ValueError(f"the checkpoint says format {version!r}: not one autotune writes")
+    if version > FORMAT:
+        raise ValueError(f"the checkpoint has format {version}, written by a newer autotune; this one reads "
+                         f"formats 1 to {FORMAT}: upgrade autotune to resume it")
+    if version == 1:
+        state = _from_format_1(state)
+    missing = [section for section in SECTIONS if section not in state]
+    if missing:
+        raise ValueError(f"the checkpoint (format {version}) has no {', '.join(missing)} section")
+    host = dict(state["host"])
+    if host.get("evaluation"):  # the evaluation's OOM policy state: "calm" and "since_failure" came later
+        host["evaluation"] = {"calm": 0, "since_failure": 0, **host["evaluation"]}
+    return {**state, "tuning": migrate_tuning(state["tuning"]), "host": host}
+
+
+def migrate_tuning(tuning: dict[str, Any]) -> dict[str, Any]:
+    """The "tuning" section (`Tuner.tuning_state`, what an integration's checkpoint holds) with
+    every field present."""
+    reliefs = dict(tuning.get("reliefs") or {})
+    # "pruning_unsafe" was a marker written before 0.2, not a relief that changed the model.
+    reliefs["applied"] = [kind for kind in reliefs.get("applied", []) if kind != "pruning_unsafe"]
+    reliefs.setdefault("pruning", [])
+    reliefs.setdefault("pruned_fraction", 0.0)
+    return {"micro_batch_size": tuning["micro_batch_size"], "batch_size": tuning.get("batch_size"),
+            "reliefs": reliefs, "policies": tuning.get("policies", {}), "counters": dict(tuning.get("counters", {}))}
+
+
+def _from_format_1(flat: dict[str, Any]) -> dict[str, Any]:
+    # Format 1: every owner's keys merged into one dict, every rank's random states beside them.
+    progress = {name: flat[name] for name in PROGRESS_FIELDS}
+    core = {"model": flat["model"], "optimizer": flat.get("optimizer"), "scheduler": flat.get("scheduler"),
+            "grad_scaler": flat.get("grad_scaler"), "injector": flat["injector"]}
+    counters = flat.get("counters", {"samples_seen": progress["samples_seen"], "ooms": progress["ooms"]})
+    tuning = {"micro_batch_size": flat["micro_batch_size"], "batch_size": flat.get("batch_size"),
+              "reliefs": flat.get("reliefs"), "policies": flat.get("policies", {}), "counters": counters}
+    rng = dict(flat["rng"])
+    if "rng_ranks" in flat:
+        rng["ranks"] = flat["rng_ranks"]
+    host = {name: flat[name] for name in HOST_FIELDS if name in flat}
+    return build(core=core, tuning=tuning, progress=progress, rng=rng, host=host)
+
+
+def rank_rng(state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """This rank's random states in a (migrated) checkpoint: every rank's is saved under torchrun;
+    a run alone takes rank 0's."""
+    rng = state["rng"]
+    ranks = rng.get("ranks")
+    if ranks is None or world == 1:
+        return {key: value for key, value in rng.items() if key != "ranks"}
+    if len(ranks) != world:
+        raise ValueError(f"the checkpoint was made by {len(ranks)} ranks, this job has {world}")
+    return ranks[rank]

@@ -1,0 +1,82 @@
+"""The checkpoint's layout (checkpoint_format.py): today's record, and every older one resumed
+through `migrate`. tests/checkpoints/format1-*.pt were written by eb37a61's code (the flat
+format 1; tests/checkpoints/make_format1.py says how): resumed today, they must end where a run
+that was never stopped ends."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotune import checkpoint_format
+from tests.checkpoints.common import STEPS, STOP_AT, CountSteps, batches, trainer, tuner
+
+KEPT = Path(__file__).parent / "checkpoints"
+
+
+def test_a_format_1_autotrainer_checkpoint_resumes_to_the_weights_of_an_unstopped_run(tmp_path):
+    with trainer(tmp_path / "whole") as whole:
+        expected = whole.fit(epochs=3, max_steps=STEPS)
+        expected_weights = {k: v.clone() for k, v in whole.model.state_dict().items()}
+        expected_lr = whole.optimizer.param_groups[0]["lr"]
+    counter = CountSteps()
+    with trainer(tmp_path / "resumed", counter) as resumed:
+        result = resumed.fit(epochs=3, max_steps=STEPS, resume=KEPT / "format1-autotrainer.pt")
+        for name, value in expected_weights.items():
+            torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=0, atol=0)
+        assert resumed.optimizer.param_groups[0]["lr"] == expected_lr  # the scheduler's state came along
+    assert result.samples_seen == expected.samples_seen == STEPS * 16 and result.steps == STEPS
+    assert counter.steps == STEPS  # the callback's state: 5 steps before, 7 after
+    assert result.metrics == expected.metrics
+
+
+def test_a_format_1_tuner_state_loads_into_a_tuner_and_trains_on_as_before(tmp_path):
+    with tuner(tmp_path / "whole") as whole:
+        for batch in batches():
+            whole.step(batch)
+        expected = {k: v.clone() for k, v in whole.model.state_dict().items()}
+    with tuner(tmp_path / "resumed") as resumed:
+        resumed.load_state_dict(torch.load(KEPT / "format1-tuner.pt", weights_only=True))
+        assert resumed.step_count == STOP_AT
+        for batch in batches()[STOP_AT:]:
+            resumed.step(batch)
+        for name, value in expected.items():
+            torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=0, atol=0)
+
+
+def test_todays_checkpoint_is_one_section_per_owner_and_migrates_to_itself(tmp_path):
+    with trainer(tmp_path / "run") as t:
+        t.fit(epochs=1, max_steps=2)
+        state = t.state_dict()
+    assert set(state) == {"format", *checkpoint_format.SECTIONS} and state["format"] == checkpoint_format.FORMAT
+    assert set(state["progress"]) == set(checkpoint_format.PROGRESS_FIELDS)
+    assert set(state["core"]) == set(checkpoint_format.CORE_FIELDS)
+    assert set(state["host"]) == set(checkpoint_format.HOST_FIELDS)
+    assert checkpoint_format.migrate(state) == state
+
+
+def test_format_1_migrates_to_the_same_record_today_writes():
+    old = torch.load(KEPT / "format1-autotrainer.pt", weights_only=True)
+    new = checkpoint_format.migrate(old)
+    assert new["format"] == 2 and new["progress"]["step"] == old["step"] == STOP_AT
+    assert new["core"]["model"] is old["model"] and new["tuning"]["policies"] is old["policies"]
+    assert new["tuning"]["counters"] == {"samples_seen": old["samples_seen"], "ooms": old["ooms"]}  # came later
+    assert new["host"]["evaluation"]["calm"] == old["evaluation"]["calm"]
+    assert checkpoint_format.migrate(new) == new
+
+
+def test_a_checkpoint_of_a_newer_format_is_an_error_that_says_so():
+    with pytest.raises(ValueError, match="format 3, written by a newer autotune; this one reads formats 1 to 2"):
+        checkpoint_format.migrate({"format": 3})
+    with pytest.raises(ValueError, match="no core, tuning"):
+        checkpoint_format.migrate({"format": 2, "progress": {}, "rng": {}, "host": {}})
+
+
+def test_a_format_1_run_of_two_ranks_keeps_every_ranks_random_state():
+    flat = torch.load(KEPT / "format1-tuner.pt", weights_only=True)
+    flat["rng_ranks"] = [{"rank": 0}, {"rank": 1}]
+    state = checkpoint_format.migrate(flat)
+    assert checkpoint_format.rank_rng(state, 1, 2) == {"rank": 1}
+    assert "ranks" not in checkpoint_format.rank_rng(state, 0, 1)  # alone: rank 0's own
+    with pytest.raises(ValueError, match="made by 2 ranks, this job has 3"):
+        checkpoint_format.rank_rng(state, 0, 3)
