@@ -375,7 +375,7 @@ class Checkpointer:
         its journal line says `background` and the seconds of taking it; a write that fails adds
         a `checkpoint_failed` line. A sharded model's checkpoint is written by every rank, and
         synchronously."""
-        sharded = self.ranks.sharded is not None
+        sharded = self.ranks.writes_shards
         try:
             if sharded and self.ranks.is_main:  # before the gather: no rank writes there yet
                 self.store.clear_unfinished(step)
@@ -470,7 +470,7 @@ class Checkpointer:
         """`load` the checkpoint at `path`, or (None) the newest that loads; none: say so, and the
         run starts fresh. A named one that does not load is an error naming it. `template`: the
         state now (`state_dict`), whose shards a sharded model's checkpoint is read into."""
-        template = template if self.ranks.sharded is not None else None
+        template = template if self.ranks.writes_shards else None
         if path is not None:
             if not path.exists():
                 raise FileNotFoundError(f"resume={str(path)!r}: no such checkpoint")

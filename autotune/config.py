@@ -177,6 +177,22 @@ def check_step_options(*, precision: Any, clip_grad_norm: Any, clip_grad_value: 
         raise ValueError(f"scheduler_interval={scheduler_interval!r}: pass 'step' or 'epoch'")
 
 
+def check_tuner_arguments(*, model: Any, loss_fn: Any, step_fn: Any, micro_batch_size: Any, batch_size: Any,
+                          memory_snapshot: Any, **step_options: Any) -> None:
+    """The arguments a Tuner (and so AutoTrainer, which builds one) takes: checked once, here."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if loss_fn is not None and step_fn is not None:
+        raise ValueError("pass one of loss_fn(outputs, targets) or step_fn(model, micro_batch), not both")
+    check_int("", "micro_batch_size", micro_batch_size, 1, optional=True)
+    check_int("", "batch_size", batch_size, 1, optional=True)
+    if not isinstance(memory_snapshot, bool):
+        check_int("", "memory_snapshot", memory_snapshot, 1)
+    if micro_batch_size is not None and batch_size is not None and micro_batch_size > batch_size:
+        raise ValueError(f"micro_batch_size ({micro_batch_size}) cannot exceed batch_size ({batch_size})")
+    check_step_options(**step_options)
+
+
 def check_evaluation(*, eval_dataset: Any, eval_every: Any, eval_batch_size: Any, metrics: Any,
                      scheduler_metric: Any, plateau: bool) -> None:
     """The evaluation arguments, and the metric a ReduceLROnPlateau watches."""

@@ -76,6 +76,29 @@ class Solo:
     def no_sync(self) -> ContextManager[Any]:
         return _NOTHING_TO_SYNC
 
+    # What the loop does the same way for every job, and each job answers for itself. Alone: the
+    # null answers. Under torchrun a sharded (FSDP2) model's ranks exchange inside forward and
+    # backward, so some answers differ there (Ranks, and sharded.py's ShardedSteps).
+    forwards_are_collective = False  # every rank must run as many forwards (sharded: they all-gather)
+    writes_shards = False  # a checkpoint is one file (sharded: a folder every rank writes its shards to)
+    sums_in_backward = False  # gradients are summed over ranks inside backward (sharded: reduce-scatter)
+    why_not_prunable: str | None = None  # why pruning cannot apply to this job's model (None: it can)
+
+    def same_size(self, micro_batch_size: int, n: int, step: int) -> int:
+        """The micro-batch to attempt a batch of `n` at (alone: this process's own)."""
+        return micro_batch_size
+
+    def micro_batch(self, last: bool) -> None:
+        """Before each micro-batch's backward (`last`: the batch's last one)."""
+
+    def check(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank, at a point every rank reaches together (alone: this one's)."""
+        return flag
+
+    def finite_everywhere(self, finite: bool, device: torch.device) -> bool:
+        """Whether the gradients are finite on every rank, given this rank's `finite` (alone: its own)."""
+        return finite
+
     def end_attempt(self, failed: bool, peer_failed: bool) -> bool:
         """After an attempt: whether another rank failed after this one's was done (alone: never)."""
         return False
@@ -144,6 +167,7 @@ class Ranks:
         self.ddp: nn.parallel.DistributedDataParallel | None = None
         self.bucket: GradientBucket | None = None
         self.sharded: ShardedSteps | None = None  # an FSDP2 model's checks and resets (sharded.py)
+        self.device = torch.device("cpu")  # this rank's device, once it joined the job
 
     def __repr__(self) -> str:
         return f"Ranks(rank={self.rank}, world={self.world}, local_rank={self.local_rank})"
@@ -159,6 +183,7 @@ class Ranks:
     def join(self, device: torch.device) -> None:
         """Join the process group torchrun describes, unless the caller already did: NCCL on CUDA, gloo on CPU.
         A group joined here is also left here, at exit."""
+        self.device = device  # where this rank's collectives' tensors go
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
@@ -189,7 +214,13 @@ class Ranks:
         no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters
                            else {"broadcast_buffers": False})
         self.ddp = ddp(model, **no_forward_sync, device_ids=[device.index] if device.type == "cuda" else None)
-        self.bucket = GradientBucket(model.parameters())
+        self.bucket_gradients(model.parameters())
+
+    def bucket_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
+        """Bind these parameters' gradients to flat buffers that `average_gradients` all-reduces:
+        for a model another framework wrapped in DDP (HF, Lightning), whose own gradient sync
+        autotune never reaches (its micro-batches run on the module inside the wrapper)."""
+        self.bucket = GradientBucket(parameters)
 
     def module(self, model: nn.Module) -> nn.Module:
         """The module to call in forward: the DDP wrapper (held only here, so it can be dropped at exit)."""
@@ -198,6 +229,34 @@ class Ranks:
     def no_sync(self) -> ContextManager[Any]:
         # DDP must not all-reduce inside backward: a rank may still fail.
         return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+
+    forwards_are_collective = property(lambda self: self.sharded is not None)
+    writes_shards = property(lambda self: self.sharded is not None)
+    sums_in_backward = property(lambda self: self.sharded is not None)
+
+    @property
+    def why_not_prunable(self) -> str | None:
+        if self.sharded is not None:
+            return ("the model is sharded with FSDP2: its parameters are shards that pruning cannot trace or cut "
+                    "(the cheaper reliefs, autocast and checkpointing, still apply)")
+        return None
+
+    def same_size(self, micro_batch_size: int, n: int, step: int) -> int:
+        # Sharded: rank 0's, before the attempt (every rank must make as many exchanges). Replicated:
+        # a rank may differ until the agreement after the attempt, which every rank then follows.
+        return self.sharded.same_size(micro_batch_size, n, step) if self.sharded is not None else micro_batch_size
+
+    def micro_batch(self, last: bool) -> None:
+        if self.sharded is not None:  # FSDP2 reduce-scatters in the batch's last backward only
+            self.sharded.micro_batch(last)
+
+    def check(self, flag: bool) -> bool:
+        # Sharded: one of the exchange checks (a rank broken inside an exchange answers there).
+        return self.sharded.check(flag) if self.sharded is not None else self.any(flag, self.device)
+
+    def finite_everywhere(self, finite: bool, device: torch.device) -> bool:
+        # Replicated, every rank holds the same averaged gradients; sharded, each its own shards.
+        return not self.any(not finite, device) if self.sharded is not None else finite
 
     def end_attempt(self, failed: bool, peer_failed: bool) -> bool:
         # Sharded: the attempt's last check (a rank that failed late meets it here).

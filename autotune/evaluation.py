@@ -77,7 +77,7 @@ class Evaluator:
         model.eval()
         try:
             with torch.no_grad():
-                if self.core.ranks.sharded is not None:
+                if self.core.ranks.forwards_are_collective:
                     samples = self._lockstep(self.loader(dataset), sums, outputs, step, epoch)
                 else:
                     for batch in self.loader(dataset):
@@ -142,7 +142,7 @@ class Evaluator:
         # A sharded model's evaluation, in rounds of one forward on every rank (module docstring).
         # Every rank halves and grows alike (its counters move in the same rounds), so the
         # micro-batch is the same everywhere without being agreed.
-        ranks, sharded, device = self.core.ranks, self.core.ranks.sharded, self.core.device
+        ranks, device = self.core.ranks, self.core.device
         batches, batch, n, done, samples, spare = iter(loader), None, 0, 0, 0, None
         started = False
         while True:
@@ -152,11 +152,11 @@ class Evaluator:
                 if batch is not None and spare is None:
                     spare = next(micro_batches(batch, 1, split_fn=self.core.split_fn))[0]
             if not started:  # the first round, on every rank: does every rank have a sample?
-                if sharded.check(spare is None):
+                if ranks.check(spare is None):
                     raise ValueError("evaluation of a sharded model needs a sample on every rank, and a rank's "
                                      f"share is empty: evaluate at least {ranks.world} samples")
                 started = True
-            if not sharded.check(done < n):  # no rank has samples left: one all-reduce, as the checks
+            if not ranks.check(done < n):  # no rank has samples left: one all-reduce, as the checks
                 return samples
             size, failed, peer_failed = self.micro_batch_size, None, False
             try:

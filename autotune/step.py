@@ -220,7 +220,7 @@ class StepCore:
                  ranks: Solo | Ranks, progress: Progress, keep_effective_batch: bool, inject_oom: float, seed: int,
                  precision: str = "fp32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
                  scheduler_interval: str = "step", compile: bool | dict[str, Any] = False,
-                 on_nonfinite: str = "skip"):
+                 on_nonfinite: str = "skip", backward_fn: Callable[[torch.Tensor], Any] | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.on_nonfinite = on_nonfinite
         # Optimizer steps not taken since the caller last looked: (step, why, by whom).
@@ -244,7 +244,7 @@ class StepCore:
                                            if self.compile_options is not None else None)
         self.compiled_model = self.compiled is not None or is_compiled(model)
         self.grad_norm: torch.Tensor | None = None  # the last step's gradient norm before clipping
-        self.backward_fn: Callable[[torch.Tensor], None] | None = None  # another trainer's (HF's accelerator)
+        self.backward_fn = backward_fn  # another trainer's (HF's accelerator, Lightning's precision plugin)
         # Called in an OOM's except block, while the failed step's tensors are alive: what they held
         # (the OOM breakdown) and the CUDA allocator's state are read there (the Tuner's).
         self.on_failure: Callable[[], None] | None = None
@@ -266,14 +266,12 @@ class StepCore:
         result = Attempt(None, done, Losses(additive=additive), started=time.perf_counter())
         if self.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
-        sharded = self.ranks.sharded
         seen = done
         try:
             with self.ranks.no_sync():
                 for micro, m in micro_batches(batch, size, start=done, split_fn=self.split_fn, total=n):
                     seen += m
-                    if sharded is not None:  # FSDP2 reduce-scatters in the batch's last backward only
-                        sharded.micro_batch(last=seen >= n)
+                    self.ranks.micro_batch(last=seen >= n)
                     inject = self._draw_injection(size)
                     if inject == "forward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
@@ -301,7 +299,7 @@ class StepCore:
                         if result.ref is None:
                             # Sharded, FSDP2 sums the ranks' gradients before anyone knows every
                             # rank's items: each weights by raw items (ref 1), divided after.
-                            result.ref = 1 if sharded is not None else _at_least_one(items * (n / m) if m != n else items)
+                            result.ref = 1 if self.ranks.sums_in_backward else _at_least_one(items * (n / m) if m != n else items)
                         self._backward(loss * (items / result.ref))
                         result.items = items if result.items is None else result.items + items
                     result.losses.parts.append((loss.detach(), weight))
@@ -414,10 +412,7 @@ class StepCore:
         check adds to a step. Sharded, every rank looks at its own shards and they agree."""
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        finite = not nonfinite(local)
-        if self.ranks.sharded is not None:
-            finite = not self.ranks.any(not finite, self.device)
-        return finite
+        return self.ranks.finite_everywhere(not nonfinite(local), self.device)
 
     def _skip(self, why: str, by: str) -> None:
         # The batch is consumed, not trained: no step, no samples counted, no scheduler step.

@@ -68,7 +68,7 @@ from autotune.callbacks import Callbacks
 from autotune import checkpoint_format
 from autotune.checkpoint import CheckpointDue, CheckpointFailed, Checkpointer, RankFailed
 from autotune.config import (OptimizerFactory, check_evaluation, check_run_limits, check_sample_layout,
-                             check_step_options, resolve_device, resolve_micro_batch)
+                             resolve_device, resolve_micro_batch)
 from autotune.data.pipeline import InputPipeline
 from autotune.distributed import from_environment
 from autotune.evaluation import Evaluator, Metric
@@ -80,7 +80,7 @@ from autotune.oom import ExchangeFailed, OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
 from autotune.progress import FitResult, Progress
-from autotune.snapshot import StepTiming
+from autotune.snapshot import InputState, StepTiming
 from autotune.step import LossFn, LossSum, StepFn, compile_count
 from autotune.tuner import Tuner
 from autotune.validate import check_int
@@ -189,14 +189,10 @@ class AutoTrainer:
                  eval_batch_size: int | None = None, metrics: Mapping[str, Metric] | None = None,
                  callbacks: Sequence[Any] | None = None, compile: bool | dict[str, Any] = False,
                  memory_snapshot: bool | int = False, shard: bool = False, on_nonfinite: str = "skip"):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("pass exactly one of loss_fn(outputs, targets) or step_fn(model, micro_batch)")
         check_run_limits(checkpoint_every=checkpoint_every, checkpoint_interval=checkpoint_interval,
                          keep_checkpoints=keep_checkpoints, seed=seed, monitor=monitor, monitor_interval=monitor_interval)
-        check_step_options(precision=precision, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                           scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
         self.callbacks = Callbacks(callbacks)
         ranks = from_environment()
         device = resolve_device(ranks.device_for(device, keep_effective_batch))
@@ -217,10 +213,8 @@ class AutoTrainer:
                            scheduler_interval=scheduler_interval, split_fn=split_fn, run_dir=run_dir,
                            monitor=monitor, monitor_interval=monitor_interval, tensorboard=tensorboard,
                            inject_oom=inject_oom, seed=seed, compile=compile, progress=progress, ranks=ranks,
-                           counters=self.progress, memory_snapshot=memory_snapshot, shard=shard,
+                           host=self, counters=self.progress, memory_snapshot=memory_snapshot, shard=shard,
                            on_nonfinite=on_nonfinite)
-        self.tuner.input_state = self.input.state
-        self.tuner.save_checkpoints_with(self._checkpoint)
         self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
         self.is_main = ranks.is_main
         self.core, self.knobs, self.log, self.journal = self.tuner.core, self.tuner.knobs, self.tuner.log, self.tuner.journal
@@ -247,8 +241,8 @@ class AutoTrainer:
         _counter, ("step", "epoch", "position", "batches_done", "ooms", "samples_seen"))
     optimizer = property(lambda self: self.core.optimizer, doc="the optimizer (rebuilt when pruning)")
     scheduler = property(lambda self: self.core.scheduler, doc="the LR scheduler, or None")
-    reliefs = property(lambda self: self.tuner.ladder.applied, doc="memory reliefs applied, in order")
-    monitor = property(lambda self: self.tuner.monitor_link.process, doc="the monitor process, while one runs")
+    reliefs = property(lambda self: self.tuner.reliefs, doc="memory reliefs applied, in order")
+    monitor = property(lambda self: self.tuner.monitor_process, doc="the monitor process, while one runs")
     demand = property(lambda self: self.tuner.demand, doc="the step's memory demand over the cap")
     loader = property(lambda self: self.input.loader, doc="the DataLoader in use now (rebuilt when a policy "
                                                           "changes workers or caching)")
@@ -279,7 +273,6 @@ class AutoTrainer:
         logger.info(f"training on {self.device}: batch {self.knobs.batch_size}, micro-batch "
                     f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
         compiles = compile_count() if self.core.compiled_model else 0
-        self._fire(Event.FIT_START)
         self.callbacks.fire("on_fit_start", self)
         self.log.open_bar(self.input.planned_batches(self.progress, epochs, max_steps, self.keep_effective_batch))
         # A full gc.collect() after an OOM walks every object torch and the user's code
@@ -297,19 +290,18 @@ class AutoTrainer:
             self.tuner.agree_on_micro_batch()  # the run ends at one micro-batch on every rank
             # Written in the background: fit returns while it is fsynced (close(), the next save or
             # load, and the interpreter's exit wait for it).
-            self._checkpoint("end" if self._stop_request is None else "stop_requested", background=True)
+            self.checkpoint_now("end" if self._stop_request is None else "stop_requested", background=True)
         except BaseException as exc:
             # On the record before it propagates, so a crashed run's journal says why it ended.
             saved = self._save_before_raising(exc) if isinstance(exc, Exception) else None
             self.journal.write("fit_failed", self.step, self.epoch, error=f"{type(exc).__name__}: {exc}"[:500],
                                samples_seen=self.samples_seen, **({"checkpoint": str(saved)} if saved else {}))
+            self.tuner.end(failed=True)
             raise
         finally:
             self.log.close_bar()
-            self.log.flush()
             if freeze:
                 gc.unfreeze()
-            self.tuner.monitor_link.stop(wait=False)  # signalled, not waited for (reaped later)
         wall = time.perf_counter() - started
         step_size = self.knobs.batch_size if self.keep_effective_batch else min(self.knobs.micro_batch_size,
                                                                                  self.knobs.batch_size)
@@ -318,12 +310,8 @@ class AutoTrainer:
                            wall_seconds=wall, run_dir=self.run_dir, metrics=dict(self.metrics),
                            stopped=self._stop_request)
         compiled = {"compiles": compile_count() - compiles} if self.core.compiled_model else {}
-        self.journal.write("fit_end", self.step, self.epoch, samples_seen=result.samples_seen, ooms=self.ooms,
-                           batch_size=result.batch_size, micro_batch_size=result.micro_batch_size,
-                           wall_seconds=wall, loss=epoch_loss, metrics=result.metrics, stopped=result.stopped,
-                           **compiled)
-        self.log.flush()
-        self._fire(Event.FIT_END)
+        self.tuner.end(batch_size=result.batch_size, wall_seconds=wall, loss=epoch_loss, metrics=result.metrics,
+                       stopped=result.stopped, **compiled)
         self.callbacks.fire("on_fit_end", self, result)
         return result
 
@@ -338,7 +326,7 @@ class AutoTrainer:
         try:
             metrics = self.evaluator.run(dataset, self.step, self.epoch)
         except OutOfMemory:
-            self._checkpoint("out_of_memory")  # the training so far survives the error
+            self.checkpoint_now("out_of_memory")  # the training so far survives the error
             raise
         self.metrics = metrics
         logger.info("evaluation at step {}: {}", self.step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
@@ -395,9 +383,9 @@ class AutoTrainer:
             self.progress.batches_done += 1
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
                                 retries=outcome.retries)
-            self.tuner.end_batch(timing, n, outcome)
+            self.tuner.after_batch(timing, n, outcome)
             for event in self.input.on_step(timing, n, self.journal, self.step, self.epoch,
-                                            profile=Event.IO_BOUND in self.tuner.dispatcher.events):
+                                            profile=self.tuner.listens(Event.IO_BOUND)):
                 self._fire(event, timing=timing)
             if self.knobs.loader_version != self._loader_version:  # a policy changed workers or caching
                 del batches  # its workers exit before the new loader's start
@@ -406,17 +394,17 @@ class AutoTrainer:
                 self.log.show(step_end, loss=lambda: f"{epoch_loss_sum.mean() or 0:.4f}",
                               micro=self.knobs.micro_batch_size,
                               mem=lambda: memory_text(self.device, self.knobs.memory_cap_bytes))
-            agreed = self.tuner.agreed
+            agreed = outcome.agreed
             if agreed.stop_signal:  # agreed by all ranks under torchrun
                 signum = agreed.stop_signal
-                raise self.checkpointer.preempted(signum, self._checkpoint(f"signal {signal.Signals(signum).name}"),
+                raise self.checkpointer.preempted(signum, self.checkpoint_now(f"signal {signal.Signals(signum).name}"),
                                                   self.progress)
             self.callbacks.fire("on_step_end", self)
             if isinstance(self.eval_every, int) and self.step % self.eval_every == 0:
                 self.evaluate()
             # After the step's callbacks and evaluation: a resume from this checkpoint has seen them.
             if agreed.checkpoint_due:
-                self._checkpoint("every" if agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
+                self.checkpoint_now("every" if agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
                 # Several failed in a row (a full disk): stop, every rank alike, rather than train unsaved.
                 self.checkpointer.raise_if_failing(self.ranks.any(self.checkpointer.failing, self.device))
             if self._stop_requested():
@@ -463,7 +451,7 @@ class AutoTrainer:
             exc.add_note("autotune: not checkpointed: this batch was already partly stepped on, and the newest "
                          f"checkpoint in {self.checkpointer.folder} is the one to resume from")
             return None
-        path = self._checkpoint("error")
+        path = self.checkpoint_now("error")
         if path is not None:
             exc.add_note(f"autotune: the training up to step {self.step} is in the checkpoint {path}; "
                          "fix the cause and continue with fit(..., resume=True)")
@@ -527,7 +515,10 @@ class AutoTrainer:
             self.evaluator.load_state_dict(host["evaluation"])
         self.callbacks.load_state_dict(host.get("callbacks", {}))
 
-    def _checkpoint(self, reason: str, report_failure: bool = True, background: bool = False) -> Path | None:
+    # ----------------------------------------------------------------------------- what a host lends its Tuner
+    def checkpoint_now(self, reason: str, report_failure: bool = True, background: bool = False) -> Path | None:
+        """Write a checkpoint of `state_dict()` now (`Host`: the Tuner asks before a relief and
+        before an OOM error; the loop, when one is due or the fit ends)."""
         try:
             return self.checkpointer.save(reason, self.state_dict, self.step, self.epoch,
                                           failure=self.core.failure if report_failure else None,
@@ -535,7 +526,10 @@ class AutoTrainer:
                                           samples_seen=self.samples_seen)
         except RankFailed as exc:  # another rank's optimizer step ran out of memory
             self.tuner.give_up_on_the_step(str(exc))
-            return None
+
+    def input_state(self) -> InputState:
+        """The input pipeline's figures (`Host`), for the policies' snapshots."""
+        return self.input.state()
 
 
 def _host_room(knobs: Any, device: torch.device) -> int | None:

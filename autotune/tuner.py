@@ -5,32 +5,25 @@
         for batch in loader:
             loss = tuner.step(batch, step_fn)   # split, retry the same batch on OOM, accumulate, step
 
-One batch, and where each `Event` fires (AutoTrainer's loop around it is in trainer.py)::
-
-    step(batch):
-      measured = cadence says so (cadence.py)       # a changing run: every batch; steady: 1 in 32
-      while the batch is not done:                  # retry the same batch until it fits
-        measured: the step's peak memory from here (memory.py's StepDemand)
-        sharded (FSDP2): every rank takes rank 0's micro-batch first (sharded.py)
-        attempt (step.py): forward/backward per micro-batch; except OOM: note the size
-          (sharded: a check before each FSDP2 exchange; another rank's failure stops this one there)
-        agree (distributed.py): one small all-reduce under torchrun, failed or not
-        no failure: reduce gradients; unscale, clip; optimizer.step(); zero_grad()
-        failure: zero_grad, free memory             OOM -> policies -> e.g. SetMicroBatch(n // 2)
-          at the smallest size: a relief if a policy asked (checkpoint first), else
-          checkpoint and raise autotune.OutOfMemory with the figures; the retry is measured
-                                                    BATCH_END
-      measured: the step's need and room            BATCH_MEASURED
-      a relief a policy asked for; monitor samples  MEMORY_HIGH | MEMORY_PRESSURE
+Where each `Event` fires in one batch, and around it in AutoTrainer's loop: the one picture, in
+events.py.
 
 `accumulate(batch, step_fn)` is the same attempt without the optimizer step, for a trainer
 that steps its own optimizer (the Hugging Face and Lightning integrations): gradients already
 accumulated from earlier batches are set aside during the attempt and added back after it, so
 a retry never loses or doubles them.
 
-Owns: the step core, OOM recovery, the knobs and the policies' dispatcher, the run log, the
-monitor link, the relief ladder. The data, epochs, evaluation and scheduled checkpoints are
-the caller's (AutoTrainer's, or your loop's); `state_dict()` is what your checkpoints keep.
+Two faces. Yours (a custom loop): `step`, `accumulate`, `step_scheduler`, `state_dict` /
+`load_state_dict`, `close`, and the read-only figures (`step_count`, `micro_batch_size`, ...).
+A host's (AutoTrainer, the HF and Lightning integrations): one run lifecycle, `begin`,
+`train_batch`, `after_batch`, `end`, with `fire`, `listens`, `carry_out`, `checkpoint`,
+`give_up_on_the_step`, `average_gradients`, `agree_on_micro_batch`, `tuning_state` /
+`load_tuning_state`, and the parts a host reads (`HOST_PARTS`). What a host lends the Tuner is a
+`Host`, passed at construction. `HOST_FACE` names all of it; tests/test_faces.py holds the hosts to it.
+
+Owns: the step core, the knobs and the policies' dispatcher, the run log, the monitor link, the
+relief ladder, OOM recovery (recovery.py). The data, epochs, evaluation and scheduled checkpoints
+are the host's (AutoTrainer's, or your loop's); `state_dict()` is what your checkpoints keep.
 """
 
 from __future__ import annotations
@@ -41,36 +34,33 @@ import functools
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from autotune.actions import Relief
 from autotune.batching import SplitFn, batch_len
-from autotune.breakdown import describe_breakdown, gradient_bytes, oom_breakdown
 from autotune.cadence import MeasureCadence
 from autotune import checkpoint_format
 from autotune.checkpoint import Checkpointer, RankFailed, rng_state, set_rng_state
-from autotune.config import (OptimizerFactory, check_step_options, injection_rate, make_optimizer, make_scheduler,
+from autotune.config import (OptimizerFactory, check_tuner_arguments, injection_rate, make_optimizer, make_scheduler,
                              resolve_device, resolve_memory_cap)
 from autotune.dispatch import Dispatcher
 from autotune.distributed import Agreement, Ranks, Solo, from_environment
 from autotune.events import Event
 from autotune.journal import RunLog
 from autotune.knobs import Knobs
-from autotune.memory import StepDemand, describe_memory, free_memory, warm_up_oom_path
+from autotune.memory import StepDemand, warm_up_oom_path
 from autotune.memory_history import AllocationHistory
 from autotune.monitor.link import MonitorLink
-from autotune.notices import warn
-from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.presets import resolve_policies
 from autotune.progress import Progress
+from autotune.recovery import OOMRecovery, read_at_failure
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
 from autotune.snapshot import InputState, Snapshot, StepTiming
 from autotune.step import Attempt, LossFn, Losses, StepCore, StepFn
-from autotune.validate import check_int
 
 
 @dataclasses.dataclass
@@ -80,6 +70,7 @@ class BatchOutcome:
     retries: int  # OOMs survived on it
     losses: Losses  # its kept micro-batches' losses, combined when read
     device: torch.device
+    agreed: Agreement | None = None  # its last attempt's agreement (a stop signal, a checkpoint due)
 
     @property
     def weight(self) -> Any:
@@ -94,6 +85,18 @@ class BatchOutcome:
     def mean_loss(self) -> torch.Tensor:
         """The batch's mean loss (0-d, on the device; no op when the batch ran in one piece)."""
         return self.losses.mean(self.device)
+
+
+class Host(Protocol):
+    """What a host (AutoTrainer, an integration) lends the Tuner it drives, held weakly (the host
+    holds the Tuner, not the other way round). Without one, the Tuner checkpoints `state_dict()`
+    into run_dir/checkpoints itself and knows nothing of the input."""
+
+    def checkpoint_now(self, reason: str, report_failure: bool = True) -> Path | None:
+        """Write a checkpoint now (before a relief, before an OOM error); its path, or None."""
+
+    def input_state(self) -> InputState | None:
+        """The input pipeline's figures, for the policies' snapshots (None: not known)."""
 
 
 def default_run_dir(ranks: Solo | Ranks) -> Path:
@@ -128,9 +131,20 @@ class Tuner:
             the check costs one host sync a step. With fp16, the scaler's own skips are journaled.
         owns_optimizer: False where another trainer steps the optimizer and wraps the model
             (HF, Lightning): no optimizer here, no DDP wrapper; use `accumulate`.
-        progress: a tqdm bar (AutoTrainer's); ranks, counters: AutoTrainer's and the
-            integrations' (the job they joined, the counters they share).
+        progress: a tqdm bar (AutoTrainer's).
+        host, ranks, counters, backward_fn: a host's (AutoTrainer's, an integration's): what it
+            lends (`Host`), the job it joined, the counters it owns and shares, and the backward
+            its framework makes (default `loss.backward()`).
     """
+
+    # The host face (module docstring): the lifecycle and the parts a host reads. A host uses
+    # nothing else of a Tuner (tests/test_faces.py); the user's face is the rest of the public names.
+    HOST_PARTS = ("core", "knobs", "log", "journal", "ranks", "progress", "demand", "model", "device", "run_dir",
+                  "monitor_process")
+    HOST_FACE = ("begin", "train_batch", "after_batch", "end", "fire", "listens", "carry_out", "checkpoint",
+                 "give_up_on_the_step", "average_gradients", "agree_on_micro_batch", "tuning_state",
+                 "load_tuning_state", "state_dict", "load_state_dict", "accumulate", "micro_batch_size", "reliefs",
+                 "close", *HOST_PARTS)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, *,
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None, scheduler: Any = None,
@@ -142,20 +156,13 @@ class Tuner:
                  monitor: bool = True, monitor_interval: float = 0.5, tensorboard: bool | str | Path = False,
                  inject_oom: float | None = None, seed: int = 0, compile: bool | dict[str, Any] = False,
                  reliefs: bool = True, progress: bool = False, owns_optimizer: bool = True,
-                 ranks: Solo | Ranks | None = None, counters: Progress | None = None,
+                 host: Host | None = None, ranks: Solo | Ranks | None = None, counters: Progress | None = None,
+                 backward_fn: Callable[[torch.Tensor], Any] | None = None,
                  memory_snapshot: bool | int = False, shard: bool = False, on_nonfinite: str = "skip"):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if loss_fn is not None and step_fn is not None:
-            raise ValueError("pass one of loss_fn(outputs, targets) or step_fn(model, micro_batch), not both")
-        check_int("", "micro_batch_size", micro_batch_size, 1, optional=True)
-        check_int("", "batch_size", batch_size, 1, optional=True)
-        if not isinstance(memory_snapshot, bool):
-            check_int("", "memory_snapshot", memory_snapshot, 1)
-        if micro_batch_size is not None and batch_size is not None and micro_batch_size > batch_size:
-            raise ValueError(f"micro_batch_size ({micro_batch_size}) cannot exceed batch_size ({batch_size})")
-        check_step_options(precision=precision, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                           scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
+        check_tuner_arguments(model=model, loss_fn=loss_fn, step_fn=step_fn, micro_batch_size=micro_batch_size,
+                              batch_size=batch_size, memory_snapshot=memory_snapshot, precision=precision,
+                              clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
+                              scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
         self.ranks = ranks if ranks is not None else from_environment()
         self.device = resolve_device(self.ranks.device_for(device, keep_effective_batch))
         if ranks is None:  # ranks given: the caller joined the job
@@ -177,6 +184,7 @@ class Tuner:
         self.progress = counters if counters is not None else Progress()
         self.core = StepCore(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
                              loss_fn=loss_fn, step_fn=step_fn, split_fn=split_fn, device=self.device,
+                             backward_fn=backward_fn,
                              ranks=self.ranks, progress=self.progress, keep_effective_batch=keep_effective_batch,
                              inject_oom=injection_rate(inject_oom), seed=seed, precision=precision,
                              clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
@@ -194,22 +202,20 @@ class Tuner:
                                         interval=monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
                                         journal=self.journal)
         self.demand = StepDemand(self.device, self.knobs.memory_cap_bytes)
+        self.recovery = OOMRecovery(self.model, self.core, self.demand, self.history, self.journal, self.progress,
+                                    self.run_dir)
         self.cadence = MeasureCadence()
         self.measured = False  # whether the last batch was measured (its demand read, BATCH_MEASURED fired)
         self.allocator = None  # the last step's allocator figures (CUDA)
-        self.agreed: Agreement | None = None  # the last attempt's agreement
         self.last_good_micro: int | None = None
-        # What the caller adds to snapshots, and who writes checkpoints: AutoTrainer sets both.
-        self.input_state: Callable[[], InputState | None] = _no_input
-        self._save: weakref.WeakMethod | None = None
-        self._checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=3, every=None, interval=None,
-                                          ranks=self.ranks, journal=self.journal)
+        self._host = weakref.ref(host) if host is not None else None
+        # A host writes its own checkpoints; alone, the Tuner writes state_dict() into run_dir/checkpoints.
+        self._checkpointer = None if host is not None else Checkpointer(
+            self.run_dir / "checkpoints", keep=3, every=None, interval=None, ranks=self.ranks, journal=self.journal)
         # The demand's and the history's, not ours: no reference cycle
-        self.core.on_failure = functools.partial(_read_at_failure, self.demand, self.history, self.model, self.device)
-        self.last_snapshot: dict[str, Any] | None = None  # the allocator's state at the last OOM: path, sites
-        self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
+        self.core.on_failure = functools.partial(read_at_failure, self.demand, self.history, self.model, self.device)
         self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"
-        self._started = False  # the standalone run's start is journaled on the first step
+        self._started = False  # between begin() and end(): a run of steps, journaled as fit_start ... fit_end
         self._holding = False  # gradients of earlier batches set aside during this one (train_batch)
         self._last_step_end: float | None = None
         self._closed = False
@@ -221,6 +227,7 @@ class Tuner:
     optimizer = property(lambda self: self.core.optimizer, doc="the optimizer (rebuilt when pruning)")
     scheduler = property(lambda self: self.core.scheduler, doc="the LR scheduler, or None")
     reliefs = property(lambda self: self.ladder.applied, doc="memory reliefs applied, in order")
+    monitor_process = property(lambda self: self.monitor_link.process, doc="the monitor process, while one runs")
 
     # ------------------------------------------------------------------------- your loop
     def step(self, batch: Any, step_fn: StepFn | None = None, *, loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -237,7 +244,7 @@ class Tuner:
         # through an optimizer wrapper's zero_grad (Accelerate's skips it between sync steps).
         held = set_aside_gradients(self.model) if self.keep_effective_batch else None
         outcome = self.train_batch(batch, n, held=held)
-        self._end_own_batch(n, outcome)
+        self._after_own_batch(n, outcome)
         return outcome.mean_loss()
 
     def accumulate(self, batch: Any, step_fn: StepFn, *, n: int | None = None) -> BatchOutcome:
@@ -251,15 +258,15 @@ class Tuner:
         outcome = self.train_batch(batch, n, optimizer_step=False, held=held)
         add_gradients(held)
         self.progress.samples_seen += n * self.ranks.world
-        self._end_own_batch(n, outcome)
+        self._after_own_batch(n, outcome)
         return outcome
 
-    def _end_own_batch(self, n: int, outcome: BatchOutcome) -> None:
+    def _after_own_batch(self, n: int, outcome: BatchOutcome) -> None:
         # Without a loader of our own, a step's time runs from the last one's end (data wait unknown: 0).
         now = time.perf_counter()
         timing = StepTiming(step_seconds=now - self._last_step_end, data_wait_seconds=0.0, retries=outcome.retries)
         self._last_step_end = now
-        self.end_batch(timing, n, outcome)
+        self.after_batch(timing, n, outcome)
 
     def step_scheduler(self, metric: float | None = None) -> None:
         """Step the scheduler yourself (scheduler_interval="epoch"; a ReduceLROnPlateau's metric)."""
@@ -283,18 +290,15 @@ class Tuner:
             self._sized = True
         elif n > self.knobs.batch_size and not self._batch_size_fixed:
             self.knobs.batch_size = n  # the micro-batch may grow up to the largest batch seen
-        if not self._started:
-            self._start_standalone()
+        if not self._started:  # your loop's (or an integration's) run starts at its first batch
+            self.begin(batch_size=self.knobs.batch_size, tuner=True)
         return n
 
-    def _start_standalone(self) -> None:
-        self._started = True
-        self.begin(batch_size=self.knobs.batch_size, tuner=True)
-        self.fire(Event.FIT_START)
-
+    # ------------------------------------------------------------------------- a host's run
     def begin(self, **fit_start: Any) -> None:
         """Before the first batch of a run: the OOM path warmed up, the run's start journaled
-        (with the caller's `fit_start` fields), the monitor started."""
+        (with the host's `fit_start` fields), the monitor started, FIT_START."""
+        self._started = True
         warm_up_oom_path(self.device, self.knobs.memory_cap_bytes)
         self.core.zero_grad()
         self.demand.measure_room()
@@ -307,6 +311,7 @@ class Tuner:
         if self.history is not None:
             self.history.start()
         self._last_step_end = time.perf_counter()
+        self.fire(Event.FIT_START)
 
     # ------------------------------------------------------------------------- one batch
     def train_batch(self, batch: Any, n: int, *, optimizer_step: bool = True,
@@ -330,8 +335,7 @@ class Tuner:
             if measured:
                 self.demand.start(self.knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
                 rebase = False
-            if self.ranks.sharded is not None:
-                self.knobs.follow(self.ranks.sharded.same_size(self.knobs.micro_batch_size, n, self.step_count))
+            self.knobs.follow(self.ranks.same_size(self.knobs.micro_batch_size, n, self.step_count))
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
             # Sharded, a rank that cannot go on (its optimizer step failed) ran no exchange: it says
             # "failed" at the others' first check, and the agreement then stops every rank.
@@ -341,7 +345,7 @@ class Tuner:
             done = attempt.done
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
             # rank that ran out of memory.
-            agreed = self.agreed = self.ranks.agree(Agreement(
+            agreed = self.ranks.agree(Agreement(
                 failed_size=attempt.failed_size, micro_batch_size=self.knobs.micro_batch_size,
                 relief=self.ranks.offer_relief(self.knobs), fatal=self.core.failure,
                 **(proposal() if proposal is not None else {})), self.device)
@@ -382,49 +386,17 @@ class Tuner:
             measured = self.measured = True  # the retry is measured, whatever the cadence said
             rebase = False  # the room was measured after the clean-up
         if self.core.skipped:
-            self._report_skipped(losses)
+            self.recovery.report_skipped(losses, self.keep_effective_batch)
         self.last_good_micro = self.knobs.micro_batch_size
         cadence.done(measured, self.demand.finish() if measured else None)
-        return BatchOutcome(len(tried), losses if losses is not None else Losses(additive=additive), self.device)
-
-    def _report_skipped(self, losses: Losses | None) -> None:
-        """Journal the optimizer steps not taken on non-finite gradients, and tell the user once."""
-        for step, why, by in self.core.skipped:
-            self.journal.write("nonfinite", self.step_count, self.progress.epoch, at_step=step, error=why,
-                               action=f"optimizer step skipped by {by}")
-            warn(f"{why} at step {step}: the optimizer step was skipped by {by} (its samples are not counted as "
-                 "trained; every one is in the run's journal)", key=f"nonfinite {by} {self.run_dir}")
-        self.core.skipped.clear()
-        if losses is not None and self.keep_effective_batch:
-            losses.parts.clear()  # a skipped batch's loss is not the epoch's
+        return BatchOutcome(len(tried), losses if losses is not None else Losses(additive=additive), self.device,
+                            agreed)
 
     def _recover_from_oom(self, failed_size: int, tried: list[int], attempt: Attempt) -> None:
-        """Free what the failed attempt held, tell the policies, and give up if none helped."""
-        self.ranks.reset_after_failure()  # sharded: FSDP2's state as before the attempt
-        # Partial gradients of the failed batch must not leak into the retry.
-        if self._holding:
-            drop_gradients(self.model)  # the held ones are set aside: only the attempt's are on the parameters
-        else:
-            self.core.zero_grad()
-        free_memory(self.device)
-        held, gradients, cached = self.demand.take_failure()
-        self.last_breakdown = None if attempt.injected else oom_breakdown(
-            self.model, self.core.optimizer, self.device, held_at_start=self.demand.held_at_start,
-            held_at_failure=held, gradients_at_failure=gradients, cap=self.demand.binding_cap,
-            measure=self.demand.measure, allocator_cache=cached,
-            outside_torch=self.demand.others_bytes)
-        self.last_snapshot = self.history.write(self.run_dir, self.step_count) if self.history is not None else None
-        self.demand.measure_room()  # what is in use after the clean-up, against the cap now
+        """Clean up and record the failed attempt (recovery.py), ask the policies, and go on with
+        what rank 0 decided: a smaller micro-batch, or at the smallest a relief; else give up."""
+        self.recovery.clean_up(failed_size, attempt, holding=self._holding)
         self.cadence.changed()
-        self.progress.ooms += 1
-        lost = time.perf_counter() - attempt.started  # the failed work and the clean-up: what the OOM cost
-        self.journal.write("oom", self.step_count, self.progress.epoch, micro_batch_size=failed_size,
-                           device=str(self.device), message=attempt.message, injected=attempt.injected,
-                           lost_seconds=round(lost, 4), ooms=self.ooms, breakdown=self.last_breakdown,
-                           **({"memory_snapshot": self.last_snapshot} if self.last_snapshot else {}))
-        # One line per size that failed (the journal has every OOM): a user sees it was survived.
-        warn(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch at a smaller "
-             "micro-batch (every OOM is in the run's journal)", key=f"oom {failed_size} {self.run_dir}")
         self.fire(Event.OOM, failed_micro_batch=failed_size, force=True)
         # Every rank's next move is rank 0's: the size to retry at, and any relief first.
         micro, relief = self.ranks.follow_rank0(self.knobs.micro_batch_size, self.ranks.offer_relief(self.knobs),
@@ -446,29 +418,18 @@ class Tuner:
                 self.checkpoint("before_relief")
             if self.carry_out(relief):
                 return  # the same batch again, with the relief
-        memory = describe_memory(self.device)
-        if self.last_breakdown is not None:
-            memory += f"; at the failure: {describe_breakdown(self.last_breakdown)}"
-        self.journal.write("out_of_memory", self.step_count, self.progress.epoch, micro_batch_size=failed_size,
-                           device=str(self.device), tried=tried, memory=memory, breakdown=self.last_breakdown)
-        self.checkpoint("out_of_memory")  # the progress so far survives the error
-        raise OutOfMemory(
-            f"out of memory on {self.device} even at micro-batch {failed_size} "
-            f"(sizes tried on this batch: {', '.join(map(str, tried))}); no policy could make more room. "
-            f"Memory: {memory}. Last error: {attempt.message}")
+        self.recovery.give_up(failed_size, tried, attempt, self.checkpoint)
 
-    def give_up_on_the_step(self, why: str) -> None:
+    def give_up_on_the_step(self, why: str) -> NoReturn:
         """The optimizer step ran out of memory (on this rank or another): checkpoint, raise."""
-        # A smaller micro-batch cannot help an optimizer state that does not fit. Every rank
-        # knows by now (alone at once; under torchrun through an agreement or a gather).
-        memory = describe_memory(self.device)
-        self.journal.write("out_of_memory", self.step_count, self.progress.epoch, phase="optimizer_step",
-                           device=str(self.device), memory=memory, error=why)
-        self.checkpoint("out_of_memory", report_failure=False)  # the weights may hold part of the failed step
-        raise OutOfMemory(f"out of memory on {self.device} in optimizer.step(): the optimizer state does not fit, "
-                          f"whatever the micro-batch. Memory: {memory}. {why}")
+        self.recovery.give_up_on_the_step(why, self.checkpoint)
 
-    def end_batch(self, timing: StepTiming, n: int, outcome: BatchOutcome) -> None:
+    def average_gradients(self) -> None:
+        """Average the gradients over the ranks now (alone: nothing): an integration's, on the
+        batch after which its framework clips and steps."""
+        self.ranks.average_gradients()
+
+    def after_batch(self, timing: StepTiming, n: int, outcome: BatchOutcome) -> None:
         """After a batch: its figures logged, BATCH_END, BATCH_MEASURED (a measured batch: see
         cadence.py), an agreed relief carried out, and what the monitor's samples show
         (MEMORY_HIGH, MEMORY_PRESSURE) sent to the policies."""
@@ -514,6 +475,10 @@ class Tuner:
             self.cadence.changed()
         return applied
 
+    def listens(self, event: Event) -> bool:
+        """Whether a policy subscribed to `event` (a host skips the work of one nobody hears)."""
+        return event in self.dispatcher.events
+
     def fire(self, event: Event, failed_micro_batch: int | None = None, timing: StepTiming | None = None,
              force: bool = False) -> None:
         """Tell the policies subscribed to `event`, with a snapshot of the run now."""
@@ -527,7 +492,7 @@ class Tuner:
             last_good_micro_batch=self.last_good_micro, step_demand=self.demand.last,
             step_memory=self.demand.last_memory, ooms=self.ooms,
             sample=self.monitor_link.latest(fresh=event is Event.OOM), window=tuple(self.monitor_link.window),
-            allocator=self.allocator, timing=timing, input=self.input_state(), reliefs=tuple(self.ladder.applied),
+            allocator=self.allocator, timing=timing, input=self._input_state(), reliefs=tuple(self.ladder.applied),
             last_relief_step=self.ladder.last_step, pruned_fraction=self.ladder.pruned_fraction))
 
     # ------------------------------------------------------------------------- state
@@ -574,23 +539,21 @@ class Tuner:
         self._sized = True
         self.dispatcher.load_state_dict(tuning["policies"])
 
-    def save_checkpoints_with(self, save: Callable[[str, bool], Path | None]) -> None:
-        """Let `save(reason, report_failure)` (a bound method, held weakly: no reference cycle)
-        write the checkpoints before a relief or an OOM error; AutoTrainer's saves its data position too."""
-        self._save = weakref.WeakMethod(save)
-
     def checkpoint(self, reason: str, report_failure: bool = True) -> Path | None:
-        """A checkpoint now (before a relief, before an OOM error): the caller's, or, standalone,
+        """A checkpoint now (before a relief, before an OOM error): the host's, or, without one,
         `state_dict()` in run_dir/checkpoints."""
-        save = self._save() if self._save is not None else None
-        if save is not None:
-            return save(reason, report_failure)
+        if self._host is not None:
+            host = self._host()
+            return host.checkpoint_now(reason, report_failure) if host is not None else None
         try:
             return self._checkpointer.save(reason, self.state_dict, self.step_count, self.progress.epoch,
                                            failure=self.core.failure if report_failure else None)
         except RankFailed as exc:  # another rank's optimizer step ran out of memory
             self.give_up_on_the_step(str(exc))
-            return None
+
+    def _input_state(self) -> InputState | None:
+        host = self._host() if self._host is not None else None
+        return host.input_state() if host is not None else None
 
     # ------------------------------------------------------------------------- the end
     def agree_on_micro_batch(self) -> int:
@@ -600,16 +563,20 @@ class Tuner:
         self.knobs.follow(self.ranks.follow_rank0(self.knobs.micro_batch_size, None, self.device)[0])
         return self.knobs.micro_batch_size
 
-    def end(self) -> None:
-        """The end of a run of steps (journaled as `fit_end`; the monitor stops). A later step
-        starts a new run in the same journal."""
+    def end(self, failed: bool = False, **fit_end: Any) -> None:
+        """The end of a run of steps: journaled as `fit_end` (with the host's `fit_end` fields;
+        none: a Tuner's own run, marked `tuner`), FIT_END, the monitor stopped. `failed`: the host
+        journaled why its run ended (`fit_failed`), so no `fit_end` and no FIT_END. A later
+        batch starts a new run in the same journal."""
         if not self._started:
             return
         self._started = False
-        self.journal.write("fit_end", self.step_count, self.progress.epoch, samples_seen=self.samples_seen,
-                           ooms=self.ooms, micro_batch_size=self.knobs.micro_batch_size, tuner=True)
-        self.fire(Event.FIT_END)
-        self.monitor_link.stop(wait=False)
+        if not failed:
+            self.journal.write("fit_end", self.step_count, self.progress.epoch, samples_seen=self.samples_seen,
+                               ooms=self.ooms, micro_batch_size=self.knobs.micro_batch_size,
+                               **(fit_end or {"tuner": True}))
+            self.fire(Event.FIT_END)
+        self.monitor_link.stop(wait=False)  # signalled, not waited for (reaped at close)
         self.log.flush()
 
     def close(self) -> None:
@@ -642,27 +609,9 @@ def set_aside_gradients(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tens
     return held
 
 
-def drop_gradients(model: nn.Module) -> None:
-    """Every parameter's gradient gone (`.grad = None`), whatever the optimizer's zero_grad would do."""
-    for p in model.parameters():
-        p.grad = None
-
-
 def add_gradients(held: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
     """Add gradients `set_aside_gradients` took onto what the parameters hold now (or put them back)."""
     for p, grad in held:
         if p.grad is not None:
             grad.add_(p.grad)  # into the held tensor: views of it elsewhere (a bucket) stay bound
         p.grad = grad
-
-
-def _no_input() -> None:
-    return None
-
-
-def _read_at_failure(demand: StepDemand, history: AllocationHistory | None, model: nn.Module,
-                     device: torch.device) -> None:
-    # In the failed step's except block, while its tensors are alive (StepCore.on_failure).
-    demand.note_failure(gradient_bytes(model, device))
-    if history is not None:
-        history.take_at_failure()

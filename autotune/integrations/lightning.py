@@ -42,8 +42,9 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from autotune.batching import batch_len
-from autotune.distributed import GradientBucket, Ranks, Solo
+from autotune.distributed import Ranks, Solo
 from autotune.evaluation import Evaluator
+from autotune.progress import Progress
 from autotune.tuner import Tuner, add_gradients, set_aside_gradients
 
 STATE_KEY = "autotune"
@@ -58,6 +59,7 @@ class _TunedSteps:
         self.tuner_options = dict(tuner_options or {})
         self.tuner = None
         self._pending_state: dict[str, Any] | None = None
+        self._counters = Progress()  # Lightning's step and epoch, shared with the Tuner
         self._computed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # training_step's gradients
         self._evaluator: Evaluator | None = None  # validation/test/predict's own micro-batch
 
@@ -78,13 +80,12 @@ class _TunedSteps:
         ranks = self._ranks()
         run_dir = ranks.broadcast_object(str(trainer.log_dir or trainer.default_root_dir))
         tuner = Tuner(module, device=self.root_device, run_dir=Path(run_dir), owns_optimizer=False, reliefs=False,
-                      ranks=ranks, **self.tuner_options)
+                      ranks=ranks, counters=self._counters, backward_fn=self._micro_backward, **self.tuner_options)
         if self._pending_state is not None:
             tuner.load_tuning_state(self._pending_state)
             tuner.journal.write("resume", trainer.global_step, trainer.current_epoch, found=True,
                                 micro_batch_size=tuner.micro_batch_size)
             self._pending_state = None
-        tuner.core.backward_fn = self._micro_backward
         return tuner
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -102,7 +103,7 @@ class _TunedSteps:
 
         def micro_loss(_: torch.nn.Module, micro: Any) -> torch.Tensor:
             # A failed attempt's logs are dropped: each call is tagged with the OOMs survived so far.
-            with logs.piece(batch_len(micro), attempt=self.tuner.progress.ooms):
+            with logs.piece(batch_len(micro), attempt=self._counters.ooms):
                 out = module.training_step(micro, *rest, **kwargs)
             loss = out["loss"] if isinstance(out, Mapping) else out
             if not isinstance(loss, torch.Tensor):
@@ -112,15 +113,14 @@ class _TunedSteps:
                 extras.update((k, v) for k, v in out.items() if k != "loss")
             return loss * (batch_len(micro) / n * scale)
 
-        self.tuner.progress.step = trainer.global_step
-        self.tuner.progress.epoch = trainer.current_epoch
+        self._counters.step, self._counters.epoch = trainer.global_step, trainer.current_epoch
         # Lightning zeroes gradients after training_step, before backward (on an optimizer step's
         # first batch): the batch's gradients are computed apart from those already there, and
         # added to them where Lightning then calls backward (below), as a plain backward would.
         earlier = set_aside_gradients(module)
         with self.precision_plugin.train_step_context():
             outcome = self.tuner.accumulate(batch, micro_loss, n=n)
-        logs.replay(n, attempt=self.tuner.progress.ooms)  # one value a name for the batch, as without pieces
+        logs.replay(n, attempt=self._counters.ooms)  # one value a name for the batch, as without pieces
         self._computed = set_aside_gradients(module)
         add_gradients(earlier)
         loss = outcome.loss_sum.detach() / scale  # the batch's mean loss, as training_step would return it
@@ -194,7 +194,7 @@ class _TunedSteps:
 
     def teardown(self) -> None:
         if self.tuner is not None:
-            self.tuner.progress.step = self.lightning_module.trainer.global_step if self.lightning_module else 0
+            self._counters.step = self.lightning_module.trainer.global_step if self.lightning_module else 0
             self.tuner.end()
         super().teardown()  # type: ignore[misc]
 
@@ -229,14 +229,14 @@ class AutoTuneDDPStrategy(_TunedSteps, DDPStrategy):
     def _ranks(self) -> Solo | Ranks:
         ranks = Ranks(self.global_rank, self.world_size, self.local_rank)
         # The gradients' one flat all-reduce, before each optimizer step (never inside backward).
-        ranks.bucket = GradientBucket(self.lightning_module.parameters())
+        ranks.bucket_gradients(self.lightning_module.parameters())
         return ranks
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_average() -> Any:
             result = closure()  # the last training step of this optimizer step
             if self.tuner is not None:
-                self.tuner.ranks.average_gradients()  # before Lightning's hooks, clipping and step
+                self.tuner.average_gradients()  # before Lightning's hooks, clipping and step
             return result
 
         return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)

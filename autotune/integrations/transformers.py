@@ -36,8 +36,9 @@ are off (HF owns the optimizer and the precision).
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -47,10 +48,11 @@ from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from autotune.batching import batch_len, tensor_bytes
-from autotune.distributed import GradientBucket, Ranks, Solo
+from autotune.distributed import Ranks, Solo
 from autotune.evaluation import Evaluator
 from autotune.monitor.host import host_sample
 from autotune.notices import warn
+from autotune.progress import Progress
 from autotune.tuner import Tuner
 from autotune.units import format_bytes
 
@@ -71,10 +73,10 @@ class AutoTuneTrainer(Trainer):
     def __init__(self, *args: Any, tuner_options: dict[str, Any] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         ranks = self._job()
+        self._counters = Progress()  # HF's step, shared with the Tuner (its journal and report count in HF's steps)
         self.tuner = Tuner(self.model, device=self.args.device, run_dir=self.args.output_dir,
-                           owns_optimizer=False, reliefs=False, ranks=ranks,
-                           **(tuner_options or {}))
-        self.tuner.save_checkpoints_with(self._checkpoint_before_giving_up)
+                           owns_optimizer=False, reliefs=False, host=self, ranks=ranks, counters=self._counters,
+                           backward_fn=_accelerators_backward(self), **(tuner_options or {}))
         self.add_callback(_SaveTuning(self))
         # Evaluation's own micro-batch (`evaluate`, `predict` and the evaluation inside `train`).
         self.evaluator = Evaluator(self.tuner.core, batch_size=self.args.per_device_eval_batch_size, collate_fn=None,
@@ -94,7 +96,7 @@ class AutoTuneTrainer(Trainer):
                                       "autotune.AutoTrainer(shard=True)")
         ranks = Ranks(self.args.process_index, self.args.world_size, self.args.local_process_index)
         # The gradients' one flat all-reduce, on the batch before HF's optimizer step (never inside backward).
-        ranks.bucket = GradientBucket(self.model.parameters())
+        ranks.bucket_gradients(self.model.parameters())
         return ranks
 
     @property
@@ -116,7 +118,7 @@ class AutoTuneTrainer(Trainer):
             self.tuner.agree_on_micro_batch()  # one size on every rank at the end, as AutoTrainer's fits
             return result
         finally:
-            self.tuner.progress.step = self.state.global_step
+            self._counters.step = self.state.global_step
             self.tuner.end()
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
@@ -141,11 +143,10 @@ class AutoTuneTrainer(Trainer):
                 loss = loss * (batch_len(micro) / n) / accumulation
             return loss
 
-        self.tuner.progress.step = self.state.global_step
-        self.tuner.core.backward_fn = self.accelerator.backward
+        self._counters.step = self.state.global_step
         outcome = self.tuner.accumulate(inputs, micro_loss, n=n)
-        if self.tuner.ranks.world > 1 and self.accelerator.sync_gradients:
-            self.tuner.ranks.average_gradients()  # HF clips and steps its optimizer after this batch
+        if self.accelerator.sync_gradients:
+            self.tuner.average_gradients()  # HF clips and steps its optimizer after this batch (alone: nothing)
         return outcome.loss_sum.detach()
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -188,12 +189,13 @@ class AutoTuneTrainer(Trainer):
             return self._whole_batch_items
         return super()._get_num_items_in_batch(batch_samples, device)
 
-    def _checkpoint_before_giving_up(self, reason: str, report_failure: bool = True) -> Path | None:
-        # HF's own checkpoint at the last completed optimizer step: a resume redoes the
-        # accumulation in progress from its first batch. Called once the failed attempt's memory
-        # is freed. HF's save serializes the weights in native code (safetensors), which aborts
-        # the process where an allocation fails: under memory that is still too short for that
-        # copy, it is skipped with a word, and the OutOfMemory error is raised all the same.
+    def checkpoint_now(self, reason: str, report_failure: bool = True) -> Path | None:
+        """HF's own checkpoint at the last completed optimizer step, with the tuner's state beside
+        it (`autotune.tuner.Host`: the Tuner asks before an OOM error, once the failed attempt's
+        memory is freed); a resume redoes the accumulation in progress from its first batch."""
+        # HF's save serializes the weights in native code (safetensors), which aborts the process
+        # where an allocation fails: under memory that is still too short for that copy, it is
+        # skipped with a word, and the OutOfMemory error is raised all the same.
         need = tensor_bytes(self.model.state_dict()) + SAVE_MARGIN_BYTES
         sample = host_sample(self.tuner.knobs.memory_cap_bytes if self.tuner.device.type == "cpu" else None)
         room = None if sample.cap_bytes is None or sample.used_bytes is None else sample.cap_bytes - sample.used_bytes
@@ -209,6 +211,17 @@ class AutoTuneTrainer(Trainer):
             return None
         self._save_checkpoint(self.model, trial=None)
         return save_tuning(self.tuner, self.args, self.state, reason)
+
+    def input_state(self) -> None:
+        """HF's loader is its own: nothing known of it (`autotune.tuner.Host`)."""
+        return None
+
+
+def _accelerators_backward(trainer: Trainer) -> Callable[[torch.Tensor], Any]:
+    """`trainer.accelerator.backward`, looked up at each call (a hyperparameter search builds a new
+    accelerator), through a weak reference (the Tuner it goes into is the trainer's: no cycle)."""
+    held = weakref.ref(trainer)
+    return lambda loss: held().accelerator.backward(loss)
 
 
 def _inside_ddp(model: nn.Module) -> nn.Module:

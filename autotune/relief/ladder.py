@@ -162,9 +162,8 @@ class ReliefLadder:
         return {"blocks": checkpoint_blocks(self.model)}
 
     def _prune(self, ratio: float, checkpoint: Callable[[str], Any]) -> dict[str, Any]:
-        if self.ranks.sharded is not None:
-            raise UnsafePruning("the model is sharded with FSDP2: its parameters are shards that pruning cannot "
-                                "trace or cut (the cheaper reliefs, autocast and checkpointing, still apply)")
+        if self.ranks.why_not_prunable is not None:
+            raise UnsafePruning(self.ranks.why_not_prunable)
         if self._inputs.example is None:
             raise UnsafePruning("the model has not run yet: there is no input to trace it with")
         checkpoint("before_pruning")  # the unpruned model can be restored from here

@@ -212,7 +212,9 @@ def test_hf_under_torchrun_with_one_rank_capped_ends_at_plain_hf_ddps_weights(tm
         assert result["samples"] == 128 and result["steps"] == 2  # 2 steps of 2 batches of 16, on 2 ranks
         # the logged training loss is HF's: a retry is counted once, on the rank that did not fail too
         assert result["losses"] == pytest.approx(result["plain_losses"], abs=1e-4), result
-        assert abs(result["eval"] - result["plain_eval"]) < 1e-6, result
+        # Evaluated in pieces where the cap refuses the whole batch: the sum in another order, a few
+        # float32 ulps of a loss near 10 (on an AVX512_BF16 machine 1.9e-6, two ulps, was seen).
+        assert result["eval"] == pytest.approx(result["plain_eval"], rel=1e-6, abs=0), result
     assert ranks[0]["settled"] == ranks[1]["settled"]
     oom = [r for r in journal(tmp_path / "tuned") if r["kind"] == "oom"]
     assert oom and oom[0]["micro_batch_size"] == 16
@@ -287,7 +289,7 @@ def test_hfs_save_is_skipped_with_a_word_where_the_memory_left_cannot_hold_it(tm
     # A soft cap far below what the process holds: no room is left for the copy HF's save makes.
     trainer = AutoTuneTrainer(model=model, args=args, train_dataset=train, data_collator=collator,
                               tuner_options={"monitor": False, "memory_cap": "1MiB"})
-    assert trainer._checkpoint_before_giving_up("out_of_memory") is None
+    assert trainer.checkpoint_now("out_of_memory") is None
     assert not list((tmp_path / "out").glob("checkpoint-*"))
     skipped = [r for r in journal(tmp_path / "out") if r["kind"] == "checkpoint_skipped"]
     assert skipped and skipped[0]["room_bytes"] < skipped[0]["need_bytes"]

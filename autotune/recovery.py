@@ -1,0 +1,113 @@
+"""After an out-of-memory attempt: the clean-up, the record, and the error when nothing is left to try.
+
+The Tuner decides what to try next (the policies, rank 0's size, a relief); this room does what
+every failed attempt needs whatever is tried: the partial gradients dropped, the memory freed,
+where the memory went (breakdown.py) and the allocator's history (memory_history.py) read while
+the failure is fresh, the `oom` record and the one line a user sees. And when the Tuner has
+nothing left, the `out_of_memory` record, a checkpoint of the progress so far, and the error.
+
+Owns: the last failure's breakdown and snapshot. Touches: the model's gradients (dropped), the
+allocator (freed), the demand's room (measured again), the counters' `ooms`, the journal.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+import torch
+from torch import nn
+
+from autotune.breakdown import describe_breakdown, gradient_bytes, oom_breakdown
+from autotune.memory import StepDemand, describe_memory, free_memory
+from autotune.memory_history import AllocationHistory
+from autotune.notices import warn
+from autotune.oom import OutOfMemory
+from autotune.progress import Progress
+from autotune.step import Attempt, Losses, StepCore
+
+Checkpoint = Callable[..., Any]  # (reason, report_failure=True) -> Path | None
+
+
+class OOMRecovery:
+    """What a failed attempt leaves to clean up and to record, for one Tuner's model."""
+
+    def __init__(self, model: nn.Module, core: StepCore, demand: StepDemand, history: AllocationHistory | None,
+                 journal: Any, progress: Progress, run_dir: Path):
+        self.model, self.core, self.demand, self.history = model, core, demand, history
+        self.journal, self.progress, self.run_dir = journal, progress, run_dir
+        self.device = core.device
+        self.last_snapshot: dict[str, Any] | None = None  # the allocator's state at the last OOM: path, sites
+        self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
+
+    def clean_up(self, failed_size: int, attempt: Attempt, holding: bool) -> None:
+        """Free what the failed attempt held and record it (`oom`). `holding`: gradients of
+        earlier batches are set aside, so only the attempt's are on the parameters."""
+        self.core.ranks.reset_after_failure()  # sharded: FSDP2's state as before the attempt
+        # Partial gradients of the failed batch must not leak into the retry.
+        if holding:
+            for p in self.model.parameters():
+                p.grad = None
+        else:
+            self.core.zero_grad()
+        free_memory(self.device)
+        held, gradients, cached = self.demand.take_failure()
+        self.last_breakdown = None if attempt.injected else oom_breakdown(
+            self.model, self.core.optimizer, self.device, held_at_start=self.demand.held_at_start,
+            held_at_failure=held, gradients_at_failure=gradients, cap=self.demand.binding_cap,
+            measure=self.demand.measure, allocator_cache=cached, outside_torch=self.demand.others_bytes)
+        self.last_snapshot = self.history.write(self.run_dir, self.progress.step) if self.history is not None else None
+        self.demand.measure_room()  # what is in use after the clean-up, against the cap now
+        self.progress.ooms += 1
+        lost = time.perf_counter() - attempt.started  # the failed work and the clean-up: what the OOM cost
+        self.journal.write("oom", self.progress.step, self.progress.epoch, micro_batch_size=failed_size,
+                           device=str(self.device), message=attempt.message, injected=attempt.injected,
+                           lost_seconds=round(lost, 4), ooms=self.progress.ooms, breakdown=self.last_breakdown,
+                           **({"memory_snapshot": self.last_snapshot} if self.last_snapshot else {}))
+        # One line per size that failed (the journal has every OOM): a user sees it was survived.
+        warn(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch at a smaller "
+             "micro-batch (every OOM is in the run's journal)", key=f"oom {failed_size} {self.run_dir}")
+
+    def give_up(self, failed_size: int, tried: list[int], attempt: Attempt, checkpoint: Checkpoint) -> NoReturn:
+        """Nothing is left to try at the smallest size: record it, checkpoint the progress so far, raise."""
+        memory = describe_memory(self.device)
+        if self.last_breakdown is not None:
+            memory += f"; at the failure: {describe_breakdown(self.last_breakdown)}"
+        self.journal.write("out_of_memory", self.progress.step, self.progress.epoch, micro_batch_size=failed_size,
+                           device=str(self.device), tried=tried, memory=memory, breakdown=self.last_breakdown)
+        checkpoint("out_of_memory")  # the progress so far survives the error
+        raise OutOfMemory(
+            f"out of memory on {self.device} even at micro-batch {failed_size} "
+            f"(sizes tried on this batch: {', '.join(map(str, tried))}); no policy could make more room. "
+            f"Memory: {memory}. Last error: {attempt.message}")
+
+    def give_up_on_the_step(self, why: str, checkpoint: Checkpoint) -> NoReturn:
+        """The optimizer step ran out of memory (on this rank or another): record, checkpoint, raise."""
+        # A smaller micro-batch cannot help an optimizer state that does not fit. Every rank
+        # knows by now (alone at once; under torchrun through an agreement or a gather).
+        memory = describe_memory(self.device)
+        self.journal.write("out_of_memory", self.progress.step, self.progress.epoch, phase="optimizer_step",
+                           device=str(self.device), memory=memory, error=why)
+        checkpoint("out_of_memory", report_failure=False)  # the weights may hold part of the failed step
+        raise OutOfMemory(f"out of memory on {self.device} in optimizer.step(): the optimizer state does not fit, "
+                          f"whatever the micro-batch. Memory: {memory}. {why}")
+
+    def report_skipped(self, losses: Losses | None, keep_effective_batch: bool) -> None:
+        """Journal the optimizer steps not taken on non-finite gradients, and tell the user once."""
+        for step, why, by in self.core.skipped:
+            self.journal.write("nonfinite", self.progress.step, self.progress.epoch, at_step=step, error=why,
+                               action=f"optimizer step skipped by {by}")
+            warn(f"{why} at step {step}: the optimizer step was skipped by {by} (its samples are not counted as "
+                 "trained; every one is in the run's journal)", key=f"nonfinite {by} {self.run_dir}")
+        self.core.skipped.clear()
+        if losses is not None and keep_effective_batch:
+            losses.parts.clear()  # a skipped batch's loss is not the epoch's
+
+
+def read_at_failure(demand: StepDemand, history: AllocationHistory | None, model: nn.Module,
+                    device: torch.device) -> None:
+    """In the failed step's except block, while its tensors are alive (StepCore.on_failure)."""
+    demand.note_failure(gradient_bytes(model, device))
+    if history is not None:
+        history.take_at_failure()

@@ -1,0 +1,55 @@
+"""The seams between the core and its hosts hold: AutoTrainer and the integrations use only the
+Tuner's documented host face (`Tuner.HOST_FACE`) and write nothing into it; only the job's own
+modules ask whether the job is sharded."""
+
+import ast
+import subprocess
+from pathlib import Path
+
+from autotune.tuner import Tuner
+
+PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
+HOSTS = [PACKAGE / "trainer.py", *sorted((PACKAGE / "integrations").glob("[!_]*.py"))]
+
+
+def _is_tuner(node: ast.AST) -> bool:
+    # `tuner`, `self.tuner`, `trainer.tuner`: a Tuner a host holds
+    return (isinstance(node, ast.Name) and node.id == "tuner") or (
+        isinstance(node, ast.Attribute) and node.attr == "tuner")
+
+
+def uses_of_the_tuner(path: Path) -> tuple[set[str], list[str]]:
+    """(the Tuner attributes `path` reads or calls, what it assigns into a Tuner)"""
+    used, written = set(), []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and _is_tuner(node.value):
+            used.add(node.attr)
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                chain = target
+                while isinstance(chain, ast.Attribute):
+                    if _is_tuner(chain.value):
+                        written.append(f"{path.name}:{node.lineno}: {ast.unparse(target)}")
+                    chain = chain.value
+    return used, written
+
+
+def test_hosts_use_only_the_tuners_host_face_and_write_nothing_into_it():
+    for path in HOSTS:
+        used, written = uses_of_the_tuner(path)
+        assert used, path  # the scan sees the host's uses at all
+        assert used <= set(Tuner.HOST_FACE), (path.name, sorted(used - set(Tuner.HOST_FACE)))
+        assert not written, written
+
+
+def test_every_name_of_the_host_face_is_a_tuner_attribute():
+    tuner_names = set(dir(Tuner))
+    constructed = {"core", "knobs", "log", "journal", "ranks", "progress", "demand", "model", "device", "run_dir"}
+    assert set(Tuner.HOST_FACE) <= tuner_names | constructed, set(Tuner.HOST_FACE) - tuner_names - constructed
+
+
+def test_only_the_jobs_own_modules_ask_whether_the_job_is_sharded():
+    found = subprocess.run(["grep", "-rn", "sharded is not None", str(PACKAGE)], capture_output=True, text=True).stdout
+    outside = [line for line in found.splitlines()
+               if not line.startswith((str(PACKAGE / "distributed.py"), str(PACKAGE / "sharded.py")))]
+    assert not outside, outside
