@@ -42,16 +42,66 @@ from autotune.sharded import ShardedSteps, is_sharded, load_sharded_state, shard
 _NOTHING_TO_SYNC = contextlib.nullcontext()  # reusable: one for every step alone
 
 
+def _wire(kind: str) -> Any:
+    # How a field of the Agreement travels in the all-reduce (element-wise maximum of int64s):
+    # "most": every rank's value, the largest wins ("most_or_none": 0 is None); "rank0": rank 0's
+    # (the others send 0);
+    # "relief": rank 0's relief as two ints (actions.relief_to_ints); "why": whether any rank has
+    # one, then the texts gathered (rare).
+    return dataclasses.field(metadata={"wire": kind})
+
+
 @dataclasses.dataclass(frozen=True)
 class Agreement:
-    """What every rank knows after an attempt at a batch (alone: what this process proposed)."""
+    """What every rank knows after an attempt at a batch (alone: what this process proposed).
+    Its wire format under torchrun is made from these fields (`to_wire` / `from_wire`): a field
+    added here travels with the rest."""
 
-    failed_size: int | None  # the largest micro-batch that ran out of memory on any rank; None: all done
-    micro_batch_size: int  # rank 0's: the size every rank uses next
-    stop_signal: int = 0  # a SIGTERM/SIGINT any rank received (0: none)
-    checkpoint_due: int = 0  # CheckpointDue: 0 not due, 1 by time, 2 by steps (checkpoint.py)
-    relief: Relief | None = None  # rank 0's pending relief: every rank carries it out at the end of this batch
-    fatal: str | None = None  # a rank cannot go on (its optimizer step ran out of memory): why
+    failed_size: int | None = _wire("most_or_none")  # the largest micro-batch that ran out of memory on any rank; None: all done
+    micro_batch_size: int = _wire("rank0")  # rank 0's: the size every rank uses next
+    stop_signal: int = dataclasses.field(default=0, metadata={"wire": "most"})  # a SIGTERM/SIGINT any rank received
+    checkpoint_due: int = dataclasses.field(default=0, metadata={"wire": "most"})  # CheckpointDue (checkpoint.py)
+    # rank 0's pending relief: every rank carries it out at the end of this batch
+    relief: Relief | None = dataclasses.field(default=None, metadata={"wire": "relief"})
+    fatal: str | None = dataclasses.field(default=None, metadata={"wire": "why"})  # a rank cannot go on: why
+
+    def to_wire(self, is_main: bool) -> list[int]:
+        """This rank's proposal as the ints of the all-reduce."""
+        values: list[int] = []
+        for field in dataclasses.fields(self):
+            value, kind = getattr(self, field.name), field.metadata["wire"]
+            if kind in ("most", "most_or_none"):
+                values.append(int(value or 0))
+            elif kind == "rank0":
+                values.append(int(value) if is_main else 0)
+            elif kind == "relief":
+                values.extend(relief_to_ints(value if is_main else None))
+            else:  # "why"
+                values.append(int(value is not None))
+        return values
+
+    def from_wire(self, values: list[int], is_main: bool, gather: Any) -> "Agreement":
+        """The agreement, from the all-reduced ints and this rank's own proposal (`self`);
+        `gather(obj)` collects every rank's text where any rank has one."""
+        agreed: dict[str, Any] = {}
+        at = 0
+        for field in dataclasses.fields(self):
+            kind, mine = field.metadata["wire"], getattr(self, field.name)
+            if kind == "relief":
+                code, ratio = values[at:at + 2]
+                agreed[field.name] = mine if is_main else _rank0s(code, ratio)
+                at += 2
+                continue
+            value = values[at]
+            at += 1
+            if kind == "most_or_none":
+                agreed[field.name] = value or None
+            elif kind in ("most", "rank0"):
+                agreed[field.name] = value
+            else:  # "why": every rank learns what the failing ones saw
+                agreed[field.name] = ("; ".join(f"rank {rank}: {text}" for rank, text in enumerate(gather(mine))
+                                                if text) if value else None)
+        return Agreement(**agreed)
 
 
 class Solo:
@@ -268,16 +318,9 @@ class Ranks:
 
     def agree(self, mine: Agreement, device: torch.device) -> Agreement:
         """One small all-reduce (element-wise maximum) per attempt; every rank must call it."""
-        fatal = mine.fatal is not None
-        values = torch.tensor([mine.failed_size or 0, mine.micro_batch_size if self.is_main else 0, mine.stop_signal,
-                               mine.checkpoint_due, *relief_to_ints(mine.relief if self.is_main else None), fatal],
-                              dtype=torch.int64, device=device)
+        values = torch.tensor(mine.to_wire(self.is_main), dtype=torch.int64, device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        failed, micro, signum, due, code, ratio, anyone_fatal = (int(v) for v in values.tolist())
-        why = None
-        if anyone_fatal:  # rare: every rank learns what the failing one saw
-            why = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(self.gather(mine.fatal)) if text)
-        return Agreement(failed or None, micro, signum, due, mine.relief if self.is_main else _rank0s(code, ratio), why)
+        return mine.from_wire(values.tolist(), self.is_main, self.gather)
 
     def follow_rank0(self, micro_batch_size: int, relief: Relief | None, device: torch.device) -> tuple[int, Relief | None]:
         values = torch.tensor([micro_batch_size, *relief_to_ints(relief)], dtype=torch.int64, device=device)

@@ -1,52 +1,16 @@
 """AutoTrainer: a training loop that survives out-of-memory errors and loses nothing.
 
-The loop, and where each `Event` fires (the one copy of this picture; events.py points here)::
-
-    fit():                                          FIT_START; callbacks.on_fit_start
-      for epoch:                                    EPOCH_START
-        for batch in loader:                        (time blocked in next() = data wait)
-          while the batch is not done:              # retry the same batch until it fits
-            attempt (step.py):
-              for micro in split(batch, micro_batch_size):
-                loss = step(model, micro) * len(micro) / len(batch)   # or by items: (loss, n_items)
-                loss.backward()
-              except OOM: note the size that failed (keep no reference to the exception)
-            agree (distributed.py): under torchrun every rank joins one small all-reduce,
-              failed or not; alone, the agreement is this process's own proposal
-            no failure: average gradients (torchrun; by items when the step counts them);
-              a NaN/inf gradient: skip the step (journaled, said once) or stop (on_nonfinite);
-              unscale, clip; optimizer.step(); zero_grad()
-            failure: clean up outside `except`: zero_grad(set_to_none), gc, empty_cache
-                                                    OOM -> policies -> e.g. SetMicroBatch(n // 2)
-              at the smallest size, a relief if a policy asked (checkpoint first), else
-              raise autotune.OutOfMemory with the figures (checkpoint first)
-                                                    BATCH_END
-            a measured batch (cadence.py: while the run changes or
-            nears the cap, every one; steady, 1 in 32)  BATCH_MEASURED
-          a relief a policy asked for (relief/ladder.py): autocast, checkpointing, pruning
-          monitor samples, step timing -> detectors MEMORY_HIGH | MEMORY_PRESSURE | IO_BOUND
-          a policy changed workers or caching: rebuild the loader at this position
-          a signal (agreed by all ranks): checkpoint and stop
-                                                    callbacks.on_step_end
-          every `eval_every` steps: evaluate()      (evaluation.py; callbacks.on_evaluate)
-          a due checkpoint (agreed by all ranks)
-          a callback asked to stop: checkpoint, end the fit
-                                                    EPOCH_END
-        eval_every="epoch": evaluate(); per-epoch scheduler step; callbacks.on_epoch_end
-                                                    FIT_END; callbacks.on_fit_end
-      any other error on the way: checkpoint the last completed step, note the batch, raise
+The loop, and where each `Event` fires in it, is drawn once, in events.py.
 
 With `keep_effective_batch=True` the micro-batches of a batch are accumulated with loss
 weights len(micro)/len(batch), so the optimizer step equals the one without an OOM. With
 False, every micro-batch is its own optimizer step, and a retry resumes at the first
 sample not yet stepped on. Either way no sample is skipped or repeated.
 
-This file holds the data pipeline, the epoch loop, evaluation calls, scheduled checkpoints
-and stop signals. One batch (attempt, agreement, OOM recovery, reliefs, policies, monitor,
-run log) is tuner.py's `Tuner`, the same object a custom loop and the integrations use. The
-other parts, each in a room of its own: config.py (arguments), step.py (forward/backward,
-optimizer step), distributed.py (Solo/Ranks, the agreement), knobs.py + dispatch.py
-(policies' actions), relief/ladder.py, checkpoint.py, evaluation.py, data/pipeline.py.
+Owns the epoch loop, evaluation calls, scheduled checkpoints and stop signals; it is the
+`Tuner`'s host (tuner.py: one batch, OOM recovery, reliefs, policies, monitor, run log), and
+uses only its host face. Touches: the input pipeline (data/pipeline.py), the checkpointer
+(checkpoint.py), the evaluator (evaluation.py), the callbacks.
 """
 
 from __future__ import annotations
