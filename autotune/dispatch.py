@@ -30,13 +30,24 @@ class Dispatcher:
         self.events = frozenset(event for p in self.policies for event in p.events)  # what anyone listens to
         self.knobs = knobs
         self.journal = journal
-        self._relief_asked: tuple[Action, Policy] | None = None  # the relief to carry out, and who asked
 
     def relief_failed(self, action: Action, why: str) -> None:
-        """A relief that was applied to the knobs could not be carried out: tell the policy that asked."""
-        if self._relief_asked is not None and self._relief_asked[0] is action:
-            _tell(self._relief_asked[1], "relief_failed", action, why)
-            self._relief_asked = None
+        """A relief that was applied to the knobs could not be carried out: tell the policy that
+        asked (it does not ask again)."""
+        asked = self.knobs.relief_asked_by
+        if asked is not None and asked[0] is action:
+            _tell(asked[1], "relief_failed", action, why)
+            self.knobs.relief_asked_by = None
+
+    def relief_dropped(self, action: Relief, why: str, step: int, epoch: int) -> None:
+        """A relief applied to the knobs that will not be carried out (a smaller micro-batch goes
+        first; another rank's policies decide): journaled, and the policy that asked told, as
+        of an action suppressed (it may ask again)."""
+        self.journal.write("relief_dropped", step, epoch, relief=action_kind(action), reason=action.reason, why=why)
+        asked = self.knobs.relief_asked_by
+        if asked is not None and asked[0] is action:
+            _tell(asked[1], "action_suppressed", action, why)
+            self.knobs.relief_asked_by = None
 
     def fire(self, event: Event, snap: Snapshot) -> list[Action]:
         """Consult the policies subscribed to `event`; return the actions that were applied."""
@@ -64,7 +75,7 @@ class Dispatcher:
             if is_applied:
                 applied.append(action)
                 if isinstance(action, typing.get_args(Relief)):  # carried out later, by the trainer
-                    self._relief_asked = (action, policy)
+                    self.knobs.relief_asked_by = (action, policy)
                 logger.info(f"{policy.name}: {action.reason} ({note})")
             else:
                 _tell(policy, "action_suppressed", action, note)

@@ -167,8 +167,8 @@ class Solo:
         """The pending relief that goes into the next agreement (alone: none; it is carried out where asked)."""
         return None
 
-    def relief_now(self, knobs: Any, agreed: Relief | None) -> Relief | None:
-        """The relief to carry out at this safe point: alone, what a policy asked for."""
+    def relief_now(self, knobs: Any) -> Relief | None:
+        """The relief to carry out at this safe point (knobs.py holds it): alone, what a policy asked for."""
         return knobs.take_relief()
 
     def known_to_all(self, failure: str | None) -> str | None:
@@ -329,13 +329,12 @@ class Ranks:
         return micro, relief if self.is_main else _rank0s(code, ratio)
 
     def offer_relief(self, knobs: Any) -> Relief | None:
-        # Taken: rank 0's goes to every rank through the agreement; another rank's is not its to decide.
-        relief = knobs.take_relief()
-        return relief if self.is_main else None
+        # Rank 0's goes to every rank through the agreement; another rank's is not its to decide.
+        return knobs.relief if self.is_main else None
 
-    def relief_now(self, knobs: Any, agreed: Relief | None) -> Relief | None:
+    def relief_now(self, knobs: Any) -> Relief | None:
         # What every rank agreed to, so all change their models at the same step.
-        return agreed
+        return knobs.take_agreed_relief()
 
     def known_to_all(self, failure: str | None) -> str | None:
         # The other ranks learn of it at the next agreement or checkpoint gather; until then this

@@ -35,9 +35,15 @@ class Knobs:
     # Bumped by every change to the two above; the trainer rebuilds its loader at the next
     # batch boundary when it differs from the version its loader was built for.
     loader_version: int = 0
-    # A memory relief to carry out before the next attempt (the trainer does it: it changes the
-    # model or the forward). One per trigger, so each rung's effect is seen before the next.
+    # The pending relief, in one place on its way from a policy to the model (the Tuner carries it
+    # out: it changes the model or the forward). One at a time, so each rung's effect is seen
+    # before the next. `relief`: asked by a policy on this rank; `relief_agreed`: rank 0's, which
+    # every rank carries out at the next safe point; `relief_asked_by`: (relief, policy), the one
+    # to tell when it fails or is dropped. Every job takes it at the same points (tuner.py):
+    # alone there is nothing to agree, and what was asked is carried out.
     relief: Relief | None = None
+    relief_agreed: Relief | None = None
+    relief_asked_by: tuple[Relief, Any] | None = None
 
     def follow(self, micro_batch_size: int) -> None:
         """Use `micro_batch_size` from now on: rank 0's, agreed by every rank under torchrun."""
@@ -45,10 +51,32 @@ class Knobs:
             _set_micro_batch(SetMicroBatch(micro_batch_size), self)
 
     def take_relief(self) -> Relief | None:
-        """The pending relief, now taken: to carry out, to agree on, or dropped (a smaller
-        micro-batch goes first: reliefs are the last resort)."""
+        """The relief a policy asked for, now taken to carry out (alone: nothing to agree on)."""
         relief, self.relief = self.relief, None
         return relief
+
+    def take_agreed_relief(self) -> Relief | None:
+        """The relief every rank agreed on (rank 0's), now taken to carry out."""
+        relief, self.relief_agreed = self.relief_agreed, None
+        return relief
+
+    def settle_relief(self, agreed: Relief | None, is_main: bool) -> Relief | None:
+        """After an agreement that carried rank 0's relief (`agreed`): it is every rank's to
+        carry out. Returns this rank's own asked relief where it goes no further (on a rank
+        other than 0, whose policies decide), for the caller to say so."""
+        if agreed is not None:
+            self.relief_agreed = agreed
+        if self.relief is None or (is_main and agreed is None):
+            return None  # nothing asked here, or alone (the agreement carries no relief): carried out as asked
+        mine, self.relief = self.relief, None
+        return None if mine is agreed else mine
+
+    def drop_relief(self) -> Relief | None:
+        """The pending relief (asked or agreed), dropped: a smaller micro-batch goes first, since
+        reliefs are the last resort. Returns it, for the caller to say so."""
+        dropped = self.relief or self.relief_agreed
+        self.relief = self.relief_agreed = None
+        return dropped
 
     def restore(self, micro_batch_size: int, num_workers: int) -> bool:
         """The sizes a checkpoint saved; True if the loader workers changed (it must be rebuilt)."""

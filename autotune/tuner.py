@@ -358,7 +358,7 @@ class Tuner:
             else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
                 losses.parts += attempt.losses.parts
             self.knobs.follow(agreed.micro_batch_size)  # rank 0's
-            self.ladder.agreed = agreed.relief or self.ladder.agreed
+            self._settle_relief(agreed.relief)
             if agreed.fatal:
                 self.give_up_on_the_step(agreed.fatal)
             if agreed.failed_size is None:
@@ -402,14 +402,16 @@ class Tuner:
         micro, relief = self.ranks.follow_rank0(self.knobs.micro_batch_size, self.ranks.offer_relief(self.knobs),
                                                 self.device)
         self.knobs.follow(micro)
-        self.ladder.agreed = relief or self.ladder.agreed
+        self._settle_relief(relief)
         if self.knobs.micro_batch_size < failed_size:
-            self.knobs.take_relief()  # a smaller micro-batch first: reliefs are the last resort
-            self.ladder.take_agreed()
+            dropped = self.knobs.drop_relief()  # a smaller micro-batch first: reliefs are the last resort
+            if dropped is not None:
+                self.dispatcher.relief_dropped(dropped, f"a smaller micro-batch ({self.knobs.micro_batch_size}) is "
+                                               "tried first", self.step_count, self.progress.epoch)
             return
         if attempt.not_supported is not None:
             raise attempt.not_supported  # cuDNN's NOT_SUPPORTED at the floor may not be memory: no reliefs
-        relief = self.ranks.relief_now(self.knobs, self.ladder.take_agreed())
+        relief = self.ranks.relief_now(self.knobs)
         if relief is not None:
             # Without the relief the run would stop here; a relief changes the model or the
             # kernels it runs, under memory that is already exhausted: save the progress first
@@ -419,6 +421,13 @@ class Tuner:
             if self.carry_out(relief):
                 return  # the same batch again, with the relief
         self.recovery.give_up(failed_size, tried, attempt, self.checkpoint)
+
+    def _settle_relief(self, agreed: Relief | None) -> None:
+        # After an agreement: rank 0's relief is every rank's; one asked on another rank goes no further.
+        mine = self.knobs.settle_relief(agreed, self.is_main)
+        if mine is not None:
+            self.dispatcher.relief_dropped(mine, "rank 0's policies decide the reliefs", self.step_count,
+                                           self.progress.epoch)
 
     def give_up_on_the_step(self, why: str) -> NoReturn:
         """The optimizer step ran out of memory (on this rank or another): checkpoint, raise."""
@@ -448,7 +457,7 @@ class Tuner:
         if self.measured:
             self.fire(Event.BATCH_MEASURED, timing=timing)
             self.ladder.effect(demand, self.step_count, self.progress.epoch)
-        relief = self.ranks.relief_now(self.knobs, self.ladder.take_agreed())
+        relief = self.ranks.relief_now(self.knobs)
         if relief is not None:
             self.carry_out(relief)
         # The allocator's figures are fresh only on a measured step: the detectors see those.

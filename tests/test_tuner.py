@@ -204,3 +204,45 @@ def test_bad_tuner_arguments_name_the_problem(tmp_path):
         Tuner(model, device="cpu", run_dir=tmp_path / "c", loss_fn=nn.functional.mse_loss, step_fn=lambda m, b: 0)
     with pytest.raises(TypeError, match="model must be"):
         Tuner(lambda x: x)
+
+
+def test_a_relief_dropped_for_a_smaller_micro_batch_is_journaled_and_its_policy_told(tmp_path):
+    # At an OOM one policy halves the micro-batch and another asks for a relief: the smaller size
+    # goes first (reliefs are the last resort), so the relief is dropped: said in the journal, and
+    # the policy that asked hears it was not carried out (it may ask again).
+    import dataclasses
+    from typing import ClassVar
+
+    from autotune.actions import UseAutocast
+    from autotune.events import Event
+    from autotune.policies.halve_on_oom import HalveOnOOM
+    from autotune.policy import PolicyBase
+
+    @dataclasses.dataclass
+    class AsksForAutocast(PolicyBase):
+        name: ClassVar[str] = "asks_for_autocast"
+        events: ClassVar[frozenset] = frozenset({Event.OOM})
+        told: list = dataclasses.field(default_factory=list)
+
+        def decide(self, event, snap):
+            return [UseAutocast(reason="out of memory")]
+
+        def action_suppressed(self, action, why):
+            self.told.append((type(action).__name__, why))
+
+    failures = [16]  # the first forward, at the whole batch, runs out of memory
+
+    def step_fn(model, micro):
+        if failures and len(micro[0]) == failures[0]:
+            failures.pop()
+            raise torch.OutOfMemoryError("CPU out of memory (a test's): DefaultCPUAllocator: can't allocate memory")
+        return nn.functional.cross_entropy(model(micro[0]), micro[1])
+
+    asks = AsksForAutocast()
+    with Tuner(nn.Linear(4, 2), step_fn=step_fn, device="cpu", policies=[HalveOnOOM(), asks], monitor=False,
+               run_dir=tmp_path) as tuner:
+        tuner.step((torch.randn(16, 4), torch.randint(0, 2, (16,))))
+        assert tuner.micro_batch_size == 8 and tuner.reliefs == [] and tuner.step_count == 1
+    (dropped,) = [r for r in journal(tmp_path) if r["kind"] == "relief_dropped"]
+    assert dropped["relief"] == "use_autocast" and "smaller micro-batch (8)" in dropped["why"]
+    assert asks.told == [("UseAutocast", dropped["why"])]

@@ -100,8 +100,6 @@ class ReliefLadder:
         self.applied: list[str] = []  # "autocast", "checkpointing", "pruning", in order
         self.last_step: int | None = None  # the step the last relief was applied at
         self.pruned_fraction = 0.0  # share of the model's parameters removed so far
-        # Under torchrun: rank 0's relief, agreed by every rank, carried out at the next safe point.
-        self.agreed: Relief | None = None
         self._inputs = _InputCatcher(model)
         self._watch: dict[str, Any] | None = None
         self._history: list[dict[str, Any]] = []  # each prune: the traced example and Torch-Pruning's history
@@ -110,11 +108,6 @@ class ReliefLadder:
         """Take the input catcher off the model (the reliefs applied stay)."""
         self._inputs.handle.remove()
         self._inputs.example = None
-
-    def take_agreed(self) -> Relief | None:
-        """The agreed relief, now taken to carry out (or dropped)."""
-        relief, self.agreed = self.agreed, None
-        return relief
 
     def apply(self, action: Relief | None, step: int, epoch: int, demand: float | None, *,
               checkpoint: Callable[[str], Any]) -> bool:
