@@ -1,13 +1,18 @@
-"""After an out-of-memory attempt: the clean-up, the record, and the error when nothing is left to try.
+"""After an out-of-memory attempt: clean up, record, decide; the error when nothing is left to try.
 
-The Tuner decides what to try next (the policies, rank 0's size, a relief); this room does what
-every failed attempt needs whatever is tried: the partial gradients dropped, the memory freed,
-where the memory went (breakdown.py) and the allocator's history (memory_history.py) read while
-the failure is fresh, the `oom` record and the one line a user sees. And when the Tuner has
-nothing left, the `out_of_memory` record, a checkpoint of the progress so far, and the error.
+`recover` is what the Tuner calls once every rank agreed that an attempt failed:
+
+    clean up: the partial gradients dropped, the memory freed (outside the `except` block)
+    record:   where the memory went (breakdown.py), the allocator's history (memory_history.py),
+              the `oom` record and the one line a user sees
+    decide:   OOM -> the policies; every rank takes rank 0's size and relief; a smaller size first
+              (a pending relief is dropped, and said so); at the smallest, the relief (checkpoint
+              first); else the `out_of_memory` record, a checkpoint of the progress, OutOfMemory
 
 Owns: the last failure's breakdown and snapshot. Touches: the model's gradients (dropped), the
-allocator (freed), the demand's room (measured again), the counters' `ooms`, the journal.
+allocator (freed), the demand's room (measured again), the cadence, the knobs (rank 0's size, the
+pending relief), the counters' `ooms`, the journal. The Tuner lends what needs the whole run (its
+`fire`, `carry_out` and `checkpoint`) per call, so nothing here holds the Tuner.
 """
 
 from __future__ import annotations
@@ -19,7 +24,12 @@ from typing import Any, Callable, NoReturn
 import torch
 from torch import nn
 
+from autotune.actions import Relief
 from autotune.breakdown import describe_breakdown, gradient_bytes, oom_breakdown
+from autotune.cadence import MeasureCadence
+from autotune.dispatch import Dispatcher
+from autotune.events import Event
+from autotune.knobs import Knobs
 from autotune.memory import StepDemand, describe_memory, free_memory
 from autotune.memory_history import AllocationHistory
 from autotune.notices import warn
@@ -34,12 +44,52 @@ class OOMRecovery:
     """What a failed attempt leaves to clean up and to record, for one Tuner's model."""
 
     def __init__(self, model: nn.Module, core: StepCore, demand: StepDemand, history: AllocationHistory | None,
-                 journal: Any, progress: Progress, run_dir: Path):
+                 journal: Any, progress: Progress, run_dir: Path, *, knobs: Knobs, dispatcher: Dispatcher,
+                 cadence: MeasureCadence, reliefs_allowed: bool):
         self.model, self.core, self.demand, self.history = model, core, demand, history
         self.journal, self.progress, self.run_dir = journal, progress, run_dir
-        self.device = core.device
+        self.knobs, self.dispatcher, self.cadence, self.reliefs_allowed = knobs, dispatcher, cadence, reliefs_allowed
+        self.device, self.ranks = core.device, core.ranks
         self.last_snapshot: dict[str, Any] | None = None  # the allocator's state at the last OOM: path, sites
         self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
+
+    def recover(self, failed_size: int, tried: list[int], attempt: Attempt, *, holding: bool,
+                fire: Callable[..., None], carry_out: Callable[[Relief], bool], checkpoint: Checkpoint) -> None:
+        """Clean up and record the failed attempt, ask the policies (`fire`), and go on with what
+        rank 0 decided: a smaller micro-batch, or at the smallest a relief; else give up."""
+        self.clean_up(failed_size, attempt, holding)
+        self.cadence.changed()
+        fire(Event.OOM, failed_micro_batch=failed_size, force=True)
+        # Every rank's next move is rank 0's: the size to retry at, and any relief first.
+        micro, relief = self.ranks.follow_rank0(self.knobs.micro_batch_size, self.ranks.offer_relief(self.knobs),
+                                                self.device)
+        self.knobs.follow(micro)
+        self.settle_relief(relief)
+        if self.knobs.micro_batch_size < failed_size:
+            dropped = self.knobs.drop_relief()  # a smaller micro-batch first: reliefs are the last resort
+            if dropped is not None:
+                self.dispatcher.relief_dropped(dropped, f"a smaller micro-batch ({self.knobs.micro_batch_size}) is "
+                                               "tried first", self.progress.step, self.progress.epoch)
+            return
+        if attempt.not_supported is not None:
+            raise attempt.not_supported  # cuDNN's NOT_SUPPORTED at the floor may not be memory: no reliefs
+        relief = self.ranks.relief_now(self.knobs)
+        if relief is not None:
+            # Without the relief the run would stop here; a relief changes the model or the
+            # kernels it runs, under memory that is already exhausted: save the progress first
+            # (where reliefs are off, carry_out only says so: no checkpoint for nothing).
+            if self.reliefs_allowed:
+                checkpoint("before_relief")
+            if carry_out(relief):
+                return  # the same batch again, with the relief
+        self.give_up(failed_size, tried, attempt, checkpoint)
+
+    def settle_relief(self, agreed: Relief | None) -> None:
+        """After an agreement: rank 0's relief is every rank's; one asked on another rank goes no further."""
+        mine = self.knobs.settle_relief(agreed, self.ranks.is_main)
+        if mine is not None:
+            self.dispatcher.relief_dropped(mine, "rank 0's policies decide the reliefs", self.progress.step,
+                                           self.progress.epoch)
 
     def clean_up(self, failed_size: int, attempt: Attempt, holding: bool) -> None:
         """Free what the failed attempt held and record it (`oom`). `holding`: gradients of

@@ -60,7 +60,7 @@ from autotune.progress import Progress
 from autotune.recovery import OOMRecovery, read_at_failure
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
 from autotune.snapshot import InputState, Snapshot, StepTiming
-from autotune.step import Attempt, LossFn, Losses, StepCore, StepFn
+from autotune.step import LossFn, Losses, StepCore, StepFn
 
 
 @dataclasses.dataclass
@@ -202,9 +202,10 @@ class Tuner:
                                         interval=monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
                                         journal=self.journal)
         self.demand = StepDemand(self.device, self.knobs.memory_cap_bytes)
-        self.recovery = OOMRecovery(self.model, self.core, self.demand, self.history, self.journal, self.progress,
-                                    self.run_dir)
         self.cadence = MeasureCadence()
+        self.recovery = OOMRecovery(self.model, self.core, self.demand, self.history, self.journal, self.progress,
+                                    self.run_dir, knobs=self.knobs, dispatcher=self.dispatcher, cadence=self.cadence,
+                                    reliefs_allowed=reliefs)
         self.measured = False  # whether the last batch was measured (its demand read, BATCH_MEASURED fired)
         self.allocator = None  # the last step's allocator figures (CUDA)
         self.last_good_micro: int | None = None
@@ -358,7 +359,7 @@ class Tuner:
             else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
                 losses.parts += attempt.losses.parts
             self.knobs.follow(agreed.micro_batch_size)  # rank 0's
-            self._settle_relief(agreed.relief)
+            self.recovery.settle_relief(agreed.relief)
             if agreed.fatal:
                 self.give_up_on_the_step(agreed.fatal)
             if agreed.failed_size is None:
@@ -382,7 +383,8 @@ class Tuner:
             # Out of the `except` block now, so the exception and its frames are gone and
             # the tensors they pinned (activations, partial gradients) can be freed.
             tried.append(agreed.failed_size)
-            self._recover_from_oom(agreed.failed_size, tried, attempt)
+            self.recovery.recover(agreed.failed_size, tried, attempt, holding=self._holding, fire=self.fire,
+                                  carry_out=self.carry_out, checkpoint=self.checkpoint)
             measured = self.measured = True  # the retry is measured, whatever the cadence said
             rebase = False  # the room was measured after the clean-up
         if self.core.skipped:
@@ -391,43 +393,6 @@ class Tuner:
         cadence.done(measured, self.demand.finish() if measured else None)
         return BatchOutcome(len(tried), losses if losses is not None else Losses(additive=additive), self.device,
                             agreed)
-
-    def _recover_from_oom(self, failed_size: int, tried: list[int], attempt: Attempt) -> None:
-        """Clean up and record the failed attempt (recovery.py), ask the policies, and go on with
-        what rank 0 decided: a smaller micro-batch, or at the smallest a relief; else give up."""
-        self.recovery.clean_up(failed_size, attempt, holding=self._holding)
-        self.cadence.changed()
-        self.fire(Event.OOM, failed_micro_batch=failed_size, force=True)
-        # Every rank's next move is rank 0's: the size to retry at, and any relief first.
-        micro, relief = self.ranks.follow_rank0(self.knobs.micro_batch_size, self.ranks.offer_relief(self.knobs),
-                                                self.device)
-        self.knobs.follow(micro)
-        self._settle_relief(relief)
-        if self.knobs.micro_batch_size < failed_size:
-            dropped = self.knobs.drop_relief()  # a smaller micro-batch first: reliefs are the last resort
-            if dropped is not None:
-                self.dispatcher.relief_dropped(dropped, f"a smaller micro-batch ({self.knobs.micro_batch_size}) is "
-                                               "tried first", self.step_count, self.progress.epoch)
-            return
-        if attempt.not_supported is not None:
-            raise attempt.not_supported  # cuDNN's NOT_SUPPORTED at the floor may not be memory: no reliefs
-        relief = self.ranks.relief_now(self.knobs)
-        if relief is not None:
-            # Without the relief the run would stop here; a relief changes the model or the
-            # kernels it runs, under memory that is already exhausted: save the progress first
-            # (where reliefs are off, carry_out only says so: no checkpoint for nothing).
-            if self.reliefs_allowed:
-                self.checkpoint("before_relief")
-            if self.carry_out(relief):
-                return  # the same batch again, with the relief
-        self.recovery.give_up(failed_size, tried, attempt, self.checkpoint)
-
-    def _settle_relief(self, agreed: Relief | None) -> None:
-        # After an agreement: rank 0's relief is every rank's; one asked on another rank goes no further.
-        mine = self.knobs.settle_relief(agreed, self.is_main)
-        if mine is not None:
-            self.dispatcher.relief_dropped(mine, "rank 0's policies decide the reliefs", self.step_count,
-                                           self.progress.epoch)
 
     def give_up_on_the_step(self, why: str) -> NoReturn:
         """The optimizer step ran out of memory (on this rank or another): checkpoint, raise."""
