@@ -64,19 +64,35 @@ class Journal:
                      key=f"journal lost {self.path}")
 
 
-def read_journal(path: Path) -> Iterator[dict[str, Any]]:
-    """Yield the records of a journal. A truncated last line (a crash mid-write) is skipped;
-    a bad line anywhere else is an error naming the file and line."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+def read_lines(path: Path, strict: bool = False) -> tuple[list[dict[str, Any]], int]:
+    """The records of a JSONL file (the journal, steps.jsonl, samples.jsonl) and how many of its
+    lines could not be read: the one reader of the run's files. A missing file has none. A
+    truncated last line (a crash mid-write) is skipped and counted; so is a bad line anywhere
+    else, unless `strict`: then it is an error naming the file and the line (and a missing file
+    is an error too)."""
+    path = Path(path)
+    if not path.exists():
+        if strict:
+            raise FileNotFoundError(f"{path}: no such journal")
+        return [], 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records: list[dict[str, Any]] = []
+    unreadable = 0
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
+            records.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            if number == len(lines):
-                return
-            raise ValueError(f"{path}:{number}: not a JSON line: {exc}") from exc
+            if strict and number != len(lines):
+                raise ValueError(f"{path}:{number}: not a JSON line: {exc}") from exc
+            unreadable += 1
+    return records, unreadable
+
+
+def read_journal(path: Path) -> Iterator[dict[str, Any]]:
+    """Yield the records of a journal, strictly (`read_lines(path, strict=True)`)."""
+    yield from read_lines(path, strict=True)[0]
 
 
 class StepLog:

@@ -9,32 +9,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from autotune.breakdown import describe_breakdown
+from autotune.journal import read_lines
 from autotune.units import format_bytes
 
 
 class NotARun(ValueError):
     """The folder has no journal: it is not a run directory."""
-
-
-def _read_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON records of a JSONL file and how many lines could not be read (a crash mid-write)."""
-    records, bad = [], 0
-    if not path.exists():
-        return records, bad
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            bad += 1
-    return records, bad
 
 
 @dataclasses.dataclass
@@ -52,8 +37,8 @@ def _read_run(run_dir: Path) -> _Run:
         raise NotARun(f"{run_dir} is not a folder")
     if not journal_path.exists():
         raise NotARun(f"{run_dir} is not a run directory: it has no events.jsonl")
-    records, unreadable = _read_lines(journal_path)
-    return _Run(records, unreadable, _read_lines(run_dir / "samples.jsonl")[0], _read_lines(run_dir / "steps.jsonl")[0])
+    records, unreadable = read_lines(journal_path)
+    return _Run(records, unreadable, read_lines(run_dir / "samples.jsonl")[0], read_lines(run_dir / "steps.jsonl")[0])
 
 
 def throughput_over_time(steps: list[dict[str, Any]], windows: int = 8) -> list[dict[str, Any]]:
