@@ -2,13 +2,14 @@
 the steps log, TensorBoard and the progress bar, behind one `RunLog`.
 
 Every line has `time` (unix seconds), `kind`, `step` and `epoch`; the rest depends on the
-kind (`fit_start`, `oom`, `action`, `epoch_end`, `fit_end`, ...). Lines are flushed as
-they are written so a crashed run keeps everything up to the crash.
+kind, as records.py's registry lists them (a kind that is not there is refused). Lines are
+flushed as they are written so a crashed run keeps everything up to the crash.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,9 @@ from typing import Any, Callable, Iterator
 from tqdm.auto import tqdm
 
 from autotune.notices import warn
+from autotune.records import check as check_record
+
+STRICT = os.environ.get("AUTOTUNE_STRICT_JOURNAL") == "1"  # every field checked too (the test suite's)
 
 
 class Journal:
@@ -36,7 +40,8 @@ class Journal:
             self._file = open(path, "a", buffering=1, encoding="utf-8")
 
     def write(self, kind: str, step: int, epoch: int, **fields: Any) -> dict[str, Any]:
-        """Append one record and return it."""
+        """Append one record (a kind of records.py's, with its fields) and return it."""
+        check_record(kind, fields, STRICT)
         record = {"time": time.time(), "kind": kind, "step": step, "epoch": epoch, **fields}
         with self._lock:
             if self._file is not None:

@@ -17,14 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from autotune.records import COMMON_FIELDS, KINDS
 from autotune.units import format_bytes
 
 _GIB = 2**30
 
-# Journal kinds worth a line in TensorBoard's text tab (actions only when applied).
-_TEXT_KINDS = {"fit_start", "oom", "out_of_memory", "relief", "relief_failed", "relief_effect", "checkpoint",
-               "checkpoint_failed", "preempted", "resume", "fit_failed", "fit_end", "loader_rebuilt",
-               "sample_cache_on", "sample_cache_off", "monitor_restart", "monitor_gave_up"}
+# Journal kinds worth a line in TensorBoard's text tab (records.py marks them; actions only when applied).
+_TEXT_KINDS = {kind.name for kind in KINDS.values() if kind.shown}
 
 
 def describe(record: dict[str, Any]) -> str | None:
@@ -45,8 +44,7 @@ def describe(record: dict[str, Any]) -> str | None:
         return (f"fit on {record.get('device')}: batch {record.get('batch_size')}, micro-batch "
                 f"{record.get('micro_batch_size')}, cap {format_bytes(cap) if cap else 'none'}, "
                 f"policies {', '.join(record.get('policies') or [])}")
-    skip = {"time", "kind", "step", "epoch"}
-    details = ", ".join(f"{k}={v}" for k, v in record.items() if k not in skip)
+    details = ", ".join(f"{k}={v}" for k, v in record.items() if k not in COMMON_FIELDS)
     return f"{kind}: {details}"[:300]
 
 

@@ -16,6 +16,10 @@ import psutil
 import pytest
 import torch
 
+# Every journal record's fields checked against autotune/records.py, here and in every process the
+# tests start (set before autotune.journal is imported).
+os.environ["AUTOTUNE_STRICT_JOURNAL"] = "1"
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

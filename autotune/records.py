@@ -1,0 +1,121 @@
+"""The journal's record kinds and their fields: the one registry.
+
+Every record has `time` (unix seconds), `kind`, `step` and `epoch`; the fields below are the rest.
+`Journal.write` refuses a kind that is not here (a writer's typo fails in the suite, not in a
+user's report), and with AUTOTUNE_STRICT_JOURNAL=1 (the test suite sets it) a field that is not
+either. TensorBoard's text tab shows the kinds marked `shown`; `autotune report` reads the kinds
+by these names; the README's list is `markdown()` (tests/test_records.py keeps them equal;
+`python -m autotune.records` prints it).
+
+Owns the names; touches nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordKind:
+    """One kind of journal record: what it says, and its fields (name -> type, as documented)."""
+
+    name: str
+    doc: str
+    fields: Mapping[str, str]
+    shown: bool = False  # a line in TensorBoard's text tab
+
+
+def _kind(name: str, doc: str, fields: str, shown: bool = False) -> RecordKind:
+    # fields: "name:type name:type ..." (types as the README shows them)
+    return RecordKind(name, doc, dict(field.split(":", 1) for field in fields.split()), shown)
+
+
+_FIT_FIELDS = "micro_batch_size:int batch_size:int tuner:bool"
+KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
+    _kind("fit_start", "a run of steps starts (AutoTrainer.fit, or a Tuner's first batch)",
+          f"device:str keep_effective_batch:bool memory_cap:int|None policies:list precision:str "
+          f"clip_grad_norm:float|None clip_grad_value:float|None compiled:bool epochs:int max_steps:int|None "
+          f"eval_every:int|str|None {_FIT_FIELDS}", shown=True),
+    _kind("oom", "an out-of-memory error survived: the same batch is retried smaller",
+          "micro_batch_size:int device:str message:str injected:bool lost_seconds:float ooms:int breakdown:dict|None "
+          "memory_snapshot:dict", shown=True),
+    _kind("out_of_memory", "an out-of-memory error that could not be survived (raised after a checkpoint)",
+          "micro_batch_size:int device:str tried:list memory:str breakdown:dict|None phase:str error:str", shown=True),
+    _kind("action", "a policy's action, applied or not", "event:str policy:str action:str params:dict reason:str "
+          "applied:bool note:str"),
+    _kind("policy_error", "a policy raised: ignored this time", "policy:str event:str error:str"),
+    _kind("relief", "a memory relief carried out (autocast, checkpointing, pruning)",
+          "relief:str demand_before:float|None note:str dtype:str grad_scaler:bool blocks:list channel_ratio:float "
+          "parameters_before:int parameters_after:int kept_whole:list parameters_removed_in_all:float", shown=True),
+    _kind("relief_effect", "what the steps demand a few steps after a relief",
+          "relief:str applied_at_step:int demand_after:float", shown=True),
+    _kind("relief_failed", "a relief that could not be carried out (the model is as it was)", "relief:str reason:str",
+          shown=True),
+    _kind("relief_dropped", "a relief asked, then not carried out (a smaller micro-batch went first; another "
+          "rank's policies decide)", "relief:str reason:str why:str", shown=True),
+    _kind("nonfinite", "an optimizer step not taken on NaN or inf gradients", "at_step:int error:str action:str"),
+    _kind("checkpoint", "a checkpoint on disk", "reason:str path:str seconds:float background:bool "
+          "write_seconds:float position:int samples_seen:int micro_batch_size:int", shown=True),
+    _kind("checkpoint_failed", "a checkpoint that could not be written (retried at the next due time)",
+          "reason:str error:str path:str in_a_row:int", shown=True),
+    _kind("checkpoint_refused", "a checkpoint not written: the weights are not finite (the older ones are kept)",
+          "reason:str nonfinite:list"),
+    _kind("checkpoint_skipped", "HF's checkpoint before an OOM error skipped: its save would not fit",
+          "reason:str need_bytes:int room_bytes:int|None"),
+    _kind("resume", "a resume: from which checkpoint, or none found", "found:bool path:str position:int "
+          "samples_seen:int micro_batch_size:int", shown=True),
+    _kind("preempted", "stopped by a signal, after a checkpoint", "signal:str checkpoint:str", shown=True),
+    _kind("stop_requested", "a callback (or another rank's) asked to stop", "reason:str"),
+    _kind("epoch_end", "an epoch done", "samples_seen:int loss:float|None micro_batch_size:int"),
+    _kind("evaluate", "an evaluation", "metrics:dict samples:int micro_batch_size:int ooms:int seconds:float"),
+    _kind("eval_oom", "an out-of-memory error in evaluation: the same samples again, smaller",
+          "micro_batch_size:int message:str"),
+    _kind("fit_end", "a run of steps ended", f"samples_seen:int ooms:int wall_seconds:float loss:float|None "
+          f"metrics:dict stopped:str|None compiles:int {_FIT_FIELDS}", shown=True),
+    _kind("fit_failed", "a run ended by an error (the checkpoint it left, if any)",
+          "error:str samples_seen:int checkpoint:str", shown=True),
+    _kind("monitor_start", "the memory monitor process started", "pid:int interval:float"),
+    _kind("monitor_restart", "the monitor process exited and was restarted", "returncode:int|None restarts:int "
+          "pid:int|None", shown=True),
+    _kind("monitor_gave_up", "the monitor process exited too often: training goes on without it",
+          "returncode:int|None restarts:int pid:int|None", shown=True),
+    _kind("input_profile", "the loop waits on its data: where the time of a sample goes",
+          "samples:int load_ms:float transform_ms:float load_share:float cacheable:bool how:str verdict:str"),
+    _kind("loader_rebuilt", "the DataLoader rebuilt at this position (workers or the cache changed)",
+          "num_workers:int cache:bool position:int", shown=True),
+    _kind("sample_cache_on", "decoded samples cached in shared memory from here",
+          "budget_bytes:int limited_by:str how:str path:str reason:str", shown=True),
+    _kind("sample_cache_off", "the sample cache could not start, or stopped", "reason:str", shown=True),
+    _kind("sample_cache", "the sample cache over an epoch", "hits:int misses:int hit_rate:float|None entries:int "
+          "samples:int bytes:int budget_bytes:int full:bool"),
+    _kind("step", "steps.jsonl: one step's figures (thinned over a long run)",
+          "micro_batch_size:int samples:int samples_seen:int step_seconds:float data_wait_fraction:float "
+          "demand:float|None allocated_bytes:int|None reserved_bytes:int|None grad_norm:float"),
+)}
+
+COMMON_FIELDS = ("time", "kind", "step", "epoch")
+
+
+def check(kind: str, fields: Mapping[str, object], strict: bool) -> None:
+    """A ValueError naming the kind (and, `strict`, the fields) a writer got wrong."""
+    known = KINDS.get(kind)
+    if known is None:
+        raise ValueError(f"journal record kind {kind!r} is not in autotune/records.py's registry")
+    if strict:
+        unknown = [name for name in fields if name not in known.fields]
+        if unknown:
+            raise ValueError(f"journal record {kind!r} has fields {unknown} that records.py does not list")
+
+
+def markdown() -> str:
+    """The documented list of the kinds (the README's)."""
+    lines = []
+    for kind in KINDS.values():
+        fields = ", ".join(f"`{name}`" for name in kind.fields)
+        lines.append(f"- `{kind.name}`: {kind.doc}. {fields}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())
