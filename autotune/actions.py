@@ -2,6 +2,8 @@
 
 Every action has a `reason`, written to the journal whether the action is applied or
 suppressed, so a user can always tell why the run changed.
+
+Owns the actions' shapes and their journal names. Touches nothing.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ What each part of a batch is, read the same way for counting and for splitting:
   (a tuple of 3 same-size images in a batch of 3 reads as fields otherwise).
 
 Anything else needs a user `split_fn(batch, size) -> list of micro-batches`.
+
+Owns: splitting batches and counting samples. Touches nothing (the data is read, not changed).
 """
 
 from __future__ import annotations

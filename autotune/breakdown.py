@@ -7,6 +7,8 @@ step's tensors are still alive (`held_now`). The tensors' parts are summed from 
 optimizer; what the step added beyond its gradients is its activations and temporaries;
 libraries are the file-backed mappings (CPU); `other` is what was in use at the step's start
 beyond those (the Python heap, allocator caches, compiled kernels, the data).
+
+Owns: the breakdown's figures. Touches nothing (it reads the model, the optimizer and the allocator).
 """
 
 from __future__ import annotations

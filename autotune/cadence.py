@@ -14,6 +14,8 @@ step. Only a batch that can tell something new needs it, so a batch is measured 
 
 An OOM is never missed: it is caught, and the retry measured, whether the batch was to be
 measured or not. `every=1` measures every batch.
+
+Owns: when a batch is measured. Touches nothing (the Tuner asks it, and tells it of changes).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ current step, with a checkpoint. `Callback` is a base with every method a no-op.
 
 Under torchrun every rank runs its callbacks; evaluation metrics are the same on every rank,
 and a stop any rank requests stops every rank.
+
+Owns: calling the user's callbacks and their checkpoint state. Touches nothing else.
 """
 
 from __future__ import annotations

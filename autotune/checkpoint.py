@@ -17,6 +17,10 @@ A sharded (FSDP2) model's checkpoint is a folder, `step-N/`, that every rank wri
 into with `torch.distributed.checkpoint` (sharded_checkpoint.py): no rank gathers the whole
 model. It is written as `.step-N.tmp/` and renamed by rank 0 once every rank's files and the
 index are on disk; it is always written synchronously.
+
+Owns: `run_dir/checkpoints/` (the files, their order, what is kept) and the random states' capture.
+Touches nothing else: the state to save comes from a function the host passes; its layout is
+checkpoint_format.py's; collectives go through the job (distributed.py).
 """
 
 from __future__ import annotations

@@ -51,8 +51,10 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"the checkpoint (format {version}) has no {', '.join(missing)} section")
     host = dict(state["host"])
-    if host.get("evaluation"):  # the evaluation's OOM policy state: "calm" and "since_failure" came later
-        host["evaluation"] = {"calm": 0, "since_failure": 0, **host["evaluation"]}
+    if host.get("evaluation"):  # the evaluation's OOM policy state: "calm" and "since_failure" came later,
+        evaluation = {"calm": 0, "since_failure": 0, **host["evaluation"]}  # "failed_size" was renamed
+        evaluation.setdefault("failed_micro_batch", evaluation.pop("failed_size", None))
+        host["evaluation"] = evaluation
     return {**state, "tuning": migrate_tuning(state["tuning"]), "host": host}
 
 

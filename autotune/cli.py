@@ -2,6 +2,8 @@
 
 Errors a user can fix (a bad preset, an unknown device) are printed as one clear line
 with exit code 2, not as a traceback.
+
+Owns: the `autotune` command's arguments and its words on stderr. Touches: what each subcommand runs.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Every function here either returns a resolved value or raises an error that names the
 argument and the value. Nothing here trains, and nothing here keeps state; the one side
 effect is the CUDA allocator fraction that `resolve_memory_cap` sets (the cap must bind).
+
+Owns: the rules for arguments. Touches: the CUDA allocator fraction (above), nothing else.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ On CPU the cap is RLIMIT_AS. oneDNN (mkldnn) convolutions do not always fail cle
 when an allocation is refused under a hard address-space cap (a crash about one run in
 four was measured with ResNet-18), so the demo runs PyTorch's native convolutions while
 capped: slower, but every OOM is a clean, catchable error.
+
+Owns: the demo's model, data and cap. Touches: the demo's run folder.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ MEMORY_PRESSURE  the allocator struggled in the last step: new `num_alloc_retrie
 IO_BOUND         over the last `window` steps, the loop spent at least `high` of its time
                  blocked in the loader's next(). It stays input-bound (and fires again once
                  per fresh window) until that share falls under `calm`.
+
+Owns: turning the monitor's samples and the step timing into events. Touches nothing.
 """
 
 from __future__ import annotations

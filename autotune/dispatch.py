@@ -5,6 +5,9 @@ policy's reason and what applying it did. A policy learns of its own suppressed 
 (`action_suppressed`), and of a relief it asked for that could not be carried out
 (`relief_failed`).
 Conflicts are resolved in knobs.py, next to the code that applies actions.
+
+Owns: asking the policies. Touches: the knobs (through knobs.apply only), the journal, the
+policies' notice hooks.
 """
 
 from __future__ import annotations

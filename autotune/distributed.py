@@ -57,7 +57,7 @@ class Agreement:
     Its wire format under torchrun is made from these fields (`to_wire` / `from_wire`): a field
     added here travels with the rest."""
 
-    failed_size: int | None = _wire("most_or_none")  # the largest micro-batch that ran out of memory on any rank; None: all done
+    failed_micro_batch: int | None = _wire("most_or_none")  # the largest micro-batch that ran out of memory on any rank; None: all done
     micro_batch_size: int = _wire("rank0")  # rank 0's: the size every rank uses next
     stop_signal: int = dataclasses.field(default=0, metadata={"wire": "most"})  # a SIGTERM/SIGINT any rank received
     checkpoint_due: int = dataclasses.field(default=0, metadata={"wire": "most"})  # CheckpointDue (checkpoint.py)

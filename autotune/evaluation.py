@@ -51,7 +51,7 @@ class Evaluator:
         self.collate_fn = collate_fn
         self.metrics = dict(metrics or {})
         self.micro_batch_size = batch_size
-        self.failed_size: int | None = None  # the last size that ran out of memory
+        self.failed_micro_batch: int | None = None  # the last size that ran out of memory
         self.grow_after, self.forget_after = grow_after, forget_after
         self.calm = 0  # micro-batches run since the last OOM or growth, across batches and evaluations
         self.since_failure = 0  # micro-batches run since the last OOM
@@ -214,7 +214,7 @@ class Evaluator:
 
     def _shrink(self, size: int, message: str, step: int, epoch: int) -> None:
         self.ooms += 1
-        self.failed_size = size
+        self.failed_micro_batch = size
         self.journal.write("eval_oom", step, epoch, micro_batch_size=size, message=message)
         if size <= 1:
             memory = describe_memory(self.core.device)
@@ -226,17 +226,17 @@ class Evaluator:
 
     def _grow(self) -> bool:
         bigger = min(self.micro_batch_size * 2, self.batch_size)
-        near_failure = self.failed_size is not None and bigger >= self.failed_size
+        near_failure = self.failed_micro_batch is not None and bigger >= self.failed_micro_batch
         if bigger <= self.micro_batch_size or (near_failure and self.since_failure < self.forget_after):
             return False
         self.micro_batch_size = bigger
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"micro_batch_size": self.micro_batch_size, "failed_size": self.failed_size, "ooms": self.ooms,
-                "calm": self.calm, "since_failure": self.since_failure}
+        return {"micro_batch_size": self.micro_batch_size, "failed_micro_batch": self.failed_micro_batch,
+                "ooms": self.ooms, "calm": self.calm, "since_failure": self.since_failure}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_batch_size = min(state["micro_batch_size"], self.batch_size)
-        self.failed_size, self.ooms = state["failed_size"], state["ooms"]
+        self.failed_micro_batch, self.ooms = state["failed_micro_batch"], state["ooms"]
         self.calm, self.since_failure = state["calm"], state["since_failure"]

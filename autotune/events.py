@@ -40,6 +40,8 @@ batch of it, with FIT_START at their first batch and FIT_END at `Tuner.end`)::
         eval_every="epoch": evaluate(); per-epoch scheduler step; callbacks.on_epoch_end
                                                     FIT_END; callbacks.on_fit_end
       any other error on the way: checkpoint the last completed step, note the batch, raise
+
+Owns the events' names. Touches nothing.
 """
 
 from __future__ import annotations

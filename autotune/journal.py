@@ -4,6 +4,9 @@ the steps log, TensorBoard and the progress bar, behind one `RunLog`.
 Every line has `time` (unix seconds), `kind`, `step` and `epoch`; the rest depends on the
 kind, as records.py's registry lists them (a kind that is not there is refused). Lines are
 flushed as they are written so a crashed run keeps everything up to the crash.
+
+Owns: `events.jsonl`, `steps.jsonl`, the TensorBoard writer, the progress bar, and the one
+reader of the run's JSONL files. Touches nothing of training.
 """
 
 from __future__ import annotations

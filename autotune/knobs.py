@@ -6,6 +6,9 @@ journal can record it. The trainer reads the knobs and changes them only through
 methods below (rank 0's size under torchrun, a checkpoint's sizes, taking the pending
 relief to carry it out). Add a new action by adding its record to actions.py and one
 `@apply.register` function here.
+
+Owns: the knobs, the pending relief, conflict resolution. Touches: the allocator (EmptyCache),
+nothing of the model (reliefs are carried out by the Tuner's ladder).
 """
 
 from __future__ import annotations

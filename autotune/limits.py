@@ -10,6 +10,8 @@ other kernels, and on a CPU with native bf16 each new micro-batch size compiles 
 So no cap is a constant: `calibrate_headroom` finds, with real OOMs on this machine, the least
 headroom under which a size that must fit fits and the one under which a size that must fail
 fits, and returns a cap between them with a margin on both sides, or why it cannot.
+
+Owns: the RLIMIT_AS cap of this process (set and lifted) and its calibration. Touches nothing else.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 CUDA figures come from the in-process allocator (`torch.cuda.memory_stats`, one call per
 step) and `torch.cuda.mem_get_info`; CPU figures from the host (see monitor/host.py).
+
+Owns: reading memory figures and freeing caches (gc, the allocator, glibc's heap), the step's
+demand (StepDemand) and the sampler thread. Touches nothing of the model or the optimizer.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ record, and `autotune report`, carry the largest allocation sites of that moment
 
 A site is the innermost frame outside torch's own files: the line of the model, the loss or
 autotune's step that asked for the memory.
+
+Owns: the allocator's history recording and `oom-<step>.pickle`. Touches the CUDA allocator's
+recording switch only.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ The level is set by the AUTOTUNE_VERBOSITY environment variable ("error", "warni
 default), "info", "debug") or by `autotune.set_verbosity(...)`; "error" keeps only errors.
 Under torchrun only rank 0 speaks (every rank sees the same causes). Each cause is said once
 per process (`key`), however often it comes back.
+
+Owns: what reaches stderr by default, and its verbosity. Touches the `autotune` logging logger only.
 """
 
 from __future__ import annotations

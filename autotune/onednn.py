@@ -21,6 +21,8 @@ keeps its symbol table: their addresses are read from it once, on first use (~0.
 pieces). Anything unexpected (another layout, a stripped library, no oneDNN, a value that is no
 error code) means "not available": nothing is called or written, and the functions return False.
 Setting ONEDNN_PRIMITIVE_CACHE_CAPACITY before torch starts bounds the cache without this.
+
+Owns: oneDNN's primitive cache capacity, where it can be set. Touches nothing else.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 PyTorch reports running out of memory in several ways depending on the device and the
 kernel that hit it. `torch.OutOfMemoryError` covers the CUDA caching allocator; the
 rest arrive as plain `RuntimeError`s whose message is the only clue.
+
+Owns: what counts as an out-of-memory error, and autotune's errors. Touches nothing.
 """
 
 from __future__ import annotations

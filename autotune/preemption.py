@@ -4,6 +4,8 @@ Schedulers (Slurm, Kubernetes, spot instances) send SIGTERM and wait a grace per
 SIGKILL. The first SIGTERM or SIGINT only raises a flag; the loop sees it after the current
 optimizer step, writes a checkpoint and raises `Preempted`. A second signal of either kind
 gets the default behaviour back: a second Ctrl-C aborts at once.
+
+Owns: the SIGTERM/SIGINT handlers while a fit runs (put back after). Touches nothing else.
 """
 
 from __future__ import annotations

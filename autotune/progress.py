@@ -1,4 +1,8 @@
-"""Where a run is: the counters every part reads and a checkpoint saves; what a fit did."""
+"""Where a run is: the counters every part reads and a checkpoint saves; what a fit did.
+
+Owns the counters' shape; the step core advances `step`/`samples_seen`, the host the rest.
+Touches nothing.
+"""
 
 from __future__ import annotations
 

@@ -53,19 +53,19 @@ class OOMRecovery:
         self.last_snapshot: dict[str, Any] | None = None  # the allocator's state at the last OOM: path, sites
         self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
 
-    def recover(self, failed_size: int, tried: list[int], attempt: Attempt, *, holding: bool,
+    def recover(self, failed_micro_batch: int, tried: list[int], attempt: Attempt, *, holding: bool,
                 fire: Callable[..., None], carry_out: Callable[[Relief], bool], checkpoint: Checkpoint) -> None:
         """Clean up and record the failed attempt, ask the policies (`fire`), and go on with what
         rank 0 decided: a smaller micro-batch, or at the smallest a relief; else give up."""
-        self.clean_up(failed_size, attempt, holding)
+        self.clean_up(failed_micro_batch, attempt, holding)
         self.cadence.changed()
-        fire(Event.OOM, failed_micro_batch=failed_size, force=True)
+        fire(Event.OOM, failed_micro_batch=failed_micro_batch, force=True)
         # Every rank's next move is rank 0's: the size to retry at, and any relief first.
         micro, relief = self.ranks.follow_rank0(self.knobs.micro_batch_size, self.ranks.offer_relief(self.knobs),
                                                 self.device)
         self.knobs.follow(micro)
         self.settle_relief(relief)
-        if self.knobs.micro_batch_size < failed_size:
+        if self.knobs.micro_batch_size < failed_micro_batch:
             dropped = self.knobs.drop_relief()  # a smaller micro-batch first: reliefs are the last resort
             if dropped is not None:
                 self.dispatcher.relief_dropped(dropped, f"a smaller micro-batch ({self.knobs.micro_batch_size}) is "
@@ -82,7 +82,7 @@ class OOMRecovery:
                 checkpoint("before_relief")
             if carry_out(relief):
                 return  # the same batch again, with the relief
-        self.give_up(failed_size, tried, attempt, checkpoint)
+        self.give_up(failed_micro_batch, tried, attempt, checkpoint)
 
     def settle_relief(self, agreed: Relief | None) -> None:
         """After an agreement: rank 0's relief is every rank's; one asked on another rank goes no further."""
@@ -91,7 +91,7 @@ class OOMRecovery:
             self.dispatcher.relief_dropped(mine, "rank 0's policies decide the reliefs", self.progress.step,
                                            self.progress.epoch)
 
-    def clean_up(self, failed_size: int, attempt: Attempt, holding: bool) -> None:
+    def clean_up(self, failed_micro_batch: int, attempt: Attempt, holding: bool) -> None:
         """Free what the failed attempt held and record it (`oom`). `holding`: gradients of
         earlier batches are set aside, so only the attempt's are on the parameters."""
         self.core.ranks.reset_after_failure()  # sharded: FSDP2's state as before the attempt
@@ -111,24 +111,24 @@ class OOMRecovery:
         self.demand.measure_room()  # what is in use after the clean-up, against the cap now
         self.progress.ooms += 1
         lost = time.perf_counter() - attempt.started  # the failed work and the clean-up: what the OOM cost
-        self.journal.write("oom", self.progress.step, self.progress.epoch, micro_batch_size=failed_size,
+        self.journal.write("oom", self.progress.step, self.progress.epoch, micro_batch_size=failed_micro_batch,
                            device=str(self.device), message=attempt.message, injected=attempt.injected,
                            lost_seconds=round(lost, 4), ooms=self.progress.ooms, breakdown=self.last_breakdown,
                            **({"memory_snapshot": self.last_snapshot} if self.last_snapshot else {}))
         # One line per size that failed (the journal has every OOM): a user sees it was survived.
-        warn(f"out of memory at micro-batch {failed_size} on {self.device}; retrying the same batch at a smaller "
-             "micro-batch (every OOM is in the run's journal)", key=f"oom {failed_size} {self.run_dir}")
+        warn(f"out of memory at micro-batch {failed_micro_batch} on {self.device}; retrying the same batch at a smaller "
+             "micro-batch (every OOM is in the run's journal)", key=f"oom {failed_micro_batch} {self.run_dir}")
 
-    def give_up(self, failed_size: int, tried: list[int], attempt: Attempt, checkpoint: Checkpoint) -> NoReturn:
+    def give_up(self, failed_micro_batch: int, tried: list[int], attempt: Attempt, checkpoint: Checkpoint) -> NoReturn:
         """Nothing is left to try at the smallest size: record it, checkpoint the progress so far, raise."""
         memory = describe_memory(self.device)
         if self.last_breakdown is not None:
             memory += f"; at the failure: {describe_breakdown(self.last_breakdown)}"
-        self.journal.write("out_of_memory", self.progress.step, self.progress.epoch, micro_batch_size=failed_size,
+        self.journal.write("out_of_memory", self.progress.step, self.progress.epoch, micro_batch_size=failed_micro_batch,
                            device=str(self.device), tried=tried, memory=memory, breakdown=self.last_breakdown)
         checkpoint("out_of_memory")  # the progress so far survives the error
         raise OutOfMemory(
-            f"out of memory on {self.device} even at micro-batch {failed_size} "
+            f"out of memory on {self.device} even at micro-batch {failed_micro_batch} "
             f"(sizes tried on this batch: {', '.join(map(str, tried))}); no policy could make more room. "
             f"Memory: {memory}. Last error: {attempt.message}")
 

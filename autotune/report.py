@@ -3,6 +3,8 @@
 Works on a finished run, one still in progress, and one that crashed (a truncated last
 journal line is tolerated and reported). Everything comes from `events.jsonl` (and
 `samples.jsonl` when the monitor ran): nothing is recomputed from the model.
+
+Owns: reading a run back into figures and words. Touches nothing of a run (read-only).
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ exchange and the step on every rank (`ExchangeFailed`), instead of a hang.
 
 FSDP2's parameter groups and their unsharded gradients are private in torch 2.14; this file
 is the only one that reads them (`_param_groups`, `_drop_unsharded_gradients`).
+
+Owns: the FSDP2 checks, resets and sharded state. Touches: the model's FSDP2 state (sync flags,
+iteration state, unsharded gradients).
 """
 
 from __future__ import annotations

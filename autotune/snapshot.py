@@ -2,6 +2,8 @@
 
 Policies get a `Snapshot` and nothing else, so they can be tested with a few lines:
 build a snapshot, call `decide`, compare the actions.
+
+Owns the records' shapes. Touches nothing.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def _scalar(loss: torch.Tensor, source: str) -> torch.Tensor:
 class Attempt:
     """What one attempt at a batch did."""
 
-    failed_size: int | None  # the micro-batch size that ran out of memory, or None
+    failed_micro_batch: int | None  # the micro-batch size that ran out of memory, or None
     done: int  # samples of the batch in completed optimizer steps (keep_effective_batch=False)
     losses: "Losses"  # of the micro-batches kept
     items: Any = None  # the batch's items, when step_fn reports them (None: weighted by samples)
@@ -313,7 +313,7 @@ class StepCore:
                 raise
             if self.on_failure is not None:
                 self.on_failure()
-            result.failed_size, result.message = size, oom_message(exc)
+            result.failed_micro_batch, result.message = size, oom_message(exc)
             result.injected = "injected by autotune" in result.message
             if maybe_not_memory(exc):
                 if size <= 1:

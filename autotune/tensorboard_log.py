@@ -9,6 +9,8 @@ policy action, relief, checkpoint and stop, with the reason the journal gives.
 It is written at the moments `steps.jsonl` is (every step for the first 200, then at most
 once a second), so a two-day run stays small and the loss is read off the device only then.
 Needs the optional `tensorboard` package: `pip install 'autotune[tensorboard]'`.
+
+Owns: `run_dir/tb`. Touches nothing of training.
 """
 
 from __future__ import annotations

@@ -340,17 +340,17 @@ class Tuner:
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
             # Sharded, a rank that cannot go on (its optimizer step failed) ran no exchange: it says
             # "failed" at the others' first check, and the agreement then stops every rank.
-            if self.ranks.end_attempt(attempt.failed_size is not None or self.core.failure is not None,
+            if self.ranks.end_attempt(attempt.failed_micro_batch is not None or self.core.failure is not None,
                                       attempt.peer_failed):
                 attempt.discard()  # sharded: another rank failed, during this attempt or after it
             done = attempt.done
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
             # rank that ran out of memory.
             agreed = self.ranks.agree(Agreement(
-                failed_size=attempt.failed_size, micro_batch_size=self.knobs.micro_batch_size,
+                failed_micro_batch=attempt.failed_micro_batch, micro_batch_size=self.knobs.micro_batch_size,
                 relief=self.ranks.offer_relief(self.knobs), fatal=self.core.failure,
                 **(proposal() if proposal is not None else {})), self.device)
-            if agreed.failed_size is not None and (self.keep_effective_batch or additive):
+            if agreed.failed_micro_batch is not None and (self.keep_effective_batch or additive):
                 # Another rank ran out of memory: this rank's whole attempt is retried with
                 # it, so its losses go too (kept, they were counted twice).
                 attempt.discard()
@@ -362,7 +362,7 @@ class Tuner:
             self.recovery.settle_relief(agreed.relief)
             if agreed.fatal:
                 self.give_up_on_the_step(agreed.fatal)
-            if agreed.failed_size is None:
+            if agreed.failed_micro_batch is None:
                 if not optimizer_step:
                     done = n
                 elif self.keep_effective_batch:
@@ -382,8 +382,8 @@ class Tuner:
                 break
             # Out of the `except` block now, so the exception and its frames are gone and
             # the tensors they pinned (activations, partial gradients) can be freed.
-            tried.append(agreed.failed_size)
-            self.recovery.recover(agreed.failed_size, tried, attempt, holding=self._holding, fire=self.fire,
+            tried.append(agreed.failed_micro_batch)
+            self.recovery.recover(agreed.failed_micro_batch, tried, attempt, holding=self._holding, fire=self.fire,
                                   carry_out=self.carry_out, checkpoint=self.checkpoint)
             measured = self.measured = True  # the retry is measured, whatever the cadence said
             rebase = False  # the room was measured after the clean-up
@@ -438,7 +438,7 @@ class Tuner:
             return False
         try:
             applied = self.ladder.apply(relief, self.step_count, self.progress.epoch, self.demand.last,
-                                        checkpoint=self.checkpoint)
+                                        save_checkpoint=self.checkpoint)
         except ReliefFailed as exc:
             self.dispatcher.relief_failed(relief, str(exc))  # the policy that asked learns not to ask again
             return False

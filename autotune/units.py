@@ -1,4 +1,7 @@
-"""Byte quantities for people: formatting for logs and messages."""
+"""Byte quantities for people: formatting for logs and messages.
+
+Owns: byte sizes in words and back. Touches nothing.
+"""
 
 from __future__ import annotations
 

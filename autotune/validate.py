@@ -1,6 +1,8 @@
 """Argument and parameter checks shared by the trainer and the policies: one wording for every bad value.
 
 A bool is never taken for a number (`True` is an int in Python, and `max_steps=True` is a slip).
+
+Owns: the argument checks' wording. Touches nothing.
 """
 
 from __future__ import annotations

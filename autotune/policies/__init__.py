@@ -1,4 +1,8 @@
-"""Built-in policies, one file each; each file's docstring is its method card."""
+"""Built-in policies, one file each; each file's docstring is its method card.
+
+A policy owns its own state (saved in checkpoints) and touches nothing: it reads a `Snapshot`
+and returns actions, which knobs.py carries out.
+"""
 
 from __future__ import annotations
 

@@ -110,8 +110,8 @@ class ReliefLadder:
         self._inputs.example = None
 
     def apply(self, action: Relief | None, step: int, epoch: int, demand: float | None, *,
-              checkpoint: Callable[[str], Any]) -> bool:
-        """Carry out `action` now (between attempts); True if it was applied. `checkpoint(reason)`
+              save_checkpoint: Callable[[str], Any]) -> bool:
+        """Carry out `action` now (between attempts); True if it was applied. `save_checkpoint(reason)`
         writes one (before pruning). A relief that fails (it would break the model, or it ran out
         of memory itself) leaves the model as it was, is journaled as `relief_failed` and raises
         `ReliefFailed`."""
@@ -120,7 +120,7 @@ class ReliefLadder:
         kind = RELIEF_NAMES[type(action)]
         why = None
         try:
-            details = self._carry_out(action, checkpoint)
+            details = self._carry_out(action, save_checkpoint)
         except UnsafePruning as exc:
             why = str(exc)
         except Exception as exc:
@@ -142,9 +142,9 @@ class ReliefLadder:
         free_memory(self.core.device)
         return True
 
-    def _carry_out(self, action: Relief, checkpoint: Callable[[str], Any]) -> dict[str, Any]:
+    def _carry_out(self, action: Relief, save_checkpoint: Callable[[str], Any]) -> dict[str, Any]:
         if isinstance(action, PruneChannels):
-            return self._prune(action.ratio, checkpoint)
+            return self._prune(action.ratio, save_checkpoint)
         if RELIEF_NAMES[type(action)] == "autocast":
             if self.core.precision != "fp32":
                 return {"note": f"precision={self.core.precision!r} was chosen for this run: autocast changes nothing"}
@@ -154,12 +154,12 @@ class ReliefLadder:
             return {"dtype": str(plan.dtype).replace("torch.", ""), "grad_scaler": plan.needs_scaler}
         return {"blocks": checkpoint_blocks(self.model)}
 
-    def _prune(self, ratio: float, checkpoint: Callable[[str], Any]) -> dict[str, Any]:
+    def _prune(self, ratio: float, save_checkpoint: Callable[[str], Any]) -> dict[str, Any]:
         if self.ranks.why_not_prunable is not None:
             raise UnsafePruning(self.ranks.why_not_prunable)
         if self._inputs.example is None:
             raise UnsafePruning("the model has not run yet: there is no input to trace it with")
-        checkpoint("before_pruning")  # the unpruned model can be restored from here
+        save_checkpoint("before_pruning")  # the unpruned model can be restored from here
         structure = _structure(self.model)
         try:
             # Traced with the model's own captured inputs, called as the training step called it.
