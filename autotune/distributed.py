@@ -108,6 +108,7 @@ class Solo:
     """A process training alone: every agreement is its own proposal; no collective, no wrapper."""
 
     rank, world, local_rank, is_main = 0, 1, 0, True
+    bucket = None  # alone, gradients are never all-reduced
     sharded: ShardedSteps | None = None  # alone, nothing is sharded (FSDP2 needs torchrun)
 
     def device_for(self, device: str | torch.device | None, keep_effective_batch: bool) -> str | torch.device | None:

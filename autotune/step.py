@@ -455,6 +455,17 @@ class StepCore:
             return
         self.ranks.zero_grad(self.optimizer)
 
+    def use(self, step_fn: StepFn | None, loss_fn: LossFn | None) -> None:
+        """Train with `step_fn` or `loss_fn` from now on (`Tuner.step`'s); neither: the ones given before."""
+        if step_fn is not None and loss_fn is not None:
+            raise ValueError("pass step_fn or loss_fn, not both")
+        if step_fn is not None or loss_fn is not None:
+            self.step_fn, self.loss_fn = step_fn, loss_fn
+            self.source = "loss_fn" if loss_fn is not None else "step_fn"
+        elif self.step_fn is None and self.loss_fn is None:
+            raise ValueError("Tuner.step needs step_fn(model, micro_batch) or loss_fn(outputs, targets): "
+                             "pass one here or to Tuner(...)")
+
     def state_dict(self) -> dict[str, Any]:
         """The scheduler, the gradient scaler and the injector's random stream (the weights and
         the optimizer are the job's to take: `Solo.model_state`, sharded or not)."""

@@ -28,7 +28,6 @@ are the host's (AutoTrainer's, or your loop's); `state_dict()` is what your chec
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import functools
 import time
@@ -40,6 +39,7 @@ import torch
 from torch import nn
 
 from autotune.actions import Relief
+from autotune.batch import BatchOutcome, BatchRunner, add_gradients
 from autotune.batching import SplitFn, batch_len
 from autotune.cadence import MeasureCadence
 from autotune import checkpoint_format
@@ -47,7 +47,7 @@ from autotune.checkpoint import Checkpointer, RankFailed, rng_state, set_rng_sta
 from autotune.config import (OptimizerFactory, check_tuner_arguments, injection_rate, make_optimizer, make_scheduler,
                              resolve_device, resolve_memory_cap)
 from autotune.dispatch import Dispatcher
-from autotune.distributed import Agreement, Ranks, Solo, from_environment
+from autotune.distributed import Ranks, Solo, from_environment
 from autotune.events import Event
 from autotune.journal import RunLog
 from autotune.knobs import Knobs
@@ -57,34 +57,11 @@ from autotune.monitor.link import MonitorLink
 from autotune.policy import Policy
 from autotune.presets import resolve_policies
 from autotune.progress import Progress
+from autotune.reactions import Reactions
 from autotune.recovery import OOMRecovery, read_at_failure
-from autotune.relief.ladder import ReliefFailed, ReliefLadder
-from autotune.snapshot import InputState, Snapshot, StepTiming
-from autotune.step import LossFn, Losses, StepCore, StepFn
-
-
-@dataclasses.dataclass
-class BatchOutcome:
-    """What training one batch did."""
-
-    retries: int  # OOMs survived on it
-    losses: Losses  # its kept micro-batches' losses, combined when read
-    device: torch.device
-    agreed: Agreement | None = None  # its last attempt's agreement (a stop signal, a checkpoint due)
-
-    @property
-    def weight(self) -> Any:
-        """What `loss_sum` is summed over: samples, or the step's items."""
-        return self.losses.weight
-
-    @property
-    def loss_sum(self) -> torch.Tensor:
-        """The summed (not mean) loss over `weight`."""
-        return self.losses.total(self.device)
-
-    def mean_loss(self) -> torch.Tensor:
-        """The batch's mean loss (0-d, on the device; no op when the batch ran in one piece)."""
-        return self.losses.mean(self.device)
+from autotune.relief.ladder import ReliefLadder
+from autotune.snapshot import InputState, StepTiming
+from autotune.step import LossFn, StepCore, StepFn
 
 
 class Host(Protocol):
@@ -122,13 +99,10 @@ class Tuner:
             step (True), or step on each smaller chunk (False).
         device, policies, memory_cap, precision, clip_grad_norm, clip_grad_value, split_fn,
         run_dir, monitor, monitor_interval, tensorboard, inject_oom, seed, compile,
-        memory_snapshot, shard: as for `AutoTrainer`.
+        memory_snapshot, shard, on_nonfinite: as for `AutoTrainer` (a non-finite step is never
+            trained on; "stop" raises `NonFiniteStep` before it; fp16's scaler skips are journaled).
         reliefs: let policies change the model (autocast, activation checkpointing, pruning)
             at the smallest micro-batch; False where another framework owns the optimizer.
-        on_nonfinite: NaN or inf gradients in a batch: "skip" its optimizer step (the default, as
-            the fp16 gradient scaler does; journaled, said once, its samples not counted as
-            trained) or "stop" with `NonFiniteStep` before the step. Never trained on either way;
-            the check costs one host sync a step. With fp16, the scaler's own skips are journaled.
         owns_optimizer: False where another trainer steps the optimizer and wraps the model
             (HF, Lightning): no optimizer here, no DDP wrapper; use `accumulate`.
         progress: a tqdm bar (AutoTrainer's).
@@ -184,8 +158,7 @@ class Tuner:
         self.progress = counters if counters is not None else Progress()
         self.core = StepCore(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
                              loss_fn=loss_fn, step_fn=step_fn, split_fn=split_fn, device=self.device,
-                             backward_fn=backward_fn,
-                             ranks=self.ranks, progress=self.progress, keep_effective_batch=keep_effective_batch,
+                             backward_fn=backward_fn, ranks=self.ranks, progress=self.progress, keep_effective_batch=keep_effective_batch,
                              inject_oom=injection_rate(inject_oom), seed=seed, precision=precision,
                              clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
                              scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
@@ -196,7 +169,6 @@ class Tuner:
         self._sized = batch_size is not None or micro_batch_size is not None
         self._batch_size_fixed = batch_size is not None
         self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
-        self.reliefs_allowed = reliefs
         self.ladder = ReliefLadder(self.model, self.core, self.ranks, self.journal)
         self.monitor_link = MonitorLink(self.run_dir, self.device, enabled=monitor and self.is_main,
                                         interval=monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
@@ -206,10 +178,12 @@ class Tuner:
         self.recovery = OOMRecovery(self.model, self.core, self.demand, self.history, self.journal, self.progress,
                                     self.run_dir, knobs=self.knobs, dispatcher=self.dispatcher, cadence=self.cadence,
                                     reliefs_allowed=reliefs)
-        self.measured = False  # whether the last batch was measured (its demand read, BATCH_MEASURED fired)
-        self.allocator = None  # the last step's allocator figures (CUDA)
-        self.last_good_micro: int | None = None
+        self.batches = BatchRunner(self.core, self.knobs, self.ranks, self.cadence, self.demand, self.recovery,
+                                   keep_effective_batch)
         self._host = weakref.ref(host) if host is not None else None
+        self.reactions = Reactions(self.dispatcher, self.ladder, self.monitor_link, self.knobs, self.progress,
+                                   self.demand, self.cadence, self.batches, device=self.device, host=self._host,
+                                   keep_effective_batch=keep_effective_batch, reliefs_allowed=reliefs)
         # A host writes its own checkpoints; alone, the Tuner writes state_dict() into run_dir/checkpoints.
         self._checkpointer = None if host is not None else Checkpointer(
             self.run_dir / "checkpoints", keep=3, every=None, interval=None, ranks=self.ranks, journal=self.journal)
@@ -217,7 +191,6 @@ class Tuner:
         self.core.on_failure = functools.partial(read_at_failure, self.demand, self.history, self.model, self.device)
         self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"
         self._started = False  # between begin() and end(): a run of steps, journaled as fit_start ... fit_end
-        self._holding = False  # gradients of earlier batches set aside during this one (train_batch)
         self._last_step_end: float | None = None
         self._closed = False
 
@@ -237,7 +210,7 @@ class Tuner:
 
         Returns the batch's mean loss as a 0-d tensor (read it with `.item()` when you log:
         that waits for the device). `step_fn`/`loss_fn` default to the constructor's."""
-        self._use(step_fn, loss_fn)
+        self.core.use(step_fn, loss_fn)
         n = self._begin_batch(batch)
         # What the loop accumulated before this call (Accelerate's accumulate() holds gradients
         # back over several batches) is kept out of the attempts and added back before the
@@ -253,7 +226,7 @@ class Tuner:
         step: for a trainer that steps its own optimizer. `step_fn(model, micro)` returns a loss
         already scaled so that the micro-batches' losses add up to the batch's (the caller knows
         its normalisation); gradients add onto those accumulated before."""
-        self._use(step_fn, None)
+        self.core.use(step_fn, None)
         n = self._begin_batch(batch, n)
         held = set_aside_gradients(self.model)  # a retry drops the failed attempt's gradients, never these
         outcome = self.train_batch(batch, n, optimizer_step=False, held=held)
@@ -272,15 +245,6 @@ class Tuner:
     def step_scheduler(self, metric: float | None = None) -> None:
         """Step the scheduler yourself (scheduler_interval="epoch"; a ReduceLROnPlateau's metric)."""
         self.core.step_scheduler(metric)
-
-    def _use(self, step_fn: StepFn | None, loss_fn: LossFn | None) -> None:
-        if step_fn is not None and loss_fn is not None:
-            raise ValueError("pass step_fn or loss_fn, not both")
-        if step_fn is not None or loss_fn is not None:
-            self.core.step_fn, self.core.loss_fn = step_fn, loss_fn
-        elif self.core.step_fn is None and self.core.loss_fn is None:
-            raise ValueError("Tuner.step needs step_fn(model, micro_batch) or loss_fn(outputs, targets): "
-                             "pass one here or to Tuner(...)")
 
     def _begin_batch(self, batch: Any, n: int | None = None) -> int:
         if self._closed:
@@ -319,80 +283,12 @@ class Tuner:
                     proposal: Callable[[], dict[str, Any]] | None = None,
                     held: list[tuple[nn.Parameter, torch.Tensor]] | None = None) -> BatchOutcome:
         """Train on one batch until every sample of it is in a completed optimizer step (or, with
-        `optimizer_step=False`, in the accumulated gradients). `proposal()` adds the caller's
-        fields to each attempt's agreement (a stop signal, a checkpoint due). `held`: gradients
-        set aside before the batch (`set_aside_gradients`), added to the batch's before its
-        optimizer step; while they are held, a failed attempt's gradients are dropped from the
-        parameters directly."""
-        self._holding = held is not None
-        done = 0  # samples whose optimizer step has completed
-        tried: list[int] = []
-        additive = not optimizer_step
-        losses: Losses | None = None
-        cadence = self.cadence
-        measured = self.measured = cadence.due(self.knobs.micro_batch_size)
-        rebase = not cadence.last_measured
-        while done < n:
-            if measured:
-                self.demand.start(self.knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
-                rebase = False
-            self.knobs.follow(self.ranks.same_size(self.knobs.micro_batch_size, n, self.step_count))
-            attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
-            # Sharded, a rank that cannot go on (its optimizer step failed) ran no exchange: it says
-            # "failed" at the others' first check, and the agreement then stops every rank.
-            if self.ranks.end_attempt(attempt.failed_micro_batch is not None or self.core.failure is not None,
-                                      attempt.peer_failed):
-                attempt.discard()  # sharded: another rank failed, during this attempt or after it
-            done = attempt.done
-            # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
-            # rank that ran out of memory.
-            agreed = self.ranks.agree(Agreement(
-                failed_micro_batch=attempt.failed_micro_batch, micro_batch_size=self.knobs.micro_batch_size,
-                relief=self.ranks.offer_relief(self.knobs), fatal=self.core.failure,
-                **(proposal() if proposal is not None else {})), self.device)
-            if agreed.failed_micro_batch is not None and (self.keep_effective_batch or additive):
-                # Another rank ran out of memory: this rank's whole attempt is retried with
-                # it, so its losses go too (kept, they were counted twice).
-                attempt.discard()
-            if losses is None:
-                losses = attempt.losses
-            else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
-                losses.parts += attempt.losses.parts
-            self.knobs.follow(agreed.micro_batch_size)  # rank 0's
-            self.recovery.settle_relief(agreed.relief)
-            if agreed.fatal:
-                self.give_up_on_the_step(agreed.fatal)
-            if agreed.failed_micro_batch is None:
-                if not optimizer_step:
-                    done = n
-                elif self.keep_effective_batch:
-                    if held and getattr(self.ranks, "bucket", None) is not None:
-                        # The held gradients are views of DDP's flat buffer: added into it first
-                        # (rank-alike already, so averaging leaves them as they are).
-                        add_gradients(held)
-                        held = None
-                    self.core.reduce_gradients(attempt)
-                    if held:
-                        add_gradients(held)
-                    self.core.optimizer_step(n)
-                    done = n
-                failure = self.ranks.known_to_all(self.core.failure)
-                if failure:
-                    self.give_up_on_the_step(failure)
-                break
-            # Out of the `except` block now, so the exception and its frames are gone and
-            # the tensors they pinned (activations, partial gradients) can be freed.
-            tried.append(agreed.failed_micro_batch)
-            self.recovery.recover(agreed.failed_micro_batch, tried, attempt, holding=self._holding, fire=self.fire,
-                                  carry_out=self.carry_out, checkpoint=self.checkpoint)
-            measured = self.measured = True  # the retry is measured, whatever the cadence said
-            rebase = False  # the room was measured after the clean-up
-        if self.core.skipped:
-            self.recovery.report_skipped(losses, self.keep_effective_batch)
-        self.last_good_micro = self.knobs.micro_batch_size
-        cadence.done(measured, self.demand.finish() if measured else None)
-        return BatchOutcome(len(tried), losses if losses is not None else Losses(additive=additive), self.device,
-                            agreed)
+        `optimizer_step=False`, in the accumulated gradients): batch.py's loop. `proposal()` adds
+        the host's fields to each attempt's agreement (a stop signal, a checkpoint due). `held`:
+        gradients set aside before the batch (`set_aside_gradients`), added to the batch's
+        before its optimizer step."""
+        return self.batches.run(batch, n, optimizer_step=optimizer_step, proposal=proposal, held=held,
+                                fire=self.fire, carry_out=self.carry_out, checkpoint=self.checkpoint)
 
     def give_up_on_the_step(self, why: str) -> NoReturn:
         """The optimizer step ran out of memory (on this rank or another): checkpoint, raise."""
@@ -408,8 +304,8 @@ class Tuner:
         cadence.py), an agreed relief carried out, and what the monitor's samples show
         (MEMORY_HIGH, MEMORY_PRESSURE) sent to the policies."""
         # One memory_stats() call a measured step (CUDA), made when the step's need was measured.
-        allocator = self.allocator = self.demand.allocator
-        demand = self.demand.last if self.measured else None
+        allocator = self.reactions.allocator = self.demand.allocator
+        demand = self.demand.last if self.batches.measured else None
         if self.log.step_due():  # most steps of a long run write nothing: their figures are not gathered
             self.log.step(self.step_count, self.progress.epoch, samples=n, samples_seen=self.samples_seen,
                           micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
@@ -418,36 +314,11 @@ class Tuner:
                           reserved_bytes=allocator.reserved_bytes if allocator else None,
                           loss=outcome.mean_loss, sample=self.monitor_link.latest,
                           grad_norm=self.core.grad_norm)
-        self.fire(Event.BATCH_END, timing=timing)
-        if self.measured:
-            self.fire(Event.BATCH_MEASURED, timing=timing)
-            self.ladder.effect(demand, self.step_count, self.progress.epoch)
-        relief = self.ranks.relief_now(self.knobs)
-        if relief is not None:
-            self.carry_out(relief)
-        # The allocator's figures are fresh only on a measured step: the detectors see those.
-        for event in self.monitor_link.watch(allocator if self.measured else None, self.step_count,
-                                             self.progress.epoch):
-            self.fire(event, force=True)
+        self.reactions.after_batch(timing, self.checkpoint)
 
     def carry_out(self, relief: Relief | None) -> bool:
         """Carry out a relief a policy asked for; False if there was none or it failed."""
-        if relief is not None and not self.reliefs_allowed:
-            self.dispatcher.relief_failed(relief, "reliefs are off here: the model and optimizer are another "
-                                                  "trainer's")
-            return False
-        try:
-            applied = self.ladder.apply(relief, self.step_count, self.progress.epoch, self.demand.last,
-                                        save_checkpoint=self.checkpoint)
-        except ReliefFailed as exc:
-            self.dispatcher.relief_failed(relief, str(exc))  # the policy that asked learns not to ask again
-            return False
-        if applied:
-            # What stays resident changed (pruning shrinks weights and optimizer state): demand
-            # is measured from here on against the room there is now.
-            self.demand.measure_room()
-            self.cadence.changed()
-        return applied
+        return self.reactions.carry_out(relief, self.checkpoint)
 
     def listens(self, event: Event) -> bool:
         """Whether a policy subscribed to `event` (a host skips the work of one nobody hears)."""
@@ -455,19 +326,8 @@ class Tuner:
 
     def fire(self, event: Event, failed_micro_batch: int | None = None, timing: StepTiming | None = None,
              force: bool = False) -> None:
-        """Tell the policies subscribed to `event`, with a snapshot of the run now."""
-        # Building a snapshot reads memory figures; skip it when nobody listens.
-        if not force and event not in self.dispatcher.events:
-            return
-        self.dispatcher.fire(event, Snapshot(
-            step=self.step_count, epoch=self.progress.epoch, batch_size=self.knobs.batch_size,
-            micro_batch_size=self.knobs.micro_batch_size, device=str(self.device),
-            keep_effective_batch=self.keep_effective_batch, failed_micro_batch=failed_micro_batch,
-            last_good_micro_batch=self.last_good_micro, step_demand=self.demand.last,
-            step_memory=self.demand.last_memory, ooms=self.ooms,
-            sample=self.monitor_link.latest(fresh=event is Event.OOM), window=tuple(self.monitor_link.window),
-            allocator=self.allocator, timing=timing, input=self._input_state(), reliefs=tuple(self.ladder.applied),
-            last_relief_step=self.ladder.last_step, pruned_fraction=self.ladder.pruned_fraction))
+        """Tell the policies subscribed to `event` (`force`: whether or not), with a snapshot of the run now."""
+        self.reactions.fire(event, failed_micro_batch, timing, force)
 
     # ------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -525,10 +385,6 @@ class Tuner:
         except RankFailed as exc:  # another rank's optimizer step ran out of memory
             self.give_up_on_the_step(str(exc))
 
-    def _input_state(self) -> InputState | None:
-        host = self._host() if self._host is not None else None
-        return host.input_state() if host is not None else None
-
     # ------------------------------------------------------------------------- the end
     def agree_on_micro_batch(self) -> int:
         """At the end of a run, on every rank: take rank 0's micro-batch (one broadcast under
@@ -581,11 +437,3 @@ def set_aside_gradients(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tens
     for p, _ in held:
         p.grad = None
     return held
-
-
-def add_gradients(held: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-    """Add gradients `set_aside_gradients` took onto what the parameters hold now (or put them back)."""
-    for p, grad in held:
-        if p.grad is not None:
-            grad.add_(p.grad)  # into the held tensor: views of it elsewhere (a bucket) stay bound
-        p.grad = grad

@@ -80,3 +80,19 @@ def test_a_format_1_run_of_two_ranks_keeps_every_ranks_random_state():
     assert "ranks" not in checkpoint_format.rank_rng(state, 0, 1)  # alone: rank 0's own
     with pytest.raises(ValueError, match="made by 2 ranks, this job has 3"):
         checkpoint_format.rank_rng(state, 0, 3)
+
+
+@pytest.mark.slow
+def test_a_format_1_sharded_checkpoint_resumes_under_fsdp2_to_the_weights_of_an_unstopped_run(tmp_path):
+    # tests/checkpoints/format1-sharded: eb37a61's FSDP2 checkpoint of step 3 (two ranks' DCP shards
+    # and the flat rest.pt); resumed today on two ranks, to step 6.
+    from tests.conftest import torchrun
+
+    script = KEPT / "sharded_run.py"
+    resumed, whole = tmp_path / "resumed", tmp_path / "whole"
+    torchrun(script, ["resume", str(KEPT / "format1-sharded"), str(resumed)], [resumed / f"rank{r}.done" for r in (0, 1)])
+    torchrun(script, ["whole", str(whole)], [whole / f"rank{r}.done" for r in (0, 1)])
+    got, expected = (torch.load(path / "final.pt", weights_only=True) for path in (resumed, whole))
+    assert got["step"] == expected["step"] == 6 and got["samples_seen"] == expected["samples_seen"] == 6 * 16 * 2
+    for name, value in expected["weights"].items():
+        torch.testing.assert_close(got["weights"][name], value, rtol=0, atol=0)

@@ -1,0 +1,151 @@
+"""One batch until every sample of it is in a completed optimizer step: the attempts, the ranks'
+agreement after each, OOM recovery between them, and the gradients a caller held back.
+
+    while the batch is not done:       (events.py has the whole picture)
+      measured: the step's peak from here           attempt (step.py)
+      agree (distributed.py), failed or not         no failure: reduce, add the held, step; done
+      failure: recovery.py (clean up, record, decide), then the same batch again, smaller
+
+Owns: whether the last batch was measured, the last good micro-batch, whether earlier gradients
+are held. Touches: the step core (attempts, the optimizer step), the knobs (rank 0's size), the
+demand (measured), the cadence, the job's agreement, the recovery. Used by `Tuner.train_batch`,
+the one way every host trains a batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autotune.actions import Relief
+from autotune.cadence import MeasureCadence
+from autotune.distributed import Agreement, Ranks, Solo
+from autotune.knobs import Knobs
+from autotune.memory import StepDemand
+from autotune.recovery import OOMRecovery
+from autotune.step import Losses, StepCore
+
+
+@dataclasses.dataclass
+class BatchOutcome:
+    """What training one batch did."""
+
+    retries: int  # OOMs survived on it
+    losses: Losses  # its kept micro-batches' losses, combined when read
+    device: torch.device
+    agreed: Agreement | None = None  # its last attempt's agreement (a stop signal, a checkpoint due)
+
+    @property
+    def weight(self) -> Any:
+        """What `loss_sum` is summed over: samples, or the step's items."""
+        return self.losses.weight
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        """The summed (not mean) loss over `weight`."""
+        return self.losses.total(self.device)
+
+    def mean_loss(self) -> torch.Tensor:
+        """The batch's mean loss (0-d, on the device; no op when the batch ran in one piece)."""
+        return self.losses.mean(self.device)
+
+
+class BatchRunner:
+    """Runs batches on one Tuner's step core (see the module docstring)."""
+
+    def __init__(self, core: StepCore, knobs: Knobs, ranks: Solo | Ranks, cadence: MeasureCadence,
+                 demand: StepDemand, recovery: OOMRecovery, keep_effective_batch: bool):
+        self.core, self.knobs, self.ranks, self.cadence = core, knobs, ranks, cadence
+        self.demand, self.recovery, self.keep_effective_batch = demand, recovery, keep_effective_batch
+        self.measured = False  # whether the last batch was measured (its demand read, BATCH_MEASURED fired)
+        self.last_good_micro: int | None = None  # the micro-batch of the last batch that completed
+        self.holding = False  # gradients of earlier batches set aside during this one
+
+    def run(self, batch: Any, n: int, *, optimizer_step: bool, proposal: Callable[[], dict[str, Any]] | None,
+            held: list[tuple[nn.Parameter, torch.Tensor]] | None, fire: Callable[..., None],
+            carry_out: Callable[[Relief], bool], checkpoint: Callable[..., Any]) -> BatchOutcome:
+        """Train on one batch until every sample of it is in a completed optimizer step (or, with
+        `optimizer_step=False`, in the accumulated gradients); see `Tuner.train_batch`. While
+        `held` gradients are set aside, a failed attempt's gradients are dropped from the
+        parameters directly. `fire`, `carry_out` and `checkpoint` are the Tuner's, lent for the
+        OOM recovery of this batch (recovery.py)."""
+        self.holding = held is not None
+        done = 0  # samples whose optimizer step has completed
+        tried: list[int] = []
+        additive = not optimizer_step
+        losses: Losses | None = None
+        cadence = self.cadence
+        measured = self.measured = cadence.due(self.knobs.micro_batch_size)
+        rebase = not cadence.last_measured
+        while done < n:
+            if measured:
+                self.demand.start(self.knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
+                rebase = False
+            self.knobs.follow(self.ranks.same_size(self.knobs.micro_batch_size, n, self.core.progress.step))
+            attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
+            # Sharded, a rank that cannot go on (its optimizer step failed) ran no exchange: it says
+            # "failed" at the others' first check, and the agreement then stops every rank.
+            if self.ranks.end_attempt(attempt.failed_micro_batch is not None or self.core.failure is not None,
+                                      attempt.peer_failed):
+                attempt.discard()  # sharded: another rank failed, during this attempt or after it
+            done = attempt.done
+            # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
+            # rank that ran out of memory.
+            agreed = self.ranks.agree(Agreement(
+                failed_micro_batch=attempt.failed_micro_batch, micro_batch_size=self.knobs.micro_batch_size,
+                relief=self.ranks.offer_relief(self.knobs), fatal=self.core.failure,
+                **(proposal() if proposal is not None else {})), self.core.device)
+            if agreed.failed_micro_batch is not None and (self.keep_effective_batch or additive):
+                # Another rank ran out of memory: this rank's whole attempt is retried with
+                # it, so its losses go too (kept, they were counted twice).
+                attempt.discard()
+            if losses is None:
+                losses = attempt.losses
+            else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
+                losses.parts += attempt.losses.parts
+            self.knobs.follow(agreed.micro_batch_size)  # rank 0's
+            self.recovery.settle_relief(agreed.relief)
+            if agreed.fatal:
+                self.recovery.give_up_on_the_step(agreed.fatal, checkpoint)
+            if agreed.failed_micro_batch is None:
+                if not optimizer_step:
+                    done = n
+                elif self.keep_effective_batch:
+                    if held and self.ranks.bucket is not None:
+                        # The held gradients are views of DDP's flat buffer: added into it first
+                        # (rank-alike already, so averaging leaves them as they are).
+                        add_gradients(held)
+                        held = None
+                    self.core.reduce_gradients(attempt)
+                    if held:
+                        add_gradients(held)
+                    self.core.optimizer_step(n)
+                    done = n
+                failure = self.ranks.known_to_all(self.core.failure)
+                if failure:
+                    self.recovery.give_up_on_the_step(failure, checkpoint)
+                break
+            # Out of the `except` block now, so the exception and its frames are gone and
+            # the tensors they pinned (activations, partial gradients) can be freed.
+            tried.append(agreed.failed_micro_batch)
+            self.recovery.recover(agreed.failed_micro_batch, tried, attempt, holding=self.holding, fire=fire,
+                                  carry_out=carry_out, checkpoint=checkpoint)
+            measured = self.measured = True  # the retry is measured, whatever the cadence said
+            rebase = False  # the room was measured after the clean-up
+        if self.core.skipped:
+            self.recovery.report_skipped(losses, self.keep_effective_batch)
+        self.last_good_micro = self.knobs.micro_batch_size
+        cadence.done(measured, self.demand.finish() if measured else None)
+        return BatchOutcome(len(tried), losses if losses is not None else Losses(additive=additive), self.core.device,
+                            agreed)
+
+
+def add_gradients(held: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Add gradients `set_aside_gradients` took onto what the parameters hold now (or put them back)."""
+    for p, grad in held:
+        if p.grad is not None:
+            grad.add_(p.grad)  # into the held tensor: views of it elsewhere (a bucket) stay bound
+        p.grad = grad

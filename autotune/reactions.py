@@ -1,0 +1,92 @@
+"""The policies' side of a run: what they are told (an event, with a snapshot of the run), what
+they ask for that changes the model (a relief, carried out at a safe point), and what the
+monitor's samples add after each batch (MEMORY_HIGH, MEMORY_PRESSURE).
+
+Owns: the last step's allocator figures the snapshots carry. Touches: the dispatcher (it asks
+the policies), the relief ladder (it changes the model), the monitor link (its samples), the
+demand's room and the cadence after a relief. The Tuner lends its `checkpoint` per call (before
+a relief that prunes), so nothing here holds the Tuner.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from autotune.actions import Relief
+from autotune.cadence import MeasureCadence
+from autotune.dispatch import Dispatcher
+from autotune.events import Event
+from autotune.knobs import Knobs
+from autotune.memory import StepDemand
+from autotune.monitor.link import MonitorLink
+from autotune.progress import Progress
+from autotune.relief.ladder import ReliefFailed, ReliefLadder
+from autotune.snapshot import Snapshot, StepTiming
+
+
+class Reactions:
+    """Events to the policies, reliefs to the model, for one Tuner (see the module docstring)."""
+
+    def __init__(self, dispatcher: Dispatcher, ladder: ReliefLadder, monitor_link: MonitorLink, knobs: Knobs,
+                 progress: Progress, demand: StepDemand, cadence: MeasureCadence, batches: Any, *,
+                 device: torch.device, host: weakref.ref | None, keep_effective_batch: bool, reliefs_allowed: bool):
+        self.dispatcher, self.ladder, self.monitor_link, self.knobs = dispatcher, ladder, monitor_link, knobs
+        self.progress, self.demand, self.cadence, self.batches = progress, demand, cadence, batches
+        self.device, self.host, self.keep_effective_batch = device, host, keep_effective_batch
+        self.reliefs_allowed = reliefs_allowed
+        self.allocator = None  # the last measured step's allocator figures (CUDA)
+
+    def after_batch(self, timing: StepTiming, checkpoint: Callable[..., Any]) -> None:
+        """BATCH_END, BATCH_MEASURED (a measured batch: cadence.py), an agreed relief carried out,
+        and what the monitor's samples show sent to the policies."""
+        progress, measured = self.progress, self.batches.measured
+        self.fire(Event.BATCH_END, timing=timing)
+        if measured:
+            self.fire(Event.BATCH_MEASURED, timing=timing)
+            self.ladder.effect(self.demand.last, progress.step, progress.epoch)
+        relief = self.batches.ranks.relief_now(self.knobs)
+        if relief is not None:
+            self.carry_out(relief, checkpoint)
+        # The allocator's figures are fresh only on a measured step: the detectors see those.
+        for event in self.monitor_link.watch(self.allocator if measured else None, progress.step, progress.epoch):
+            self.fire(event, force=True)
+
+    def carry_out(self, relief: Relief | None, checkpoint: Callable[..., Any]) -> bool:
+        """Carry out a relief a policy asked for; False if there was none or it failed."""
+        if relief is not None and not self.reliefs_allowed:
+            self.dispatcher.relief_failed(relief, "reliefs are off here: the model and optimizer are another "
+                                                  "trainer's")
+            return False
+        try:
+            applied = self.ladder.apply(relief, self.progress.step, self.progress.epoch, self.demand.last,
+                                        save_checkpoint=checkpoint)
+        except ReliefFailed as exc:
+            self.dispatcher.relief_failed(relief, str(exc))  # the policy that asked learns not to ask again
+            return False
+        if applied:
+            # What stays resident changed (pruning shrinks weights and optimizer state): demand
+            # is measured from here on against the room there is now.
+            self.demand.measure_room()
+            self.cadence.changed()
+        return applied
+
+    def fire(self, event: Event, failed_micro_batch: int | None = None, timing: StepTiming | None = None,
+             force: bool = False) -> None:
+        """Tell the policies subscribed to `event`, with a snapshot of the run now."""
+        # Building a snapshot reads memory figures; skip it when nobody listens.
+        if not force and event not in self.dispatcher.events:
+            return
+        host = self.host() if self.host is not None else None
+        progress, knobs, ladder = self.progress, self.knobs, self.ladder
+        self.dispatcher.fire(event, Snapshot(
+            step=progress.step, epoch=progress.epoch, batch_size=knobs.batch_size,
+            micro_batch_size=knobs.micro_batch_size, device=str(self.device),
+            keep_effective_batch=self.keep_effective_batch, failed_micro_batch=failed_micro_batch,
+            last_good_micro_batch=self.batches.last_good_micro, step_demand=self.demand.last,
+            step_memory=self.demand.last_memory, ooms=progress.ooms,
+            sample=self.monitor_link.latest(fresh=event is Event.OOM), window=tuple(self.monitor_link.window),
+            allocator=self.allocator, timing=timing, input=host.input_state() if host is not None else None,
+            reliefs=tuple(ladder.applied), last_relief_step=ladder.last_step, pruned_fraction=ladder.pruned_fraction))
