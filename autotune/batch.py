@@ -84,7 +84,7 @@ class BatchRunner:
             if measured:
                 self.demand.start(self.knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
                 rebase = False
-            self.knobs.follow(self.ranks.same_size(self.knobs.micro_batch_size, n, self.core.progress.step))
+            self.knobs.follow(self.ranks.same_size(self.knobs.micro_batch_size, n, self.core.counters.step))
             attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
             # Sharded, a rank that cannot go on (its optimizer step failed) ran no exchange: it says
             # "failed" at the others' first check, and the agreement then stops every rank.

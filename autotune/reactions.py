@@ -31,10 +31,10 @@ class Reactions:
     """Events to the policies, reliefs to the model, for one Tuner (see the module docstring)."""
 
     def __init__(self, dispatcher: Dispatcher, ladder: ReliefLadder, monitor_link: MonitorLink, knobs: Knobs,
-                 progress: Progress, demand: StepDemand, cadence: MeasureCadence, batches: Any, *,
+                 counters: Progress, demand: StepDemand, cadence: MeasureCadence, batches: Any, *,
                  device: torch.device, host: weakref.ref | None, keep_effective_batch: bool, reliefs_allowed: bool):
         self.dispatcher, self.ladder, self.monitor_link, self.knobs = dispatcher, ladder, monitor_link, knobs
-        self.progress, self.demand, self.cadence, self.batches = progress, demand, cadence, batches
+        self.counters, self.demand, self.cadence, self.batches = counters, demand, cadence, batches
         self.device, self.host, self.keep_effective_batch = device, host, keep_effective_batch
         self.reliefs_allowed = reliefs_allowed
         self.allocator = None  # the last measured step's allocator figures (CUDA)
@@ -42,16 +42,16 @@ class Reactions:
     def after_batch(self, timing: StepTiming, checkpoint: Callable[..., Any]) -> None:
         """BATCH_END, BATCH_MEASURED (a measured batch: cadence.py), an agreed relief carried out,
         and what the monitor's samples show sent to the policies."""
-        progress, measured = self.progress, self.batches.measured
+        counters, measured = self.counters, self.batches.measured
         self.fire(Event.BATCH_END, timing=timing)
         if measured:
             self.fire(Event.BATCH_MEASURED, timing=timing)
-            self.ladder.effect(self.demand.last, progress.step, progress.epoch)
+            self.ladder.effect(self.demand.last, counters.step, counters.epoch)
         relief = self.batches.ranks.relief_now(self.knobs)
         if relief is not None:
             self.carry_out(relief, checkpoint)
         # The allocator's figures are fresh only on a measured step: the detectors see those.
-        for event in self.monitor_link.watch(self.allocator if measured else None, progress.step, progress.epoch):
+        for event in self.monitor_link.watch(self.allocator if measured else None, counters.step, counters.epoch):
             self.fire(event, force=True)
 
     def carry_out(self, relief: Relief | None, checkpoint: Callable[..., Any]) -> bool:
@@ -61,7 +61,7 @@ class Reactions:
                                                   "trainer's")
             return False
         try:
-            applied = self.ladder.apply(relief, self.progress.step, self.progress.epoch, self.demand.last,
+            applied = self.ladder.apply(relief, self.counters.step, self.counters.epoch, self.demand.last,
                                         save_checkpoint=checkpoint)
         except ReliefFailed as exc:
             self.dispatcher.relief_failed(relief, str(exc))  # the policy that asked learns not to ask again
@@ -80,13 +80,13 @@ class Reactions:
         if not force and event not in self.dispatcher.events:
             return
         host = self.host() if self.host is not None else None
-        progress, knobs, ladder = self.progress, self.knobs, self.ladder
+        counters, knobs, ladder = self.counters, self.knobs, self.ladder
         self.dispatcher.fire(event, Snapshot(
-            step=progress.step, epoch=progress.epoch, batch_size=knobs.batch_size,
+            step=counters.step, epoch=counters.epoch, batch_size=knobs.batch_size,
             micro_batch_size=knobs.micro_batch_size, device=str(self.device),
             keep_effective_batch=self.keep_effective_batch, failed_micro_batch=failed_micro_batch,
             last_good_micro_batch=self.batches.last_good_micro, step_demand=self.demand.last,
-            step_memory=self.demand.last_memory, ooms=progress.ooms,
+            step_memory=self.demand.last_memory, ooms=counters.ooms,
             sample=self.monitor_link.latest(fresh=event is Event.OOM), window=tuple(self.monitor_link.window),
             allocator=self.allocator, timing=timing, input=host.input_state() if host is not None else None,
             reliefs=tuple(ladder.applied), last_relief_step=ladder.last_step, pruned_fraction=ladder.pruned_fraction))

@@ -44,10 +44,10 @@ class OOMRecovery:
     """What a failed attempt leaves to clean up and to record, for one Tuner's model."""
 
     def __init__(self, model: nn.Module, core: StepCore, demand: StepDemand, history: AllocationHistory | None,
-                 journal: Any, progress: Progress, run_dir: Path, *, knobs: Knobs, dispatcher: Dispatcher,
+                 journal: Any, counters: Progress, run_dir: Path, *, knobs: Knobs, dispatcher: Dispatcher,
                  cadence: MeasureCadence, reliefs_allowed: bool):
         self.model, self.core, self.demand, self.history = model, core, demand, history
-        self.journal, self.progress, self.run_dir = journal, progress, run_dir
+        self.journal, self.counters, self.run_dir = journal, counters, run_dir
         self.knobs, self.dispatcher, self.cadence, self.reliefs_allowed = knobs, dispatcher, cadence, reliefs_allowed
         self.device, self.ranks = core.device, core.ranks
         self.last_snapshot: dict[str, Any] | None = None  # the allocator's state at the last OOM: path, sites
@@ -69,7 +69,7 @@ class OOMRecovery:
             dropped = self.knobs.drop_relief()  # a smaller micro-batch first: reliefs are the last resort
             if dropped is not None:
                 self.dispatcher.relief_dropped(dropped, f"a smaller micro-batch ({self.knobs.micro_batch_size}) is "
-                                               "tried first", self.progress.step, self.progress.epoch)
+                                               "tried first", self.counters.step, self.counters.epoch)
             return
         if attempt.not_supported is not None:
             raise attempt.not_supported  # cuDNN's NOT_SUPPORTED at the floor may not be memory: no reliefs
@@ -88,8 +88,8 @@ class OOMRecovery:
         """After an agreement: rank 0's relief is every rank's; one asked on another rank goes no further."""
         mine = self.knobs.settle_relief(agreed, self.ranks.is_main)
         if mine is not None:
-            self.dispatcher.relief_dropped(mine, "rank 0's policies decide the reliefs", self.progress.step,
-                                           self.progress.epoch)
+            self.dispatcher.relief_dropped(mine, "rank 0's policies decide the reliefs", self.counters.step,
+                                           self.counters.epoch)
 
     def clean_up(self, failed_micro_batch: int, attempt: Attempt, holding: bool) -> None:
         """Free what the failed attempt held and record it (`oom`). `holding`: gradients of
@@ -107,13 +107,13 @@ class OOMRecovery:
             self.model, self.core.optimizer, self.device, held_at_start=self.demand.held_at_start,
             held_at_failure=held, gradients_at_failure=gradients, cap=self.demand.binding_cap,
             measure=self.demand.measure, allocator_cache=cached, outside_torch=self.demand.others_bytes)
-        self.last_snapshot = self.history.write(self.run_dir, self.progress.step) if self.history is not None else None
+        self.last_snapshot = self.history.write(self.run_dir, self.counters.step) if self.history is not None else None
         self.demand.measure_room()  # what is in use after the clean-up, against the cap now
-        self.progress.ooms += 1
+        self.counters.ooms += 1
         lost = time.perf_counter() - attempt.started  # the failed work and the clean-up: what the OOM cost
-        self.journal.write("oom", self.progress.step, self.progress.epoch, micro_batch_size=failed_micro_batch,
+        self.journal.write("oom", self.counters.step, self.counters.epoch, micro_batch_size=failed_micro_batch,
                            device=str(self.device), message=attempt.message, injected=attempt.injected,
-                           lost_seconds=round(lost, 4), ooms=self.progress.ooms, breakdown=self.last_breakdown,
+                           lost_seconds=round(lost, 4), ooms=self.counters.ooms, breakdown=self.last_breakdown,
                            **({"memory_snapshot": self.last_snapshot} if self.last_snapshot else {}))
         # One line per size that failed (the journal has every OOM): a user sees it was survived.
         warn(f"out of memory at micro-batch {failed_micro_batch} on {self.device}; retrying the same batch at a smaller "
@@ -124,7 +124,7 @@ class OOMRecovery:
         memory = describe_memory(self.device)
         if self.last_breakdown is not None:
             memory += f"; at the failure: {describe_breakdown(self.last_breakdown)}"
-        self.journal.write("out_of_memory", self.progress.step, self.progress.epoch, micro_batch_size=failed_micro_batch,
+        self.journal.write("out_of_memory", self.counters.step, self.counters.epoch, micro_batch_size=failed_micro_batch,
                            device=str(self.device), tried=tried, memory=memory, breakdown=self.last_breakdown)
         checkpoint("out_of_memory")  # the progress so far survives the error
         raise OutOfMemory(
@@ -137,7 +137,7 @@ class OOMRecovery:
         # A smaller micro-batch cannot help an optimizer state that does not fit. Every rank
         # knows by now (alone at once; under torchrun through an agreement or a gather).
         memory = describe_memory(self.device)
-        self.journal.write("out_of_memory", self.progress.step, self.progress.epoch, phase="optimizer_step",
+        self.journal.write("out_of_memory", self.counters.step, self.counters.epoch, phase="optimizer_step",
                            device=str(self.device), memory=memory, error=why)
         checkpoint("out_of_memory", report_failure=False)  # the weights may hold part of the failed step
         raise OutOfMemory(f"out of memory on {self.device} in optimizer.step(): the optimizer state does not fit, "
@@ -146,7 +146,7 @@ class OOMRecovery:
     def report_skipped(self, losses: Losses | None, keep_effective_batch: bool) -> None:
         """Journal the optimizer steps not taken on non-finite gradients, and tell the user once."""
         for step, why, by in self.core.skipped:
-            self.journal.write("nonfinite", self.progress.step, self.progress.epoch, at_step=step, error=why,
+            self.journal.write("nonfinite", self.counters.step, self.counters.epoch, at_step=step, error=why,
                                action=f"optimizer step skipped by {by}")
             warn(f"{why} at step {step}: the optimizer step was skipped by {by} (its samples are not counted as "
                  "trained; every one is in the run's journal)", key=f"nonfinite {by} {self.run_dir}")

@@ -217,7 +217,7 @@ class StepCore:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
                  loss_fn: LossFn | None, step_fn: StepFn | None, split_fn: SplitFn | None, device: torch.device,
-                 ranks: Solo | Ranks, progress: Progress, keep_effective_batch: bool, inject_oom: float, seed: int,
+                 ranks: Solo | Ranks, counters: Progress, keep_effective_batch: bool, inject_oom: float, seed: int,
                  precision: str = "fp32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
                  scheduler_interval: str = "step", compile: bool | dict[str, Any] = False,
                  on_nonfinite: str = "skip", backward_fn: Callable[[torch.Tensor], Any] | None = None):
@@ -227,7 +227,7 @@ class StepCore:
         self.skipped: list[tuple[int, str, str]] = []
         self.loss_fn, self.step_fn, self.split_fn = loss_fn, step_fn, split_fn
         self.source = "loss_fn" if loss_fn is not None else "step_fn"  # what errors about the loss name
-        self.device, self.ranks, self.progress = device, ranks, progress
+        self.device, self.ranks, self.counters = device, ranks, counters
         self.keep_effective_batch = keep_effective_batch
         self.inject_oom = inject_oom
         self._injector = random.Random(seed + 0x5EED + ranks.rank)  # own stream per rank
@@ -380,7 +380,7 @@ class StepCore:
             if self.scaler is None and not self._gradients_finite():
                 # Never trained on: the weights stay those of the last finite step.
                 if self.on_nonfinite == "stop":
-                    raise NonFiniteStep(f"non-finite gradients (NaN or inf) at step {self.progress.step + 1}: "
+                    raise NonFiniteStep(f"non-finite gradients (NaN or inf) at step {self.counters.step + 1}: "
                                         "stopped before the optimizer step (on_nonfinite='stop')")
                 self._skip("non-finite gradients (NaN or inf)", "autotune")
                 return
@@ -399,13 +399,13 @@ class StepCore:
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            self.failure = f"out of memory in optimizer.step() at step {self.progress.step}: {oom_message(exc)}"
+            self.failure = f"out of memory in optimizer.step() at step {self.counters.step}: {oom_message(exc)}"
             return
         self.zero_grad()
         if self.scheduler is not None and self.scheduler_interval == "step" and not self.plateau:
             self.scheduler.step()
-        self.progress.step += 1
-        self.progress.samples_seen += n_samples * self.ranks.world
+        self.counters.step += 1
+        self.counters.samples_seen += n_samples * self.ranks.world
 
     def _gradients_finite(self) -> bool:
         """Whether every gradient is finite (see `nonfinite`), read once: the only host sync this
@@ -417,7 +417,7 @@ class StepCore:
     def _skip(self, why: str, by: str) -> None:
         # The batch is consumed, not trained: no step, no samples counted, no scheduler step.
         self.zero_grad()
-        self.skipped.append((self.progress.step + 1, why, by))
+        self.skipped.append((self.counters.step + 1, why, by))
 
     def _clip(self) -> None:
         if self.clip_grad_norm is None and self.clip_grad_value is None:

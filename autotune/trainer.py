@@ -51,7 +51,7 @@ from autotune.validate import check_int
 
 
 def _counter(name: str) -> property:
-    return property(lambda self: getattr(self.progress, name), doc=f"`Progress.{name}` of this trainer's run")
+    return property(lambda self: getattr(self.counters, name), doc=f"`Progress.{name}` of this trainer's run")
 
 
 class AutoTrainer:
@@ -169,7 +169,7 @@ class AutoTrainer:
         if loss_fn is not None and isinstance(dataset, Dataset) and not isinstance(dataset, IterableDataset):
             check_sample_layout(dataset[0])
         # The step, OOM recovery, policies, monitor and run log: the same Tuner a custom loop uses.
-        self.progress = Progress()
+        self.counters = Progress()
         self.tuner = Tuner(model, optimizer, loss_fn=loss_fn, step_fn=step_fn, scheduler=scheduler,
                            micro_batch_size=micro, batch_size=batch_size, keep_effective_batch=keep_effective_batch,
                            device=device, policies=policies, memory_cap=memory_cap, precision=precision,
@@ -177,7 +177,7 @@ class AutoTrainer:
                            scheduler_interval=scheduler_interval, split_fn=split_fn, run_dir=run_dir,
                            monitor=monitor, monitor_interval=monitor_interval, tensorboard=tensorboard,
                            inject_oom=inject_oom, seed=seed, compile=compile, progress=progress, ranks=ranks,
-                           host=self, counters=self.progress, memory_snapshot=memory_snapshot, shard=shard,
+                           host=self, counters=self.counters, memory_snapshot=memory_snapshot, shard=shard,
                            on_nonfinite=on_nonfinite)
         self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
         self.is_main = ranks.is_main
@@ -227,7 +227,7 @@ class AutoTrainer:
             raise RuntimeError("this AutoTrainer was closed: build a new one to train again")
         if resume is not False:
             path = None if resume is True else Path(resume)
-            self.checkpointer.resume(self.load_state_dict, self.progress, self.device, path=path,
+            self.checkpointer.resume(self.load_state_dict, self.counters, self.device, path=path,
                                      template=self.state_dict)
         self._stop_request = None
         started = time.perf_counter()
@@ -238,7 +238,7 @@ class AutoTrainer:
                     f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
         compiles = compile_count() if self.core.compiled_model else 0
         self.callbacks.fire("on_fit_start", self)
-        self.log.open_bar(self.input.planned_batches(self.progress, epochs, max_steps, self.keep_effective_batch))
+        self.log.open_bar(self.input.planned_batches(self.counters, epochs, max_steps, self.keep_effective_batch))
         # A full gc.collect() after an OOM walks every object torch and the user's code
         # created (~0.2 s). Freezing what exists now leaves it only the objects made
         # during training, the failed attempt's among them. Skipped if the caller froze.
@@ -343,8 +343,8 @@ class AutoTrainer:
             self._failing_batch = None
             step_end = time.perf_counter()
             epoch_loss_sum.add(outcome.losses)
-            self.progress.position += n
-            self.progress.batches_done += 1
+            self.counters.position += n
+            self.counters.batches_done += 1
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
                                 retries=outcome.retries)
             self.tuner.after_batch(timing, n, outcome)
@@ -362,7 +362,7 @@ class AutoTrainer:
             if agreed.stop_signal:  # agreed by all ranks under torchrun
                 signum = agreed.stop_signal
                 raise self.checkpointer.preempted(signum, self.checkpoint_now(f"signal {signal.Signals(signum).name}"),
-                                                  self.progress)
+                                                  self.counters)
             self.callbacks.fire("on_step_end", self)
             if isinstance(self.eval_every, int) and self.step % self.eval_every == 0:
                 self.evaluate()
@@ -379,8 +379,8 @@ class AutoTrainer:
                 break
         epoch_loss = epoch_loss_sum.mean()
         if finished_epoch:
-            self.progress.epoch += 1
-            self.progress.position = self.progress.batches_done = 0
+            self.counters.epoch += 1
+            self.counters.position = self.counters.batches_done = 0
             self.journal.write("epoch_end", self.step, self.epoch - 1, samples_seen=self.samples_seen,
                                loss=epoch_loss, micro_batch_size=self.knobs.micro_batch_size)
             self.input.epoch_end(self.journal, self.step, self.epoch - 1)

@@ -113,7 +113,7 @@ class Tuner:
 
     # The host face (module docstring): the lifecycle and the parts a host reads. A host uses
     # nothing else of a Tuner (tests/test_faces.py); the user's face is the rest of the public names.
-    HOST_PARTS = ("core", "knobs", "log", "journal", "ranks", "progress", "demand", "model", "device", "run_dir",
+    HOST_PARTS = ("core", "knobs", "log", "journal", "ranks", "counters", "demand", "model", "device", "run_dir",
                   "monitor_process")
     HOST_FACE = ("begin", "train_batch", "after_batch", "end", "fire", "listens", "carry_out", "checkpoint",
                  "give_up_on_the_step", "average_gradients", "agree_on_micro_batch", "tuning_state",
@@ -155,10 +155,10 @@ class Tuner:
         self.is_main = self.ranks.is_main
         self.log = RunLog(self.run_dir, writes=self.is_main, tensorboard=tensorboard, progress=progress)
         self.journal = self.log.journal  # rank 0 writes
-        self.progress = counters if counters is not None else Progress()
+        self.counters = counters if counters is not None else Progress()
         self.core = StepCore(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
                              loss_fn=loss_fn, step_fn=step_fn, split_fn=split_fn, device=self.device,
-                             backward_fn=backward_fn, ranks=self.ranks, progress=self.progress, keep_effective_batch=keep_effective_batch,
+                             backward_fn=backward_fn, ranks=self.ranks, counters=self.counters, keep_effective_batch=keep_effective_batch,
                              inject_oom=injection_rate(inject_oom), seed=seed, precision=precision,
                              clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
                              scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
@@ -175,13 +175,13 @@ class Tuner:
                                         journal=self.journal)
         self.demand = StepDemand(self.device, self.knobs.memory_cap_bytes)
         self.cadence = MeasureCadence()
-        self.recovery = OOMRecovery(self.model, self.core, self.demand, self.history, self.journal, self.progress,
+        self.recovery = OOMRecovery(self.model, self.core, self.demand, self.history, self.journal, self.counters,
                                     self.run_dir, knobs=self.knobs, dispatcher=self.dispatcher, cadence=self.cadence,
                                     reliefs_allowed=reliefs)
         self.batches = BatchRunner(self.core, self.knobs, self.ranks, self.cadence, self.demand, self.recovery,
                                    keep_effective_batch)
         self._host = weakref.ref(host) if host is not None else None
-        self.reactions = Reactions(self.dispatcher, self.ladder, self.monitor_link, self.knobs, self.progress,
+        self.reactions = Reactions(self.dispatcher, self.ladder, self.monitor_link, self.knobs, self.counters,
                                    self.demand, self.cadence, self.batches, device=self.device, host=self._host,
                                    keep_effective_batch=keep_effective_batch, reliefs_allowed=reliefs)
         # A host writes its own checkpoints; alone, the Tuner writes state_dict() into run_dir/checkpoints.
@@ -194,9 +194,9 @@ class Tuner:
         self._last_step_end: float | None = None
         self._closed = False
 
-    step_count = property(lambda self: self.progress.step, doc="optimizer steps taken")
-    ooms = property(lambda self: self.progress.ooms, doc="out-of-memory errors survived")
-    samples_seen = property(lambda self: self.progress.samples_seen, doc="samples in completed optimizer steps")
+    step_count = property(lambda self: self.counters.step, doc="optimizer steps taken")
+    ooms = property(lambda self: self.counters.ooms, doc="out-of-memory errors survived")
+    samples_seen = property(lambda self: self.counters.samples_seen, doc="samples in completed optimizer steps")
     micro_batch_size = property(lambda self: self.knobs.micro_batch_size, doc="samples per forward/backward now")
     optimizer = property(lambda self: self.core.optimizer, doc="the optimizer (rebuilt when pruning)")
     scheduler = property(lambda self: self.core.scheduler, doc="the LR scheduler, or None")
@@ -231,7 +231,7 @@ class Tuner:
         held = set_aside_gradients(self.model)  # a retry drops the failed attempt's gradients, never these
         outcome = self.train_batch(batch, n, optimizer_step=False, held=held)
         add_gradients(held)
-        self.progress.samples_seen += n * self.ranks.world
+        self.counters.samples_seen += n * self.ranks.world
         self._after_own_batch(n, outcome)
         return outcome
 
@@ -267,12 +267,12 @@ class Tuner:
         warm_up_oom_path(self.device, self.knobs.memory_cap_bytes)
         self.core.zero_grad()
         self.demand.measure_room()
-        self.journal.write("fit_start", self.step_count, self.progress.epoch, device=str(self.device),
+        self.journal.write("fit_start", self.step_count, self.counters.epoch, device=str(self.device),
                            micro_batch_size=self.knobs.micro_batch_size, keep_effective_batch=self.keep_effective_batch,
                            memory_cap=self.knobs.memory_cap_bytes, policies=[p.name for p in self.dispatcher.policies],
                            precision=self.core.precision, clip_grad_norm=self.core.clip_grad_norm,
                            clip_grad_value=self.core.clip_grad_value, compiled=self.core.compiled_model, **fit_start)
-        self.monitor_link.start(self.step_count, self.progress.epoch)
+        self.monitor_link.start(self.step_count, self.counters.epoch)
         if self.history is not None:
             self.history.start()
         self._last_step_end = time.perf_counter()
@@ -307,7 +307,7 @@ class Tuner:
         allocator = self.reactions.allocator = self.demand.allocator
         demand = self.demand.last if self.batches.measured else None
         if self.log.step_due():  # most steps of a long run write nothing: their figures are not gathered
-            self.log.step(self.step_count, self.progress.epoch, samples=n, samples_seen=self.samples_seen,
+            self.log.step(self.step_count, self.counters.epoch, samples=n, samples_seen=self.samples_seen,
                           micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
                           data_wait_fraction=timing.data_wait_fraction, demand=demand,
                           allocated_bytes=allocator.allocated_bytes if allocator else None,
@@ -339,7 +339,7 @@ class Tuner:
         autotune's own checkpoints do."""
         weights, optimizer = self.ranks.model_state(self.model, self.core.optimizer)
         return checkpoint_format.build(core={**self.core.state_dict(), "model": weights, "optimizer": optimizer},
-                                       tuning=self.tuning_state(), progress=self.progress.state_dict(),
+                                       tuning=self.tuning_state(), progress=self.counters.state_dict(),
                                        rng=rng_state())
 
     def tuning_state(self) -> dict[str, Any]:
@@ -348,7 +348,7 @@ class Tuner:
         return {"micro_batch_size": self.knobs.micro_batch_size, "batch_size": self.knobs.batch_size,
                 "reliefs": self.ladder.state_dict(), "policies": self.dispatcher.state_dict(),
                 # what the run has done so far, so a resumed integration's report counts all of it
-                "counters": {"samples_seen": self.progress.samples_seen, "ooms": self.progress.ooms}}
+                "counters": {"samples_seen": self.counters.samples_seen, "ooms": self.counters.ooms}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned, by this autotune or an older one (the reliefs
@@ -358,7 +358,7 @@ class Tuner:
         core = state["core"]
         self.ranks.load_model_state(self.model, self.core.optimizer, core["model"], core["optimizer"])
         self.core.load_state_dict(core)
-        self.progress.load_state_dict(state["progress"])
+        self.counters.load_state_dict(state["progress"])
         set_rng_state(checkpoint_format.rank_rng(state, self.ranks.rank, self.ranks.world))
 
     def load_tuning_state(self, tuning: dict[str, Any]) -> None:
@@ -367,7 +367,7 @@ class Tuner:
         self.ladder.load_state_dict(tuning["reliefs"])
         self.knobs.micro_batch_size = tuning["micro_batch_size"]
         for name, value in tuning["counters"].items():
-            setattr(self.progress, name, value)
+            setattr(self.counters, name, value)
         if not self._batch_size_fixed and tuning["batch_size"]:
             self.knobs.batch_size = max(self.knobs.batch_size, tuning["batch_size"])
         self._sized = True
@@ -380,7 +380,7 @@ class Tuner:
             host = self._host()
             return host.checkpoint_now(reason, report_failure) if host is not None else None
         try:
-            return self._checkpointer.save(reason, self.state_dict, self.step_count, self.progress.epoch,
+            return self._checkpointer.save(reason, self.state_dict, self.step_count, self.counters.epoch,
                                            failure=self.core.failure if report_failure else None)
         except RankFailed as exc:  # another rank's optimizer step ran out of memory
             self.give_up_on_the_step(str(exc))
@@ -402,7 +402,7 @@ class Tuner:
             return
         self._started = False
         if not failed:
-            self.journal.write("fit_end", self.step_count, self.progress.epoch, samples_seen=self.samples_seen,
+            self.journal.write("fit_end", self.step_count, self.counters.epoch, samples_seen=self.samples_seen,
                                ooms=self.ooms, micro_batch_size=self.knobs.micro_batch_size,
                                **(fit_end or {"tuner": True}))
             self.fire(Event.FIT_END)
