@@ -16,6 +16,8 @@ notices.py). Everything else goes through loguru and stays quiet unless asked:
 
 Names are imported on first use, so that `autotune.monitor` (run in the monitor process
 and by `autotune monitor`) never imports torch.
+
+Owns the public names (`__all__`), imported on first use. Touches nothing.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ state, so what fits here says little about training, and the other way round.
 A metric is `fn(outputs, targets) -> value` (with `loss_fn`; targets: the batch's second
 part) or `fn(outputs, micro_batch) -> value` (with `step_fn`), where `value` is the mean over
 the micro-batch's samples, or `(mean, n_items)` to be weighted by items.
+
+Owns: the evaluation's micro-batch and its OOM state (saved in checkpoints). Touches: the model
+(eval mode and back, under no_grad), the journal, the job's collectives.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ the model, or it ran out of memory itself): asking again would fail the same way
 
 Install it as a plug-in through the entry-point group `autotune.policies`, or name it
 in a preset as `use = "package.module:EmptyCacheEveryEpoch"`.
+
+Owns the policy protocol. Touches nothing.
 """
 
 from __future__ import annotations

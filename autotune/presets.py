@@ -10,6 +10,8 @@
 A preset is picked by name (a file shipped in `autotune/presets/`, also visible as the
 repository's `policies/` folder) or by path. Unknown presets, policies and keys are
 errors that name the culprit and the choices.
+
+Owns: reading presets and building their policies. Touches nothing.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ rank's random state is saved as that rank's: `checkpoint_format.rank_rng`.)
 
 The DCP keys are "model/<name>" and "optimizer/<path>" in every format: format 2 keeps the two
 entries in its "core" section, format 1 at the top (checkpoint_format.py), and both are read alike.
+
+Owns: the folder's layout (DCP's files and rest.pt). Touches nothing else.
 """
 
 from __future__ import annotations

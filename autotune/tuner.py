@@ -22,8 +22,11 @@ A host's (AutoTrainer, the HF and Lightning integrations): one run lifecycle, `b
 `Host`, passed at construction. `HOST_FACE` names all of it; tests/test_faces.py holds the hosts to it.
 
 Owns: the step core, the knobs and the policies' dispatcher, the run log, the monitor link, the
-relief ladder, OOM recovery (recovery.py). The data, epochs, evaluation and scheduled checkpoints
+relief ladder, and the rooms a batch goes through: batch.py (attempts and the agreement),
+recovery.py (after an OOM), reactions.py (the policies' side). The data, epochs, evaluation and scheduled checkpoints
 are the host's (AutoTrainer's, or your loop's); `state_dict()` is what your checkpoints keep.
+Touches: the model (moved to the device; wrapped in DDP, or sharded, under torchrun), the CUDA
+memory fraction (given back at close).
 """
 
 from __future__ import annotations

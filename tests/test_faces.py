@@ -55,3 +55,16 @@ def test_only_the_jobs_own_modules_ask_whether_the_job_is_sharded():
     outside = [line for line in found.splitlines()
                if not line.startswith((str(PACKAGE / "distributed.py"), str(PACKAGE / "sharded.py")))]
     assert not outside, outside
+
+
+def test_every_module_says_what_it_owns_and_what_it_may_touch():
+    import re
+
+    silent = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if path.stat().st_size and not re.search(r"\b[Oo]wn(s|ed)\b", doc):
+            silent.append(str(path.relative_to(PACKAGE)))
+        elif path.stat().st_size and not re.search(r"\b[Tt]ouch(es)?\b", doc):
+            silent.append(str(path.relative_to(PACKAGE)) + " (touches?)")
+    assert not silent, silent

@@ -15,6 +15,9 @@ worker: created before the workers start, inherited (fork) or reopened by name (
 so its memory does not grow with the worker count. Samples are pickled: PIL images keep
 their raw pixels (uint8 for RGB), numpy arrays and tensors their raw buffers, out of band. Filling
 stops at the byte budget; the rest of the dataset is read as before (partial caching).
+
+Owns: the shared-memory region in /dev/shm (made, mapped, removed) and its counters. Touches the
+dataset only to read samples through it.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ The order is `EpochSampler`'s, a function of (seed, epoch) that can start mid-ep
 rebuilt loader continues at the same position, so switching mid-epoch skips and repeats
 nothing. A DataLoader the caller built is used as it is and never rebuilt; user_loader.py
 resumes it mid-epoch on the same samples.
+
+Owns: the DataLoader built here, its rebuilds, the input profile, the sample cache's lifetime.
+Touches: the journal; a caller's DataLoader only to read its position (user_loader.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """A sampler whose order is a pure function of (seed, epoch), so a run can be repeated,
-compared and later resumed in the middle of an epoch."""
+compared and later resumed in the middle of an epoch.
+
+Owns the order. Touches nothing.
+"""
 
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ A loader with `state_dict()`/`load_state_dict()` (torchdata's `StatefulDataLoade
 resumed through them instead, without a replay. Where the order may come from elsewhere (an
 `IterableDataset`, a sampler of the user's own), the replay is exact only if that order is a
 function of the same random states; a resume says so where it cannot tell.
+
+Owns: the random states and position of a caller's DataLoader. Touches the loader's sampler's
+generator (to replay an epoch's order), nothing of its data.
 """
 
 from __future__ import annotations

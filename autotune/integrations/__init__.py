@@ -3,4 +3,7 @@
 Each is thin: the batch a trainer hands to its training step goes through the same
 `Tuner.accumulate` (split, retry on OOM, accumulate) that `AutoTrainer` and custom loops use;
 the trainer keeps its optimizer, schedule, precision, logging and checkpoints.
+
+Owns nothing. Each integration owns its framework's side and touches the Tuner only through its
+host face (tests/test_faces.py).
 """

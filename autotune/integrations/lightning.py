@@ -29,6 +29,9 @@ those of a run without micro-batches. Validation, test, predict and the sanity c
 evaluation micro-batch of their own (evaluation.py): halved on OOM, the same samples again;
 a step's returned loss is the batch's, predictions are concatenated. Batch hooks
 (`on_train_batch_start/end`, `on_validation_batch_end`) run once per batch.
+
+Owns: Lightning's side (the strategies, their checkpoint key). Touches the Tuner only through its
+host face, and the module's gradients (set aside and added back around Lightning's backward).
 """
 
 from __future__ import annotations

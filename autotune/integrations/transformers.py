@@ -31,6 +31,9 @@ The micro-batch (and the policies' state) is saved as `autotune.pt` in each HF c
 folder and restored by `train(resume_from_checkpoint=...)`. The journal (`events.jsonl`) goes
 to `args.output_dir`, so `autotune report OUTPUT_DIR` works. Pruning and the other reliefs
 are off (HF owns the optimizer and the precision).
+
+Owns: HF's side (the training and prediction steps, `autotune.pt`). Touches the Tuner only through
+its host face, and HF's checkpoints (it asks HF to write one before an OOM error).
 """
 
 from __future__ import annotations

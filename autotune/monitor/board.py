@@ -5,6 +5,8 @@ The writer makes the sequence number odd, writes the fields, and makes it even a
 A reader copies the fields between two reads of the sequence number and keeps the copy
 only if both reads are equal and even. A read costs microseconds and never waits: after
 a few torn reads it answers None ("no new figure this time").
+
+Owns the board file. Touches nothing else.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ Watches every GPU NVML sees (MIG instances included), or the host when there is 
 says so. Prints a compact live view, appends JSONL lines to --out, serves Prometheus
 metrics with --prometheus (extra `prometheus-client`). SIGTERM or SIGINT: flush, exit 0.
 --device INDEX is NVML's index (as nvidia-smi shows), not CUDA's.
+
+Owns: the daemon's devices, timeline file and Prometheus endpoint. Touches nothing of any process it watches.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ The figures can be read for another process (the monitor process reads the train
 The effective CPU cap is the one with the least headroom left, because that is the one
 that will fail first: RLIMIT_AS counts virtual size, a cgroup counts the group's charged
 memory, a user cap counts resident memory, and the host as a whole has MemAvailable left.
+
+Owns nothing: it reads /proc, cgroup files and rlimits. Touches nothing.
 """
 
 from __future__ import annotations

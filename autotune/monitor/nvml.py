@@ -6,6 +6,8 @@ NVML needs no CUDA context, so the monitor process can use it without touching C
 
 Devices are named by UUID ("GPU-..." or "MIG-..."), never by index: CUDA_VISIBLE_DEVICES
 and CUDA_DEVICE_ORDER renumber devices for CUDA but not for NVML.
+
+Owns: the NVML session (init, shutdown). Touches nothing else.
 """
 
 from __future__ import annotations

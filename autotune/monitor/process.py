@@ -11,6 +11,9 @@ Jobs (APScheduler 3.x, one worker thread, overruns coalesce):
   processes  at most once a s     the trainer's own bytes: GPU per-process, or RSS with children
   flush      every 2 s            buffer -> samples.jsonl (rotated to samples.1.jsonl past a bound)
   parent     every 1 s            exit when the trainer is gone (backs up PR_SET_PDEATHSIG)
+
+Owns: the monitor process (started, restarted, stopped), its timeline file and board. Touches
+nothing of the trainer (it only reads the trainer's memory figures).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ APScheduler's BlockingScheduler runs the jobs in one worker thread. Stopping is 
 signal handler only sets it, and another thread shuts the scheduler down. Calling `shutdown()`
 from the handler itself could deadlock, because the handler runs on the main thread, which may
 be inside the scheduler holding a lock (a job submit) that shutdown needs.
+
+Owns: the scheduler thread and the stop flag. Touches nothing else.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ Parameters:
     max_bytes: the most the cache may hold, bytes or a size such as "8GiB" (default 0: no
         limit of its own; the host's free memory and /dev/shm still bound it).
     available_fraction: at most this share of MemAvailable (default 0.5).
+
+Owns: this policy's state (saved in checkpoints). Touches nothing: it reads a Snapshot and returns actions.
 """
 
 from __future__ import annotations

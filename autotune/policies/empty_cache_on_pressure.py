@@ -10,6 +10,8 @@ What: `EmptyCache`. It costs a device synchronisation, so it runs at most once e
 Parameters:
     threshold: fraction of the cap at or above which high memory triggers it (default 0.9).
     cooldown_steps: steps between two clean-ups at least (default 50).
+
+Owns: this policy's state (saved in checkpoints). Touches nothing: it reads a Snapshot and returns actions.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ Parameters:
     headroom: the share of the room a step may be predicted to need (default 0.95).
     margin: stay when the prediction is within this fraction of the size (default 0.05).
     forget_failure_steps: steps after which a failed size may be tried again (default 2000).
+
+Owns: this policy's state (saved in checkpoints). Touches nothing: it reads a Snapshot and returns actions.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ Parameters:
     headroom: before any failure, a step is calm below this share of its room (default 0.9).
     margin: stop searching when the gap is within this fraction of the size (default 0.1).
     forget_failure_steps: steps after which a failed size may be tried again (default 2000).
+
+Owns: this policy's state (saved in checkpoints). Touches nothing: it reads a Snapshot and returns actions.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ micro-batch back can avoid it; it survives checkpoints.
 
 Parameters:
     min_micro_batch: the smallest micro-batch worth trying (default 1).
+
+Owns: this policy's state (saved in checkpoints). Touches nothing: it reads a Snapshot and returns actions.
 """
 
 from __future__ import annotations

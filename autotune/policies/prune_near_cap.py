@@ -20,6 +20,8 @@ Parameters:
     persist_steps: steps in a row near the cap before acting (default 5).
     settle_steps: steps after the previous relief before acting again (default 20).
     floor_micro_batch: act only at or below this micro-batch (default 1).
+
+Owns: this policy's state (saved in checkpoints). Touches nothing: it reads a Snapshot and returns actions.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ synchronisation each) and usually precede an OOM by a few steps.
 Parameters:
     steps: consecutive steps with new retries that trigger a shrink (default 2).
     factor: the new micro-batch as a fraction of the current one (default 0.75).
+
+Owns: this policy's state (saved in checkpoints). Touches nothing: it reads a Snapshot and returns actions.
 """
 
 from __future__ import annotations

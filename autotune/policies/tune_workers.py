@@ -15,6 +15,8 @@ Parameters:
     step_workers: the fewest workers to add at once from zero (default 2).
     judge_steps: steps to measure a new count over before judging it (default 20).
     min_gain: the throughput gain a change must bring to stay (default 0.1).
+
+Owns: this policy's state (saved in checkpoints). Touches nothing: it reads a Snapshot and returns actions.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 bf16 where the device has it (CPU; CUDA from Ampere on): same range as fp32, no loss
 scaling needed. fp16 on older CUDA devices, with a gradient scaler (fp16's range would let
 small gradients underflow to zero).
+
+Owns the autocast plan (dtype, whether a scaler is needed). Touches nothing: the step core applies it.
 """
 
 from __future__ import annotations

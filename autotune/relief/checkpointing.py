@@ -6,6 +6,8 @@ inside an `nn.Sequential` or `nn.ModuleList` that hold parameters and are not si
 ResNet's BasicBlocks, transformer layers. A model that is one flat `nn.Sequential` of layers
 is checkpointed in about sqrt(n) segments instead. Recomputation replays the random state
 (dropout masks match); BatchNorm running statistics see the recomputed forward too.
+
+Owns: the wrapping of the chosen blocks' forward. Touches those blocks' forward only.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ through one function (`BasePruningFunc._prune_parameter_and_grad`), which this m
 while it prunes, to learn for each new parameter which old one it came from and which
 indices it kept along which dimension; the optimizer state (momentum, Adam moments) is cut
 the same way, so the kept channels continue exactly where they were.
+
+Owns: the pruning and its replay. Touches: the model's parameters (replaced by smaller ones), the
+optimizer (rebuilt, its state carried over), the scheduler (rebound).
 """
 
 from __future__ import annotations

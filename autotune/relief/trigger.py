@@ -13,6 +13,8 @@ and at least `settle_steps` steps after the previous relief, so its effect is me
 A relief policy is this skeleton plus what differs: `relief` (its name in `Snapshot.reliefs`),
 `make(reason, snap)` (the action), and `wanted(snap)` where "not applied yet" is not the rule.
 A relief that could not be carried out (`relief_failed`) is not asked for again in this run.
+
+Owns: each relief policy's streak and its giving up. Touches nothing (it returns actions).
 """
 
 from __future__ import annotations
