@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from autotune.batching import SplitFn, batch_len
 from autotune.callbacks import Callbacks
 from autotune import checkpoint_format
+from autotune.arguments import with_shared_arguments
 from autotune.checkpoint import CheckpointDue, CheckpointFailed, Checkpointer, RankFailed
 from autotune.config import (OptimizerFactory, check_evaluation, check_run_limits, check_sample_layout,
                              resolve_device, resolve_micro_batch)
@@ -38,7 +39,7 @@ from autotune.distributed import from_environment
 from autotune.evaluation import Evaluator, Metric
 from autotune.events import Event
 from autotune.memory import memory_text
-from autotune.monitor.host import host_sample
+from autotune.monitor.host import room_bytes
 from autotune.notices import warn
 from autotune.oom import ExchangeFailed, OutOfMemory
 from autotune.policy import Policy
@@ -54,8 +55,11 @@ def _counter(name: str) -> property:
     return property(lambda self: getattr(self.counters, name), doc=f"`Progress.{name}` of this trainer's run")
 
 
+@with_shared_arguments
 class AutoTrainer:
-    """Train `model` on `dataset`, adapting to memory limits instead of crashing.
+    """Train `model` on `dataset`, adapting to memory limits instead of crashing. The arguments it
+    shares with `Tuner` (device, policies, memory_cap, precision, ...) are documented once, in
+    arguments.py, and appended to the Args below.
 
     Args:
         model: the `nn.Module` to train; moved to `device`.
@@ -71,30 +75,14 @@ class AutoTrainer:
         batch_size: samples per optimizer step.
         micro_batch_size: samples per forward/backward at the start; default `batch_size`.
             "auto" starts at `batch_size` and lets the policies find the largest that fits.
-        keep_effective_batch: on OOM, accumulate smaller micro-batches into the same step
-            (True) or make each smaller chunk its own optimizer step (False).
-        device: "cpu", "cuda", "cuda:1" or a `torch.device`; default CUDA when available.
-        policies: a preset name ("default", "conservative"), a path to a TOML preset, or a
-            list of policy objects; None or [] for none (an OOM is then an error at once).
-        run_dir: where the journal (events.jsonl) goes; default `runs/<timestamp>`.
         shuffle, seed: the sample order of each epoch is a function of (seed, epoch).
         num_workers, collate_fn: passed to the DataLoader built for a map-style dataset (the
             `tune_workers` policy may raise num_workers when the loop waits on its data).
-        split_fn: `split_fn(batch, size) -> list of micro-batches` for batch types the
-            built-in splitter does not know.
         progress: show a tqdm bar with loss, micro-batch and memory.
-        monitor: sample memory in a background process (run_dir/samples.jsonl) and turn
-            it into MEMORY_HIGH / MEMORY_PRESSURE events; False turns it off.
-        monitor_interval: seconds between memory samples (0.05 to 10).
         scheduler: an LR scheduler over `optimizer` (or a factory optimizer -> scheduler),
             saved in checkpoints; stepped per `scheduler_interval` ("step": each optimizer
             step, "epoch": each epoch end). A ReduceLROnPlateau steps on `scheduler_metric`
             (default: the evaluation loss, or the epoch's training loss without `eval_dataset`).
-        precision: "fp32", or "bf16" / "fp16" (autocast; fp16 with a gradient scaler, saved in
-            checkpoints). With either, the autocast relief changes nothing.
-        clip_grad_norm, clip_grad_value: clip the whole batch's gradient once per optimizer
-            step (after every micro-batch, the ranks' average and unscaling); the norm before
-            clipping goes to steps.jsonl and TensorBoard.
         eval_dataset, eval_every, eval_batch_size, metrics: evaluate every `eval_every` steps
             or each "epoch" (the default with an eval_dataset), `eval_batch_size` samples a
             batch (default `batch_size`) with an eval micro-batch of its own; `metrics` maps
@@ -102,37 +90,10 @@ class AutoTrainer:
             each the mean over the micro-batch or `(mean, n_items)`. See `evaluate`.
         callbacks: objects with any of on_fit_start, on_step_end, on_evaluate, on_epoch_end,
             on_fit_end (see callbacks.py); their state_dict() goes into checkpoints.
-        compile: `torch.compile` the model (the batch dimension marked dynamic, so micro-batch
-            changes do not recompile each time); a dict is passed to torch.compile as options
-            (`{"backend": "aot_eager"}`). A model the user compiled is trained as it is.
         checkpoint_every: write a checkpoint every this many optimizer steps (at steps N, 2N, ...).
         checkpoint_interval: and/or every this many seconds (default 900; None: off). A
             checkpoint is also written at the end of `fit`, on SIGTERM/SIGINT, and before
             giving up on an OOM. `run_dir/checkpoints/`, the last `keep_checkpoints` kept.
-        memory_cap: keep memory under this: a fraction of the device (0 < f <= 1), bytes (an
-            int), or a size such as "12GiB". On CUDA it is enforced with
-            `torch.cuda.set_per_process_memory_fraction`; on CPU it is a soft cap on the
-            resident memory of the process and its workers that the policies keep under (the
-            effective cap is the tightest of it, the cgroup limit and RLIMIT_AS). It is the
-            denominator of memory pressure.
-        inject_oom: probability per micro-batch of a fake `torch.OutOfMemoryError`, raised
-            through the same path as a real one, to test a setup (default: the
-            AUTOTUNE_INJECT_OOM environment variable, else off).
-        tensorboard: write loss, throughput, memory, micro-batch and every action to
-            TensorBoard in `run_dir/tb` (True) or in the folder given; needs the optional
-            `tensorboard` package.
-        memory_snapshot: CUDA only: keep the allocator's last 100,000 allocations (an int: that
-            many) with their Python stacks, and write `run_dir/oom-<step>.pickle` at each OOM,
-            for https://pytorch.org/memory_viz; the journal and `autotune report` name the
-            largest allocation sites (see memory_history.py).
-        shard: under torchrun, shard the model with FSDP2 (`fully_shard` on each repeated block,
-            then the root) instead of replicating it with DDP. A model you sharded yourself is
-            trained as it is. Either way an OOM on any rank, in forward or backward, is retried
-            by every rank at the same smaller micro-batch (see sharded.py). Alone, ignored.
-        on_nonfinite: a batch with NaN or inf gradients is never trained on: "skip" its optimizer
-            step (the default; journaled, said once on stderr, its samples not counted as trained)
-            or "stop" with `autotune.NonFiniteStep`, after a checkpoint of the last finite step.
-            A model whose weights are not finite is never checkpointed (older checkpoints stay).
     """
 
     def __init__(self, model: nn.Module, dataset: Dataset | DataLoader, *,
@@ -192,9 +153,12 @@ class AutoTrainer:
         self.evaluator = Evaluator(self.core, batch_size=eval_batch_size or batch_size, collate_fn=collate_fn,
                                    metrics=metrics, journal=self.journal)
         self.metrics: dict[str, float] = {}  # the last evaluation's
+        # A background checkpoint copies the state into host memory: the room under the host's
+        # tightest limit (the memory cap too, training on CPU).
+        host_cap = self.knobs.memory_cap_bytes if device.type == "cpu" else None
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=keep_checkpoints, every=checkpoint_every,
                                          interval=checkpoint_interval, ranks=self.ranks, journal=self.journal,
-                                         room_bytes=functools.partial(_host_room, self.knobs, self.device))
+                                         room_bytes=functools.partial(room_bytes, host_cap))
         self._loader_version = self.knobs.loader_version
         self._stop_request: str | None = None  # request_stop's reason
         self._failing_batch: tuple[int, int, int] | None = None  # (epoch, position, batches_done) of the batch in hand
@@ -494,11 +458,3 @@ class AutoTrainer:
     def input_state(self) -> InputState:
         """The input pipeline's figures (`Host`), for the policies' snapshots."""
         return self.input.state()
-
-
-def _host_room(knobs: Any, device: torch.device) -> int | None:
-    # A background checkpoint copies the state into host memory: the room under the host's
-    # tightest limit (the memory cap too, training on CPU); None where it cannot be told.
-    # A function of the knobs, not a method: the checkpointer holds it, and no cycle holds the trainer.
-    sample = host_sample(knobs.memory_cap_bytes if device.type == "cpu" else None)
-    return None if sample.cap_bytes is None or sample.used_bytes is None else sample.cap_bytes - sample.used_bytes

@@ -46,6 +46,7 @@ from autotune.batch import BatchOutcome, BatchRunner, add_gradients
 from autotune.batching import SplitFn, batch_len
 from autotune.cadence import MeasureCadence
 from autotune import checkpoint_format
+from autotune.arguments import with_shared_arguments
 from autotune.checkpoint import Checkpointer, RankFailed, rng_state, set_rng_state
 from autotune.config import (OptimizerFactory, check_tuner_arguments, injection_rate, make_optimizer, make_scheduler,
                              resolve_device, resolve_memory_cap)
@@ -84,8 +85,10 @@ def default_run_dir(ranks: Solo | Ranks) -> Path:
     return Path(ranks.broadcast_object(str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f"))))
 
 
+@with_shared_arguments
 class Tuner:
-    """OOM-resilient steps on your model and optimizer, in your own loop.
+    """OOM-resilient steps on your model and optimizer, in your own loop. The arguments it shares
+    with `AutoTrainer` are documented once, in arguments.py, and appended to the Args below.
 
     Args:
         model: the `nn.Module` to train; moved to `device` (wrapped in DDP under torchrun).
@@ -98,12 +101,7 @@ class Tuner:
         micro_batch_size: samples per forward/backward at the start (default: the whole batch).
         batch_size: the largest batch you will pass (default: the largest seen so far); the
             micro-batch never grows past it.
-        keep_effective_batch: on OOM, accumulate smaller micro-batches into the same optimizer
-            step (True), or step on each smaller chunk (False).
-        device, policies, memory_cap, precision, clip_grad_norm, clip_grad_value, split_fn,
-        run_dir, monitor, monitor_interval, tensorboard, inject_oom, seed, compile,
-        memory_snapshot, shard, on_nonfinite: as for `AutoTrainer` (a non-finite step is never
-            trained on; "stop" raises `NonFiniteStep` before it; fp16's scaler skips are journaled).
+        seed: the injected OOMs' random stream (`inject_oom`).
         reliefs: let policies change the model (autocast, activation checkpointing, pruning)
             at the smallest micro-batch; False where another framework owns the optimizer.
         owns_optimizer: False where another trainer steps the optimizer and wraps the model

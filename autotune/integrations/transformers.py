@@ -53,7 +53,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from autotune.batching import batch_len, tensor_bytes
 from autotune.distributed import Ranks, Solo
 from autotune.evaluation import Evaluator
-from autotune.monitor.host import host_sample
+from autotune.monitor.host import room_bytes
 from autotune.notices import warn
 from autotune.progress import Progress
 from autotune.tuner import Tuner
@@ -200,8 +200,7 @@ class AutoTuneTrainer(Trainer):
         # where an allocation fails: under memory that is still too short for that copy, it is
         # skipped with a word, and the OutOfMemory error is raised all the same.
         need = tensor_bytes(self.model.state_dict()) + SAVE_MARGIN_BYTES
-        sample = host_sample(self.tuner.knobs.memory_cap_bytes if self.tuner.device.type == "cpu" else None)
-        room = None if sample.cap_bytes is None or sample.used_bytes is None else sample.cap_bytes - sample.used_bytes
+        room = room_bytes(self.tuner.knobs.memory_cap_bytes if self.tuner.device.type == "cpu" else None)
         # Every rank decides alike: HF's save has collectives of its own.
         if self.tuner.ranks.any(room is not None and room < need, self.tuner.device):
             newest = get_last_checkpoint(self.args.output_dir) if Path(self.args.output_dir).is_dir() else None

@@ -194,3 +194,11 @@ def describe_host_memory(pid: int | None = None) -> str:
     if available is not None:
         parts.append(f"host MemAvailable {format_bytes(available)}")
     return ", ".join(parts) or "host memory figures not available"
+
+
+def room_bytes(soft_cap_bytes: int | None = None) -> int | None:
+    """The host memory left under its tightest limit (`soft_cap_bytes` too, where given: training
+    on CPU under a memory cap); None where it cannot be told. What a copy of the state (a
+    background checkpoint, HF's save) must fit in."""
+    sample = host_sample(soft_cap_bytes)
+    return None if sample.cap_bytes is None or sample.used_bytes is None else sample.cap_bytes - sample.used_bytes
