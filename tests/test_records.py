@@ -35,3 +35,9 @@ def test_an_unknown_kind_or_field_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"'oom' has fields \['size'\]"):
         records.check("oom", {"size": 3}, strict=True)
     records.check("oom", {"size": 3}, strict=False)  # outside the suite only the kind is checked
+
+
+def test_the_kinds_the_report_reads_are_registered():
+    source = (Path(records.__file__).parent / "report.py").read_text()
+    read = set(re.findall(r'by_kind\["([a-z_]+)"\]', source)) | set(re.findall(r'\["kind"\] == "([a-z_]+)"', source))
+    assert len(read) >= 10 and read <= set(records.KINDS), read - set(records.KINDS)
