@@ -85,7 +85,7 @@ def test_the_tuner_fires_batch_end_every_batch_and_batch_measured_on_the_measure
     counts = Counts()
     with Tuner(nn.Linear(8, 2), loss_fn=nn.functional.cross_entropy, device="cpu", policies=[counts],
                monitor=False, run_dir=tmp_path) as tuner:
-        tuner.cadence = MeasureCadence(every=5, settle=2, interval=NEVER)
+        tuner.batches.cadence = MeasureCadence(every=5, settle=2, interval=NEVER)  # where it decides
         x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
         for _ in range(12):
             tuner.step((x, y))
