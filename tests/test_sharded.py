@@ -178,8 +178,11 @@ def own_loop(run_dir, data):
     weights = full_state(model, None)[0]
     if rank == 0:
         torch.save(weights, os.path.join(run_dir, "final.pt"))
+    # A policy may move one rank's size after the last batch's agreement (each rank measures on its own
+    # clock): the loop's end takes rank 0's on every rank, as AutoTrainer's fit does.
+    micro = tuner.agree_on_micro_batch()
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"micro": tuner.micro_batch_size, "ooms": tuner.ooms, "samples": tuner.samples_seen,
+        json.dump({"micro": micro, "ooms": tuner.ooms, "samples": tuner.samples_seen,
                    "checks": tuner.ranks.sharded.checks}, f)
     tuner.close()
 
