@@ -115,7 +115,7 @@ class BatchRunner:
                     done = n
                 elif self.keep_effective_batch:
                     if held and self.ranks.bucket is not None:
-                        # The held gradients are views of DDP's flat buffer: added into it first
+                        # The held gradients are views of the ranks' gradient buffers: added into them first
                         # (rank-alike already, so averaging leaves them as they are).
                         add_gradients(held)
                         held = None
