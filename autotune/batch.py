@@ -143,6 +143,14 @@ class BatchRunner:
                             agreed)
 
 
+def set_aside_gradients(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Take the gradients the model's parameters hold (their `.grad` is None after), to add back later."""
+    held = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    for p, _ in held:
+        p.grad = None
+    return held
+
+
 def add_gradients(held: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
     """Add gradients `set_aside_gradients` took onto what the parameters hold now (or put them back)."""
     for p, grad in held:

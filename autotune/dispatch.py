@@ -37,19 +37,20 @@ class Dispatcher:
     def relief_failed(self, action: Action, why: str) -> None:
         """A relief that was applied to the knobs could not be carried out: tell the policy that
         asked (it does not ask again)."""
-        asked = self.knobs.relief_asked_by
-        if asked is not None and asked[0] is action:
-            _tell(asked[1], "relief_failed", action, why)
-            self.knobs.relief_asked_by = None
+        self._tell_who_asked(action, "relief_failed", why)
 
     def relief_dropped(self, action: Relief, why: str, step: int, epoch: int) -> None:
         """A relief applied to the knobs that will not be carried out (a smaller micro-batch goes
         first; another rank's policies decide): journaled, and the policy that asked told, as
         of an action suppressed (it may ask again)."""
         self.journal.write("relief_dropped", step, epoch, relief=action_kind(action), reason=action.reason, why=why)
+        self._tell_who_asked(action, "action_suppressed", why)
+
+    def _tell_who_asked(self, action: Action, hook: str, why: str) -> None:
+        # The policy whose relief this is, once: the knobs remember who asked for the one in hand.
         asked = self.knobs.relief_asked_by
         if asked is not None and asked[0] is action:
-            _tell(asked[1], "action_suppressed", action, why)
+            _tell(asked[1], hook, action, why)
             self.knobs.relief_asked_by = None
 
     def fire(self, event: Event, snap: Snapshot) -> list[Action]:

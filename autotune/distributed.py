@@ -42,13 +42,12 @@ from autotune.sharded import ShardedSteps, is_sharded, load_sharded_state, shard
 _NOTHING_TO_SYNC = contextlib.nullcontext()  # reusable: one for every step alone
 
 
-def _wire(kind: str) -> Any:
+def _wire(kind: str, default: Any = dataclasses.MISSING) -> Any:
     # How a field of the Agreement travels in the all-reduce (element-wise maximum of int64s):
     # "most": every rank's value, the largest wins ("most_or_none": 0 is None); "rank0": rank 0's
-    # (the others send 0);
-    # "relief": rank 0's relief as two ints (actions.relief_to_ints); "why": whether any rank has
-    # one, then the texts gathered (rare).
-    return dataclasses.field(metadata={"wire": kind})
+    # (the others send 0); "relief": rank 0's relief as two ints (actions.relief_to_ints); "why":
+    # whether any rank has one, then the texts gathered (rare).
+    return dataclasses.field(default=default, metadata={"wire": kind})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +56,12 @@ class Agreement:
     Its wire format under torchrun is made from these fields (`to_wire` / `from_wire`): a field
     added here travels with the rest."""
 
-    failed_micro_batch: int | None = _wire("most_or_none")  # the largest micro-batch that ran out of memory on any rank; None: all done
+    failed_micro_batch: int | None = _wire("most_or_none")  # the largest that ran out of memory on any rank; None: none
     micro_batch_size: int = _wire("rank0")  # rank 0's: the size every rank uses next
-    stop_signal: int = dataclasses.field(default=0, metadata={"wire": "most"})  # a SIGTERM/SIGINT any rank received
-    checkpoint_due: int = dataclasses.field(default=0, metadata={"wire": "most"})  # CheckpointDue (checkpoint.py)
-    # rank 0's pending relief: every rank carries it out at the end of this batch
-    relief: Relief | None = dataclasses.field(default=None, metadata={"wire": "relief"})
-    fatal: str | None = dataclasses.field(default=None, metadata={"wire": "why"})  # a rank cannot go on: why
+    stop_signal: int = _wire("most", 0)  # a SIGTERM/SIGINT any rank received
+    checkpoint_due: int = _wire("most", 0)  # CheckpointDue (checkpoint.py)
+    relief: Relief | None = _wire("relief", None)  # rank 0's pending relief: every rank carries it out after this batch
+    fatal: str | None = _wire("why", None)  # a rank cannot go on: why
 
     def to_wire(self, is_main: bool) -> list[int]:
         """This rank's proposal as the ints of the all-reduce."""
@@ -189,7 +187,7 @@ class Solo:
 
     def model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
         """The weights and the optimizer's state for a checkpoint (alone: the whole of both)."""
-        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+        return _whole(model, optimizer)
 
     def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
                          optimizer_state: Any) -> None:
@@ -378,9 +376,7 @@ class Ranks:
     def model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
         """The weights and the optimizer's state for a checkpoint: replicated, the whole of both
         (the same on every rank); sharded, this rank's shards (sharded_checkpoint.py writes them)."""
-        if self.sharded is not None:
-            return sharded_state(model, optimizer)
-        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+        return sharded_state(model, optimizer) if self.sharded is not None else _whole(model, optimizer)
 
     def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
                          optimizer_state: Any) -> None:
@@ -409,6 +405,10 @@ def from_environment() -> Solo | Ranks:
     if world <= 1:
         return Solo()
     return Ranks(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _whole(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
+    return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
 
 
 def _load_whole(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
@@ -483,9 +483,10 @@ class GradientBucket:
 
     def average(self, world: int) -> None:
         self.bind()
-        for _, flat in self.groups:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat /= world
+        for params, flat in self.groups:
+            if params:  # a buffer that only counts items has nothing to average
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                flat /= world
 
     def sum_over_items(self, ref: Any, items: Any) -> None:
         self.bind()

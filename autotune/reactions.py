@@ -16,8 +16,10 @@ from typing import Any, Callable
 import torch
 
 from autotune.actions import Relief
+from autotune.batch import BatchRunner
 from autotune.cadence import MeasureCadence
 from autotune.dispatch import Dispatcher
+from autotune.distributed import Ranks, Solo
 from autotune.events import Event
 from autotune.knobs import Knobs
 from autotune.memory import StepDemand
@@ -31,11 +33,12 @@ class Reactions:
     """Events to the policies, reliefs to the model, for one Tuner (see the module docstring)."""
 
     def __init__(self, dispatcher: Dispatcher, ladder: ReliefLadder, monitor_link: MonitorLink, knobs: Knobs,
-                 counters: Progress, demand: StepDemand, cadence: MeasureCadence, batches: Any, *,
-                 device: torch.device, host: weakref.ref | None, keep_effective_batch: bool, reliefs_allowed: bool):
+                 counters: Progress, demand: StepDemand, cadence: MeasureCadence, batches: BatchRunner, *,
+                 ranks: Solo | Ranks, device: torch.device, host: weakref.ref | None, keep_effective_batch: bool,
+                 reliefs_allowed: bool):
         self.dispatcher, self.ladder, self.monitor_link, self.knobs = dispatcher, ladder, monitor_link, knobs
         self.counters, self.demand, self.cadence, self.batches = counters, demand, cadence, batches
-        self.device, self.host, self.keep_effective_batch = device, host, keep_effective_batch
+        self.ranks, self.device, self.host, self.keep_effective_batch = ranks, device, host, keep_effective_batch
         self.reliefs_allowed = reliefs_allowed
         self.allocator = None  # the last measured step's allocator figures (CUDA)
 
@@ -47,7 +50,7 @@ class Reactions:
         if measured:
             self.fire(Event.BATCH_MEASURED, timing=timing)
             self.ladder.effect(self.demand.last, counters.step, counters.epoch)
-        relief = self.batches.ranks.relief_now(self.knobs)
+        relief = self.ranks.relief_now(self.knobs)
         if relief is not None:
             self.carry_out(relief, checkpoint)
         # The allocator's figures are fresh only on a measured step: the detectors see those.

@@ -97,8 +97,7 @@ class OOMRecovery:
         self.core.ranks.reset_after_failure()  # sharded: FSDP2's state as before the attempt
         # Partial gradients of the failed batch must not leak into the retry.
         if holding:
-            for p in self.model.parameters():
-                p.grad = None
+            self.core.drop_gradients()
         else:
             self.core.zero_grad()
         free_memory(self.device)
@@ -116,16 +115,17 @@ class OOMRecovery:
                            lost_seconds=round(lost, 4), ooms=self.counters.ooms, breakdown=self.last_breakdown,
                            **({"memory_snapshot": self.last_snapshot} if self.last_snapshot else {}))
         # One line per size that failed (the journal has every OOM): a user sees it was survived.
-        warn(f"out of memory at micro-batch {failed_micro_batch} on {self.device}; retrying the same batch at a smaller "
-             "micro-batch (every OOM is in the run's journal)", key=f"oom {failed_micro_batch} {self.run_dir}")
+        warn(f"out of memory at micro-batch {failed_micro_batch} on {self.device}; retrying the same batch at a "
+             "smaller micro-batch (every OOM is in the run's journal)", key=f"oom {failed_micro_batch} {self.run_dir}")
 
     def give_up(self, failed_micro_batch: int, tried: list[int], attempt: Attempt, checkpoint: Checkpoint) -> NoReturn:
         """Nothing is left to try at the smallest size: record it, checkpoint the progress so far, raise."""
         memory = describe_memory(self.device)
         if self.last_breakdown is not None:
             memory += f"; at the failure: {describe_breakdown(self.last_breakdown)}"
-        self.journal.write("out_of_memory", self.counters.step, self.counters.epoch, micro_batch_size=failed_micro_batch,
-                           device=str(self.device), tried=tried, memory=memory, breakdown=self.last_breakdown)
+        self.journal.write("out_of_memory", self.counters.step, self.counters.epoch,
+                           micro_batch_size=failed_micro_batch, device=str(self.device), tried=tried, memory=memory,
+                           breakdown=self.last_breakdown)
         checkpoint("out_of_memory")  # the progress so far survives the error
         raise OutOfMemory(
             f"out of memory on {self.device} even at micro-batch {failed_micro_batch} "

@@ -53,8 +53,11 @@ def _entries(state: dict[str, Any]) -> dict[str, Any]:
     return core if isinstance(core, dict) and any(key in core for key in SHARDED_ENTRIES) else state
 
 
-def _with_entries(state: dict[str, Any], entries: dict[str, Any]) -> dict[str, Any]:
-    return {**state, "core": entries} if _entries(state) is not state else entries
+def _map_entries(state: dict[str, Any], leaf: Callable[[Any, str], Any]) -> dict[str, Any]:
+    # `state` with `leaf` mapped over its sharded entries' items, wherever the format keeps them.
+    holder = _entries(state)
+    entries = {key: _map(value, key, leaf) if key in SHARDED_ENTRIES else value for key, value in holder.items()}
+    return {**state, "core": entries} if holder is not state else entries
 
 
 def split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -67,9 +70,8 @@ def split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any
         tensors[where] = value
         return IN_DCP
 
-    entries = {key: _map(value, key, take) if key in SHARDED_ENTRIES else value
-               for key, value in _entries(state).items()}
-    return tensors, _with_entries(state, entries)
+    rest = _map_entries(state, take)
+    return tensors, rest
 
 
 def join(rest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -78,9 +80,7 @@ def join(rest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, An
     def put(value: Any, where: str) -> Any:
         return tensors[where] if _in_dcp(value) else value
 
-    entries = {key: _map(value, key, put) if key in SHARDED_ENTRIES else value
-               for key, value in _entries(rest).items()}
-    return _with_entries(rest, entries)
+    return _map_entries(rest, put)
 
 
 def needed(rest: dict[str, Any]) -> list[str]:

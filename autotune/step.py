@@ -450,10 +450,14 @@ class StepCore:
 
     def zero_grad(self) -> None:
         if self.optimizer is None:  # another trainer's optimizer: the gradients of the model's parameters
-            for p in self.model.parameters():
-                p.grad = None
+            self.drop_gradients()
             return
         self.ranks.zero_grad(self.optimizer)
+
+    def drop_gradients(self) -> None:
+        """Every parameter's gradient gone (`.grad = None`), whatever the optimizer's zero_grad would do."""
+        for p in self.model.parameters():
+            p.grad = None
 
     def use(self, step_fn: StepFn | None, loss_fn: LossFn | None) -> None:
         """Train with `step_fn` or `loss_fn` from now on (`Tuner.step`'s); neither: the ones given before."""

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from autotune.actions import Relief
-from autotune.batch import BatchOutcome, BatchRunner, add_gradients
+from autotune.batch import BatchOutcome, BatchRunner, add_gradients, set_aside_gradients
 from autotune.batching import SplitFn, batch_len
 from autotune.cadence import MeasureCadence
 from autotune import checkpoint_format
@@ -159,7 +159,8 @@ class Tuner:
         self.counters = counters if counters is not None else Progress()
         self.core = StepCore(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
                              loss_fn=loss_fn, step_fn=step_fn, split_fn=split_fn, device=self.device,
-                             backward_fn=backward_fn, ranks=self.ranks, counters=self.counters, keep_effective_batch=keep_effective_batch,
+                             backward_fn=backward_fn, ranks=self.ranks, counters=self.counters,
+                             keep_effective_batch=keep_effective_batch,
                              inject_oom=injection_rate(inject_oom), seed=seed, precision=precision,
                              clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
                              scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
@@ -183,7 +184,8 @@ class Tuner:
                                    keep_effective_batch)
         self._host = weakref.ref(host) if host is not None else None
         self.reactions = Reactions(self.dispatcher, self.ladder, self.monitor_link, self.knobs, self.counters,
-                                   self.demand, self.cadence, self.batches, device=self.device, host=self._host,
+                                   self.demand, self.cadence, self.batches, ranks=self.ranks, device=self.device,
+                                   host=self._host,
                                    keep_effective_batch=keep_effective_batch, reliefs_allowed=reliefs)
         # A host writes its own checkpoints; alone, the Tuner writes state_dict() into run_dir/checkpoints.
         self._checkpointer = None if host is not None else Checkpointer(
@@ -430,11 +432,3 @@ class Tuner:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def set_aside_gradients(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """Take the gradients the model's parameters hold (their `.grad` is None after), to add back later."""
-    held = [(p, p.grad) for p in model.parameters() if p.grad is not None]
-    for p, _ in held:
-        p.grad = None
-    return held

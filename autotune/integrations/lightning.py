@@ -48,7 +48,8 @@ from autotune.batching import batch_len
 from autotune.distributed import Ranks, Solo
 from autotune.evaluation import Evaluator
 from autotune.progress import Progress
-from autotune.tuner import Tuner, add_gradients, set_aside_gradients
+from autotune.batch import add_gradients, set_aside_gradients
+from autotune.tuner import Tuner
 
 STATE_KEY = "autotune"
 
