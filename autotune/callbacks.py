@@ -15,12 +15,16 @@ current step, with a checkpoint. `Callback` is a base with every method a no-op.
 Under torchrun every rank runs its callbacks; evaluation metrics are the same on every rank,
 and a stop any rank requests stops every rank.
 
-Owns: calling the user's callbacks and their checkpoint state. Touches nothing else.
+Owns: calling the user's callbacks and their checkpoint state, and a stop they ask for.
+Touches: the job's collectives (a stop agreed by every rank), the journal.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+import torch
+from loguru import logger
 
 HOOKS = ("on_fit_start", "on_step_end", "on_evaluate", "on_epoch_end", "on_fit_end")
 
@@ -69,3 +73,30 @@ class Callbacks:
                 raise ValueError(f"the checkpoint holds no state for callback {key} (it has {sorted(state)}): "
                                  "resume with the callbacks the run was started with")
             callback.load_state_dict(state[key])
+
+
+class StopRequest:
+    """A stop the user's code asked for (`AutoTrainer.request_stop`): the fit ends after the
+    current step. Under torchrun a stop any rank asked for stops every rank at the same step
+    (one small all-reduce a step, made only when there are callbacks to ask for it)."""
+
+    def __init__(self, ranks: Any, device: torch.device, callbacks: Callbacks):
+        self.reason: str | None = None
+        self._ranks, self._device = ranks, device
+        self._agree = bool(callbacks) and ranks.world > 1
+
+    def ask(self, reason: str) -> None:
+        self.reason = str(reason)
+
+    def clear(self) -> None:
+        self.reason = None
+
+    def agreed(self, journal: Any, step: int, epoch: int) -> bool:
+        """Whether the fit stops here, on every rank alike; journaled when it does."""
+        if self._agree and self._ranks.any(self.reason is not None, self._device) and self.reason is None:
+            self.reason = "another rank's callback asked to stop"
+        if self.reason is None:
+            return False
+        journal.write("stop_requested", step, epoch, reason=self.reason)
+        logger.info(f"stopping at step {step}: {self.reason}")
+        return True

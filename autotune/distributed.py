@@ -2,8 +2,12 @@
 
 The loop talks to one of the two and never asks which: `Solo` is the null object (every
 agreement is the process's own proposal, gradients are its own), `Ranks` makes the same
-calls collective. This module owns the DDP wrapper, the flat gradient buffer and every
-collective the trainer makes; it touches the model only to wrap it.
+calls collective. Under torchrun the model is replicated (DDP) or sharded (FSDP2), and what
+differs between the two (how many forwards every rank must run, where gradients are summed,
+what a checkpoint holds) is answered by the model's strategy, `Replicated` here or sharded.py's
+`Sharded`, through the same calls `Solo` answers: `Ranks` passes them on and never branches.
+This module owns the DDP wrapper, the flat gradient buffer and every collective the trainer
+makes; it touches the model only to wrap it.
 
 The rule that keeps every rank out of a deadlock: no collective runs while a rank may still
 fail. Each rank runs all micro-batches of its batch with DDP's gradient sync off
@@ -36,7 +40,7 @@ from loguru import logger
 from torch import nn
 
 from autotune.actions import Relief, relief_from_ints, relief_to_ints
-from autotune.sharded import ShardedSteps, is_sharded, load_sharded_state, shard as shard_blocks, sharded_state
+from autotune.sharded import Sharded, is_sharded, shard as shard_blocks
 
 
 _NOTHING_TO_SYNC = contextlib.nullcontext()  # reusable: one for every step alone
@@ -107,7 +111,6 @@ class Solo:
 
     rank, world, local_rank, is_main = 0, 1, 0, True
     bucket = None  # alone, gradients are never all-reduced
-    sharded: ShardedSteps | None = None  # alone, nothing is sharded (FSDP2 needs torchrun)
 
     def device_for(self, device: str | torch.device | None, keep_effective_batch: bool) -> str | torch.device | None:
         return device
@@ -126,8 +129,8 @@ class Solo:
         return _NOTHING_TO_SYNC
 
     # What the loop does the same way for every job, and each job answers for itself. Alone: the
-    # null answers. Under torchrun a sharded (FSDP2) model's ranks exchange inside forward and
-    # backward, so some answers differ there (Ranks, and sharded.py's ShardedSteps).
+    # null answers. Under torchrun the model's strategy answers (`Replicated`, or sharded.py's
+    # `Sharded`, whose ranks exchange inside forward and backward).
     forwards_are_collective = False  # every rank must run as many forwards (sharded: they all-gather)
     writes_shards = False  # a checkpoint is one file (sharded: a folder every rank writes its shards to)
     sums_in_backward = False  # gradients are summed over ranks inside backward (sharded: reduce-scatter)
@@ -214,9 +217,10 @@ class Ranks:
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.is_main = rank == 0
         self.ddp: nn.parallel.DistributedDataParallel | None = None
-        self.bucket: GradientBucket | None = None
-        self.sharded: ShardedSteps | None = None  # an FSDP2 model's checks and resets (sharded.py)
         self.device = torch.device("cpu")  # this rank's device, once it joined the job
+        # What depends on how the model is spread over the ranks: replicated until wrap() finds
+        # it sharded with FSDP2.
+        self.strategy: Replicated | Sharded = Replicated(self.device)
 
     def __repr__(self) -> str:
         return f"Ranks(rank={self.rank}, world={self.world}, local_rank={self.local_rank})"
@@ -233,6 +237,7 @@ class Ranks:
         """Join the process group torchrun describes, unless the caller already did: NCCL on CUDA, gloo on CPU.
         A group joined here is also left here, at exit."""
         self.device = device  # where this rank's collectives' tensors go
+        self.strategy = Replicated(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
@@ -253,7 +258,7 @@ class Ranks:
             logger.info(f"sharded with FSDP2: {len(blocks)} blocks ({', '.join(blocks[:3])}"
                         f"{', ...' if len(blocks) > 3 else ''}) and the root")
         if is_sharded(model):
-            self.sharded = ShardedSteps(model)
+            self.strategy = Sharded(model)
             return
         # DDP broadcasts rank 0's weights and buffers now; its own gradient sync is never
         # used (always no_sync): gradients are averaged after the ranks agree.
@@ -269,7 +274,7 @@ class Ranks:
         """Bind these parameters' gradients to flat buffers that `average_gradients` all-reduces:
         for a model another framework wrapped in DDP (HF, Lightning), whose own gradient sync
         autotune never reaches (its micro-batches run on the module inside the wrapper)."""
-        self.bucket = GradientBucket(parameters)
+        self.strategy.bucket = GradientBucket(parameters)
 
     def module(self, model: nn.Module) -> nn.Module:
         """The module to call in forward: the DDP wrapper (held only here, so it can be dropped at exit)."""
@@ -279,41 +284,30 @@ class Ranks:
         # DDP must not all-reduce inside backward: a rank may still fail.
         return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
 
-    forwards_are_collective = property(lambda self: self.sharded is not None)
-    writes_shards = property(lambda self: self.sharded is not None)
-    sums_in_backward = property(lambda self: self.sharded is not None)
-
-    @property
-    def why_not_prunable(self) -> str | None:
-        if self.sharded is not None:
-            return ("the model is sharded with FSDP2: its parameters are shards that pruning cannot trace or cut "
-                    "(the cheaper reliefs, autocast and checkpointing, still apply)")
-        return None
+    # What depends on the model's strategy (see Solo for each question).
+    bucket = property(lambda self: self.strategy.bucket, doc="the flat gradient buffers (replicated), or None")
+    forwards_are_collective = property(lambda self: self.strategy.forwards_are_collective)
+    writes_shards = property(lambda self: self.strategy.writes_shards)
+    sums_in_backward = property(lambda self: self.strategy.sums_in_backward)
+    why_not_prunable = property(lambda self: self.strategy.why_not_prunable)
 
     def same_size(self, micro_batch_size: int, n: int, step: int) -> int:
-        # Sharded: rank 0's, before the attempt (every rank must make as many exchanges). Replicated:
-        # a rank may differ until the agreement after the attempt, which every rank then follows.
-        return self.sharded.same_size(micro_batch_size, n, step) if self.sharded is not None else micro_batch_size
+        return self.strategy.same_size(micro_batch_size, n, step)
 
     def micro_batch(self, last: bool) -> None:
-        if self.sharded is not None:  # FSDP2 reduce-scatters in the batch's last backward only
-            self.sharded.micro_batch(last)
+        self.strategy.micro_batch(last)
 
     def check(self, flag: bool) -> bool:
-        # Sharded: one of the exchange checks (a rank broken inside an exchange answers there).
-        return self.sharded.check(flag) if self.sharded is not None else self.any(flag, self.device)
+        return self.strategy.check(flag)
 
     def finite_everywhere(self, finite: bool, device: torch.device) -> bool:
-        # Replicated, every rank holds the same averaged gradients; sharded, each its own shards.
-        return not self.any(not finite, device) if self.sharded is not None else finite
+        return self.strategy.finite_everywhere(finite, device)
 
     def end_attempt(self, failed: bool, peer_failed: bool) -> bool:
-        # Sharded: the attempt's last check (a rank that failed late meets it here).
-        return self.sharded.end_attempt(failed, peer_failed) if self.sharded is not None else False
+        return self.strategy.end_attempt(failed, peer_failed)
 
     def reset_after_failure(self) -> None:
-        if self.sharded is not None:
-            self.sharded.reset()
+        self.strategy.reset_after_failure()
 
     def agree(self, mine: Agreement, device: torch.device) -> Agreement:
         """One small all-reduce (element-wise maximum) per attempt; every rank must call it."""
@@ -345,16 +339,7 @@ class Ranks:
             self.bucket.average(self.world)
 
     def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
-        if self.sharded is not None:
-            # Sharded, every rank weighted its micro-batches by raw items (ref 1: see StepCore.attempt)
-            # and FSDP2 averaged the gradients over ranks: times world over every rank's items.
-            total = torch.as_tensor(items, dtype=torch.float64).reshape(1).to(grads[0].device if grads else "cpu")
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            torch._foreach_mul_(grads, self.world / max(float(total), 1.0))
-            return
-        # Each rank's gradient back to its raw sum over items, summed over ranks with the items
-        # themselves in the same all-reduce, then divided by every rank's items together.
-        self.bucket.sum_over_items(ref, items)
+        self.strategy.divide_by_items(grads, ref, items)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         if self.bucket is not None:
@@ -369,22 +354,17 @@ class Ranks:
 
     def any(self, flag: bool, device: torch.device) -> bool:
         """Whether any rank's `flag` is set (a callback asked to stop), on every rank."""
-        value = torch.tensor([int(flag)], device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        return _any_rank(flag, device)
 
     def model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
         """The weights and the optimizer's state for a checkpoint: replicated, the whole of both
         (the same on every rank); sharded, this rank's shards (sharded_checkpoint.py writes them)."""
-        return sharded_state(model, optimizer) if self.sharded is not None else _whole(model, optimizer)
+        return self.strategy.model_state(model, optimizer)
 
     def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
                          optimizer_state: Any) -> None:
         """Put what `model_state` returned back into the model and the optimizer."""
-        if self.sharded is not None:
-            load_sharded_state(model, optimizer, weights, optimizer_state)
-        else:
-            _load_whole(model, optimizer, weights, optimizer_state)
+        self.strategy.load_model_state(model, optimizer, weights, optimizer_state)
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank (per-rank RNG states, failure messages)."""
@@ -397,6 +377,54 @@ class Ranks:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+class Replicated:
+    """A replicated (DDP) model's strategy under torchrun: every rank holds the whole model, runs
+    its own micro-batches, and the gradients are averaged once the ranks agree (the module
+    docstring). The answers `Solo` gives alone, made over the ranks where they must be."""
+
+    forwards_are_collective = False  # a rank may run more or fewer forwards than another
+    writes_shards = False  # rank 0 writes the whole model (the same on every rank)
+    sums_in_backward = False  # averaged after the agreement, never inside backward
+    why_not_prunable = None  # every rank prunes alike, at the same step
+
+    def __init__(self, device: torch.device):
+        self.device = device  # where the checks' tensors go
+        self.bucket: GradientBucket | None = None  # the gradients' all-reduce buffers, once bound
+
+    def same_size(self, micro_batch_size: int, n: int, step: int) -> int:
+        # A rank may differ until the agreement after the attempt, which every rank then follows.
+        return micro_batch_size
+
+    def micro_batch(self, last: bool) -> None:
+        pass  # DDP's own sync is never used (no_sync): nothing to switch
+
+    def check(self, flag: bool) -> bool:
+        return _any_rank(flag, self.device)
+
+    def finite_everywhere(self, finite: bool, device: torch.device) -> bool:
+        return finite  # every rank holds the same averaged gradients
+
+    def end_attempt(self, failed: bool, peer_failed: bool) -> bool:
+        return False  # no rank waits on another inside an attempt: the agreement tells
+
+    def reset_after_failure(self) -> None:
+        pass  # nothing of DDP's ran: the gradients are dropped as alone
+
+    def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
+        # Each rank's gradient back to its raw sum over items, summed over ranks with the items
+        # themselves in the same all-reduce, then divided by every rank's items together.
+        self.bucket.sum_over_items(ref, items)
+
+    model_state = staticmethod(lambda model, optimizer: _whole(model, optimizer))
+    load_model_state = staticmethod(lambda model, optimizer, weights, state: _load_whole(model, optimizer, weights, state))
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def from_environment() -> Solo | Ranks:

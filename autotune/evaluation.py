@@ -22,8 +22,12 @@ A metric is `fn(outputs, targets) -> value` (with `loss_fn`; targets: the batch'
 part) or `fn(outputs, micro_batch) -> value` (with `step_fn`), where `value` is the mean over
 the micro-batch's samples, or `(mean, n_items)` to be weighted by items.
 
-Owns: the evaluation's micro-batch and its OOM state (saved in checkpoints). Touches: the model
-(eval mode and back, under no_grad), the journal, the job's collectives.
+`EvaluationPlan` says when a fit evaluates (every N steps, or each epoch's end) and what a
+ReduceLROnPlateau scheduler steps on.
+
+Owns: the evaluation's micro-batch and its OOM state (saved in checkpoints), the evaluation
+schedule. Touches: the model (eval mode and back, under no_grad), the journal, the job's
+collectives, the scheduler (stepped through StepCore.step_scheduler).
 """
 
 from __future__ import annotations
@@ -42,6 +46,42 @@ from autotune.sharded import PeerFailed
 from autotune.step import StepCore, loss_and_items, to_device
 
 Metric = Callable[[Any, Any], Any]
+
+
+class EvaluationPlan:
+    """When a fit evaluates, and what a ReduceLROnPlateau scheduler steps on: an evaluation's
+    figure (`scheduler_metric`, default "loss"), or, without an eval_dataset, the epoch's
+    training loss ("train_loss")."""
+
+    def __init__(self, core: StepCore, dataset: Dataset | DataLoader | None, every: int | str | None,
+                 scheduler_metric: str | None):
+        self.core, self.dataset = core, dataset
+        self.every = every if every is not None or dataset is None else "epoch"
+        self.scheduler_metric = scheduler_metric or ("loss" if dataset is not None else "train_loss")
+
+    @property
+    def schedule(self) -> int | str | None:
+        """For the run log: every how many steps ("epoch": at each epoch's end), None: never."""
+        return self.every if self.dataset is not None else None
+
+    def due_after_step(self, step: int) -> bool:
+        return isinstance(self.every, int) and step % self.every == 0
+
+    def due_at_epoch_end(self) -> bool:
+        return self.every == "epoch"
+
+    def evaluated(self, metrics: dict[str, float]) -> None:
+        """After an evaluation: a plateau scheduler that watches one of its figures steps on it."""
+        if self.core.plateau and self.scheduler_metric != "train_loss":
+            self.core.step_scheduler(metrics[self.scheduler_metric])
+
+    def epoch_ended(self, epoch_loss: float | None) -> None:
+        """After an epoch (and its evaluation): an epoch-interval scheduler steps, and a plateau
+        scheduler that watches the training loss steps on it."""
+        if self.core.scheduler_interval == "epoch" and not self.core.plateau:
+            self.core.step_scheduler(None)
+        elif self.core.plateau and self.scheduler_metric == "train_loss":
+            self.core.step_scheduler(epoch_loss)
 
 
 class Evaluator:

@@ -48,6 +48,12 @@ class Knobs:
     relief_agreed: Relief | None = None
     relief_asked_by: tuple[Relief, Any] | None = None
 
+    @property
+    def host_cap_bytes(self) -> int | None:
+        """The memory cap where it binds host memory (training on CPU), else None: what a
+        background checkpoint's copy and the sample cache must fit under beside the host's limits."""
+        return self.memory_cap_bytes if self.device.type == "cpu" else None
+
     def follow(self, micro_batch_size: int) -> None:
         """Use `micro_batch_size` from now on: rank 0's, agreed by every rank under torchrun."""
         if micro_batch_size != self.micro_batch_size:

@@ -105,9 +105,18 @@ def shard(model: nn.Module) -> list[str]:
     return [name for name, _ in blocks]
 
 
-class ShardedSteps:
-    """The checks around FSDP2's exchanges, the no-sync switch, and the reset after a failure,
-    for one sharded model (see the module docstring)."""
+class Sharded:
+    """A sharded (FSDP2) model's strategy under torchrun: the checks around its exchanges, the
+    no-sync switch, the reset after a failure, its state in shards (see the module docstring).
+    It answers the questions distributed.py's `Replicated` answers for a DDP model (and `Solo`
+    alone), so the loop never asks which it runs under."""
+
+    forwards_are_collective = True  # every rank must run as many forwards: they all-gather
+    writes_shards = True  # a checkpoint is a folder every rank writes its shards to
+    sums_in_backward = True  # gradients are reduce-scattered inside the last backward
+    bucket = None  # FSDP2 reduce-scatters its own gradients: no all-reduce buffer
+    why_not_prunable = ("the model is sharded with FSDP2: its parameters are shards that pruning cannot trace or "
+                        "cut (the cheaper reliefs, autocast and checkpointing, still apply)")
 
     def __init__(self, model: nn.Module, timeout_s: float | None = None):
         root = fsdp_modules(model)
@@ -214,11 +223,34 @@ class ShardedSteps:
             return True  # the check that told it was this attempt's last
         return self.check(failed) and not failed
 
-    def reset(self) -> None:
+    def reset_after_failure(self) -> None:
         """After a failed attempt, on every rank: FSDP2's state as before the attempt, no gradients held."""
         self.model.reset_iter_state()
         _drop_unsharded_gradients(self.modules)
         self.micro_batch(True)
+
+    def finite_everywhere(self, finite: bool, device: torch.device) -> bool:
+        """Whether every rank's gradient shards are finite (each rank holds its own)."""
+        flag = torch.tensor([int(not finite)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return not bool(flag.item())
+
+    def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
+        """Every rank weighted its micro-batches by raw items (ref 1: see StepCore.attempt) and FSDP2
+        averaged the gradients over ranks: times world over every rank's items."""
+        total = torch.as_tensor(items, dtype=torch.float64).reshape(1).to(grads[0].device if grads else "cpu")
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        torch._foreach_mul_(grads, dist.get_world_size() / max(float(total), 1.0))
+
+    @staticmethod
+    def model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
+        """This rank's shards (sharded_checkpoint.py writes them)."""
+        return sharded_state(model, optimizer)
+
+    @staticmethod
+    def load_model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
+                         optimizer_state: Any) -> None:
+        load_sharded_state(model, optimizer, weights, optimizer_state)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -251,7 +283,7 @@ def _own_temporaries(output: torch.Tensor, input: torch.Tensor) -> int:
     return size + size // 8 + 2**20
 
 
-def _check_exchanges(module: nn.Module, name: str, steps: ShardedSteps) -> None:
+def _check_exchanges(module: nn.Module, name: str, steps: Sharded) -> None:
     """Put a check before every all-gather and reduce-scatter FSDP2 makes for `module`."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 

@@ -16,7 +16,6 @@ uses only its host face. Touches: the input pipeline (data/pipeline.py), the che
 from __future__ import annotations
 
 import functools
-import gc
 import signal
 import time
 from pathlib import Path
@@ -28,20 +27,20 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autotune.batching import SplitFn, batch_len
-from autotune.callbacks import Callbacks
+from autotune.batch_in_hand import BatchInHand
+from autotune.callbacks import Callbacks, StopRequest
 from autotune import checkpoint_format
 from autotune.arguments import with_shared_arguments
-from autotune.checkpoint import CheckpointDue, CheckpointFailed, Checkpointer, RankFailed
+from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed
 from autotune.config import (OptimizerFactory, check_evaluation, check_run_limits, check_sample_layout,
                              resolve_device, resolve_micro_batch)
 from autotune.data.pipeline import InputPipeline
 from autotune.distributed import from_environment
-from autotune.evaluation import Evaluator, Metric
+from autotune.evaluation import EvaluationPlan, Evaluator, Metric
 from autotune.events import Event
-from autotune.memory import memory_text
+from autotune.memory import gc_frozen, memory_text
 from autotune.monitor.host import room_bytes
-from autotune.notices import warn
-from autotune.oom import ExchangeFailed, OutOfMemory
+from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
 from autotune.progress import FitResult, Progress
@@ -146,23 +145,19 @@ class AutoTrainer:
         self.knobs.num_workers = self.input.num_workers
         check_evaluation(eval_dataset=eval_dataset, eval_every=eval_every, eval_batch_size=eval_batch_size,
                          metrics=metrics, scheduler_metric=scheduler_metric, plateau=self.core.plateau)
-        self.eval_dataset = eval_dataset
-        self.eval_every = eval_every if eval_every is not None or eval_dataset is None else "epoch"
-        # What a ReduceLROnPlateau steps on: an evaluation's figure, or the epoch's training loss.
-        self.scheduler_metric = scheduler_metric or ("loss" if eval_dataset is not None else "train_loss")
+        self.evaluation = EvaluationPlan(self.core, eval_dataset, eval_every, scheduler_metric)
         self.evaluator = Evaluator(self.core, batch_size=eval_batch_size or batch_size, collate_fn=collate_fn,
                                    metrics=metrics, journal=self.journal)
         self.metrics: dict[str, float] = {}  # the last evaluation's
         # A background checkpoint copies the state into host memory: the room under the host's
         # tightest limit (the memory cap too, training on CPU).
-        host_cap = self.knobs.memory_cap_bytes if device.type == "cpu" else None
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=keep_checkpoints, every=checkpoint_every,
                                          interval=checkpoint_interval, ranks=self.ranks, journal=self.journal,
-                                         room_bytes=functools.partial(room_bytes, host_cap))
+                                         room_bytes=functools.partial(room_bytes, self.knobs.host_cap_bytes))
         self._loader_version = self.knobs.loader_version
-        self._stop_request: str | None = None  # request_stop's reason
-        self._failing_batch: tuple[int, int, int] | None = None  # (epoch, position, batches_done) of the batch in hand
-        self._step_at_batch_start = 0
+        self._stop_request = StopRequest(ranks, device, self.callbacks)
+        # Named in the note of an error, and checkpointed before it propagates where that loses nothing.
+        self._in_hand = BatchInHand(self.input.describe_batch, world=ranks.world, folder=self.checkpointer.folder)
         self._closed = False
 
     step, epoch, position, batches_done, ooms, samples_seen = map(
@@ -193,50 +188,43 @@ class AutoTrainer:
             path = None if resume is True else Path(resume)
             self.checkpointer.resume(self.load_state_dict, self.counters, self.device, path=path,
                                      template=self.state_dict)
-        self._stop_request = None
+        self._stop_request.clear()
         started = time.perf_counter()
         self.checkpointer.restart_clock(self.step)
         self.tuner.begin(batch_size=self.knobs.batch_size, epochs=epochs, max_steps=max_steps,
-                         eval_every=self.eval_every if self.eval_dataset is not None else None)
+                         eval_every=self.evaluation.schedule)
         logger.info(f"training on {self.device}: batch {self.knobs.batch_size}, micro-batch "
                     f"{self.knobs.micro_batch_size}, run dir {self.run_dir}")
         compiles = compile_count() if self.core.compiled_model else 0
         self.callbacks.fire("on_fit_start", self)
         self.log.open_bar(self.input.planned_batches(self.counters, epochs, max_steps, self.keep_effective_batch))
-        # A full gc.collect() after an OOM walks every object torch and the user's code
-        # created (~0.2 s). Freezing what exists now leaves it only the objects made
-        # during training, the failed attempt's among them. Skipped if the caller froze.
-        freeze = gc.get_freeze_count() == 0
-        if freeze:
-            gc.freeze()
         epoch_loss = None
         try:
-            with StopRequests() as self._stop:
+            with StopRequests() as self._stop, gc_frozen():  # gc_frozen: a cheap gc.collect() after an OOM
                 while self.epoch < epochs and (max_steps is None or self.step < max_steps) \
-                        and self._stop_request is None:
+                        and self._stop_request.reason is None:
                     epoch_loss = self._train_epoch(max_steps)
             self.tuner.agree_on_micro_batch()  # the run ends at one micro-batch on every rank
             # Written in the background: fit returns while it is fsynced (close(), the next save or
             # load, and the interpreter's exit wait for it).
-            self.checkpoint_now("end" if self._stop_request is None else "stop_requested", background=True)
+            self.checkpoint_now("end" if self._stop_request.reason is None else "stop_requested", background=True)
         except BaseException as exc:
             # On the record before it propagates, so a crashed run's journal says why it ended.
-            saved = self._save_before_raising(exc) if isinstance(exc, Exception) else None
+            saved = self._in_hand.save_before_raising(exc, self.step, self.checkpoint_now) \
+                if isinstance(exc, Exception) else None
             self.journal.write("fit_failed", self.step, self.epoch, error=f"{type(exc).__name__}: {exc}"[:500],
                                samples_seen=self.samples_seen, **({"checkpoint": str(saved)} if saved else {}))
             self.tuner.end(failed=True)
             raise
         finally:
             self.log.close_bar()
-            if freeze:
-                gc.unfreeze()
         wall = time.perf_counter() - started
         step_size = self.knobs.batch_size if self.keep_effective_batch else min(self.knobs.micro_batch_size,
                                                                                  self.knobs.batch_size)
         result = FitResult(samples_seen=self.samples_seen, steps=self.step, epochs=self.epoch, batch_size=step_size,
                            micro_batch_size=self.knobs.micro_batch_size, ooms=self.ooms, loss=epoch_loss,
                            wall_seconds=wall, run_dir=self.run_dir, metrics=dict(self.metrics),
-                           stopped=self._stop_request)
+                           stopped=self._stop_request.reason)
         compiled = {"compiles": compile_count() - compiles} if self.core.compiled_model else {}
         self.tuner.end(batch_size=result.batch_size, wall_seconds=wall, loss=epoch_loss, metrics=result.metrics,
                        stopped=result.stopped, **compiled)
@@ -248,7 +236,7 @@ class AutoTrainer:
         in eval mode under `torch.no_grad()`, averaged over items where the step reports them.
         Evaluation has a micro-batch of its own: an OOM halves it and runs the same samples
         again (none is lost), and the training micro-batch stays as it is."""
-        dataset = self.eval_dataset if dataset is None else dataset
+        dataset = self.evaluation.dataset if dataset is None else dataset
         if dataset is None:
             raise ValueError("evaluate() needs a dataset: pass one, or eval_dataset= to AutoTrainer")
         try:
@@ -259,14 +247,13 @@ class AutoTrainer:
         self.metrics = metrics
         logger.info("evaluation at step {}: {}", self.step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         self.callbacks.fire("on_evaluate", self, metrics)
-        if self.core.plateau and self.scheduler_metric != "train_loss":
-            self.core.step_scheduler(metrics[self.scheduler_metric])
+        self.evaluation.evaluated(metrics)
         return metrics
 
     def request_stop(self, reason: str = "requested") -> None:
         """End the fit after the current step, with a checkpoint (early stopping, from a callback).
         `FitResult.stopped` says why; a later `fit` call goes on from there."""
-        self._stop_request = str(reason)
+        self._stop_request.ask(reason)
 
     def close(self) -> None:
         """Leave the user's model as it was given (the trainer's hook off it), give back the CUDA
@@ -286,25 +273,23 @@ class AutoTrainer:
         self.close()
 
     def _train_epoch(self, max_steps: int | None) -> float | None:
-        self._fire(Event.EPOCH_START)
+        self.tuner.fire(Event.EPOCH_START)
         self.model.train()
         epoch_loss_sum = LossSum(self.device)  # summed on the device: no sync per step
         batches = self.input.batches(self.epoch, self.position, self.batches_done)
         finished_epoch = True
         while True:
             wait_start = time.perf_counter()
-            # Named in the note of an error raised while the batch is loaded or trained.
-            self._failing_batch = (self.epoch, self.position, self.batches_done)  # put in words only if needed
-            self._step_at_batch_start = self.step
+            self._in_hand.start(self.epoch, self.position, self.batches_done, self.step)
             try:
                 batch = next(batches)
             except StopIteration:
-                self._failing_batch = None
+                self._in_hand.done()
                 break
             step_start = time.perf_counter()
             n = batch_len(batch)
             outcome = self.tuner.train_batch(batch, n, proposal=self._proposal)
-            self._failing_batch = None
+            self._in_hand.done()
             step_end = time.perf_counter()
             epoch_loss_sum.add(outcome.losses)
             self.counters.position += n
@@ -314,7 +299,7 @@ class AutoTrainer:
             self.tuner.after_batch(timing, n, outcome)
             for event in self.input.on_step(timing, n, self.journal, self.step, self.epoch,
                                             profile=self.tuner.listens(Event.IO_BOUND)):
-                self._fire(event, timing=timing)
+                self.tuner.fire(event, timing=timing)
             if self.knobs.loader_version != self._loader_version:  # a policy changed workers or caching
                 del batches  # its workers exit before the new loader's start
                 batches = self._rebuild_loader()
@@ -328,14 +313,14 @@ class AutoTrainer:
                 raise self.checkpointer.preempted(signum, self.checkpoint_now(f"signal {signal.Signals(signum).name}"),
                                                   self.counters)
             self.callbacks.fire("on_step_end", self)
-            if isinstance(self.eval_every, int) and self.step % self.eval_every == 0:
+            if self.evaluation.due_after_step(self.step):
                 self.evaluate()
             # After the step's callbacks and evaluation: a resume from this checkpoint has seen them.
             if agreed.checkpoint_due:
                 self.checkpoint_now("every" if agreed.checkpoint_due == CheckpointDue.BY_STEPS else "interval")
                 # Several failed in a row (a full disk): stop, every rank alike, rather than train unsaved.
                 self.checkpointer.raise_if_failing(self.ranks.any(self.checkpointer.failing, self.device))
-            if self._stop_requested():
+            if self._stop_request.agreed(self.journal, self.step, self.epoch):
                 finished_epoch = False
                 break
             if max_steps is not None and self.step >= max_steps:
@@ -348,56 +333,13 @@ class AutoTrainer:
             self.journal.write("epoch_end", self.step, self.epoch - 1, samples_seen=self.samples_seen,
                                loss=epoch_loss, micro_batch_size=self.knobs.micro_batch_size)
             self.input.epoch_end(self.journal, self.step, self.epoch - 1)
-            self._fire(Event.EPOCH_END)
-            if self.eval_every == "epoch":
+            self.tuner.fire(Event.EPOCH_END)
+            if self.evaluation.due_at_epoch_end():
                 self.evaluate()
-            if self.core.scheduler_interval == "epoch" and not self.core.plateau:
-                self.core.step_scheduler(None)
-            elif self.core.plateau and self.scheduler_metric == "train_loss":
-                self.core.step_scheduler(epoch_loss)
+            self.evaluation.epoch_ended(epoch_loss)
             self.callbacks.fire("on_epoch_end", self)
-            self._stop_requested()
+            self._stop_request.agreed(self.journal, self.step, self.epoch)
         return epoch_loss
-
-    def _save_before_raising(self, exc: Exception) -> Path | None:
-        """An error that is not an OOM (a sample that cannot be read, a bug in step_fn or a
-        callback, a non-finite step with on_nonfinite="stop") loses nothing: between optimizer
-        steps the weights are those of the last completed step, so that is checkpointed, and the
-        error gets a note naming the batch and the checkpoint. An OOM error and a preemption have
-        written theirs already. Under torchrun a checkpoint needs every rank, and the others are
-        not here: the note says so. (A second Ctrl-C is not an Exception: it aborts at once.)"""
-        if self._failing_batch is not None:
-            exc.add_note(f"autotune: {self.input.describe_batch(*self._failing_batch)}")
-        if isinstance(exc, (OutOfMemory, ExchangeFailed, RankFailed, CheckpointFailed)):
-            return None
-        if self.ranks.world > 1:
-            exc.add_note(f"autotune: not checkpointed (under torchrun a checkpoint needs every rank); the newest "
-                         f"checkpoint in {self.checkpointer.folder} is the one to resume from")
-            return None
-        if self._failing_batch is not None and self.step != self._step_at_batch_start:
-            # keep_effective_batch=False steps inside a batch: a checkpoint would train that part again.
-            exc.add_note("autotune: not checkpointed: this batch was already partly stepped on, and the newest "
-                         f"checkpoint in {self.checkpointer.folder} is the one to resume from")
-            return None
-        path = self.checkpoint_now("error")
-        if path is not None:
-            exc.add_note(f"autotune: the training up to step {self.step} is in the checkpoint {path}; "
-                         "fix the cause and continue with fit(..., resume=True)")
-            warn(f"stopped by {type(exc).__name__} at step {self.step}; checkpoint {path}; continue with "
-                 "fit(..., resume=True) once the cause is fixed", key=f"error checkpoint {path}")
-        return path
-
-    def _stop_requested(self) -> bool:
-        # Under torchrun a stop any rank's callback asked for stops every rank at the same step
-        # (one small all-reduce a step, only when there are callbacks).
-        if self.callbacks and self.ranks.world > 1:
-            if self.ranks.any(self._stop_request is not None, self.device) and self._stop_request is None:
-                self._stop_request = "another rank's callback asked to stop"
-        if self._stop_request is not None:
-            self.journal.write("stop_requested", self.step, self.epoch, reason=self._stop_request)
-            logger.info(f"stopping at step {self.step}: {self._stop_request}")
-            return True
-        return False
 
     def _proposal(self) -> dict[str, Any]:
         # Each attempt's agreement also carries a stop signal any rank received, and whether a
@@ -405,14 +347,10 @@ class AutoTrainer:
         return {"stop_signal": self._stop.signum or 0,
                 "checkpoint_due": self.checkpointer.due(self.step + (1 if self.keep_effective_batch else 0))}
 
-    def _fire(self, event: Event, timing: StepTiming | None = None) -> None:
-        self.tuner.fire(event, timing=timing)
-
     def _rebuild_loader(self) -> Iterator[Any]:
         self._loader_version = self.knobs.loader_version
-        host_cap = self.knobs.memory_cap_bytes if self.device.type == "cpu" else None
         return self.input.rebuild(self.knobs.num_workers, self.knobs.sample_cache, self.journal, self.step,
-                                  self.epoch, self.position, host_cap_bytes=host_cap)
+                                  self.epoch, self.position, host_cap_bytes=self.knobs.host_cap_bytes)
 
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

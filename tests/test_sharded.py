@@ -119,25 +119,25 @@ class KillAtStep5:
 def errors(run_dir):
     """What a sharded model autotune cannot train, or a batch it cannot split alike, says."""
     from torch.distributed.fsdp import fully_shard
-    from autotune.sharded import ShardedSteps
+    from autotune.sharded import Sharded
     said = {}
     model = Transformer()
     for block in model.blocks:
         fully_shard(block)
     try:
-        ShardedSteps(model)  # the root was not sharded
+        Sharded(model)  # the root was not sharded
     except ValueError as exc:
         said["root"] = str(exc)
     fully_shard(model)
     try:
-        ShardedSteps(model).same_size(16, 64 if rank == 0 else 60)  # rank 1's batch is shorter
+        Sharded(model).same_size(16, 64 if rank == 0 else 60)  # rank 1's batch is shorter
     except ValueError as exc:
         said["lengths"] = str(exc)
     from torch.distributed.device_mesh import init_device_mesh
     hybrid = Transformer()  # HSDP: replicated over a mesh dimension of 1, sharded over the other
     fully_shard(hybrid, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
     try:
-        ShardedSteps(hybrid)
+        Sharded(hybrid)
     except ValueError as exc:
         said["hsdp"] = str(exc)
     zeros = torch.zeros(8, LENGTH, dtype=torch.long)
@@ -183,7 +183,7 @@ def own_loop(run_dir, data):
     micro = tuner.agree_on_micro_batch()
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"micro": micro, "ooms": tuner.ooms, "samples": tuner.samples_seen,
-                   "checks": tuner.ranks.sharded.checks}, f)
+                   "checks": tuner.ranks.strategy.checks}, f)
     tuner.close()
 
 for name in names:  # the cases one after another in one job: its start-up is paid once
@@ -240,7 +240,7 @@ for name in names:  # the cases one after another in one job: its start-up is pa
                 said["eval_by_hand"] = loss_fn(whole(eval_tokens[:, :-1]), eval_tokens[:, 1:]).item()
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen,
-                   "steps": result.steps, "checks": trainer.ranks.sharded.checks if sharded else None, **said}, f)
+                   "steps": result.steps, "checks": trainer.ranks.strategy.checks if sharded else None, **said}, f)
     trainer.close()
 '''
 

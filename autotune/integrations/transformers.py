@@ -200,7 +200,7 @@ class AutoTuneTrainer(Trainer):
         # where an allocation fails: under memory that is still too short for that copy, it is
         # skipped with a word, and the OutOfMemory error is raised all the same.
         need = tensor_bytes(self.model.state_dict()) + SAVE_MARGIN_BYTES
-        room = room_bytes(self.tuner.knobs.memory_cap_bytes if self.tuner.device.type == "cpu" else None)
+        room = room_bytes(self.tuner.knobs.host_cap_bytes)
         # Every rank decides alike: HF's save has collectives of its own.
         if self.tuner.ranks.any(room is not None and room < need, self.tuner.device):
             newest = get_last_checkpoint(self.args.output_dir) if Path(self.args.output_dir).is_dir() else None

@@ -1,0 +1,61 @@
+"""The batch a fit is loading or training, and the checkpoint an error that is not an OOM gets.
+
+An error that is not an OOM (a sample that cannot be read, a bug in step_fn or a callback, a
+non-finite step with on_nonfinite="stop") loses nothing: between optimizer steps the weights
+are those of the last completed step, so that is checkpointed, and the error gets a note
+naming the batch and the checkpoint. An OOM error and a preemption have written theirs
+already. Under torchrun a checkpoint needs every rank, and the others are not here: the note
+says so. (A second Ctrl-C is not an Exception: it aborts at once.)
+
+Owns: which batch is in hand (its place in the epoch, and the step it started at). Touches: the
+error's notes, the user's warnings (notices.py); it saves through the function it is given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from autotune.checkpoint import CheckpointFailed, RankFailed
+from autotune.notices import warn
+from autotune.oom import ExchangeFailed, OutOfMemory
+
+
+class BatchInHand:
+    """Where the loop is, kept cheaply (put in words only when an error needs it)."""
+
+    def __init__(self, describe: Callable[[int, int, int], str], *, world: int, folder: Path):
+        self._describe = describe  # (epoch, position, batches_done) -> "batch 3 of epoch 0: samples ..."
+        self._world, self._folder = world, folder  # the job's size; the checkpoints' folder
+        self._batch: tuple[int, int, int] | None = None
+        self._step_at_start = 0
+
+    def start(self, epoch: int, position: int, batches_done: int, step: int) -> None:
+        self._batch, self._step_at_start = (epoch, position, batches_done), step
+
+    def done(self) -> None:
+        self._batch = None
+
+    def save_before_raising(self, exc: Exception, step: int, save: Callable[[str], Path | None]) -> Path | None:
+        """Note the batch on `exc` and, where that loses nothing, `save("error")` (module
+        docstring); the checkpoint's path, or None."""
+        if self._batch is not None:
+            exc.add_note(f"autotune: {self._describe(*self._batch)}")
+        if isinstance(exc, (OutOfMemory, ExchangeFailed, RankFailed, CheckpointFailed)):
+            return None
+        if self._world > 1:
+            exc.add_note(f"autotune: not checkpointed (under torchrun a checkpoint needs every rank); the newest "
+                         f"checkpoint in {self._folder} is the one to resume from")
+            return None
+        if self._batch is not None and step != self._step_at_start:
+            # keep_effective_batch=False steps inside a batch: a checkpoint would train that part again.
+            exc.add_note("autotune: not checkpointed: this batch was already partly stepped on, and the newest "
+                         f"checkpoint in {self._folder} is the one to resume from")
+            return None
+        path = save("error")
+        if path is not None:
+            exc.add_note(f"autotune: the training up to step {step} is in the checkpoint {path}; "
+                         "fix the cause and continue with fit(..., resume=True)")
+            warn(f"stopped by {type(exc).__name__} at step {step}; checkpoint {path}; continue with "
+                 "fit(..., resume=True) once the cause is fixed", key=f"error checkpoint {path}")
+        return path
