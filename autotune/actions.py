@@ -73,7 +73,10 @@ class PruneChannels:
 
 
 Relief = Union[UseAutocast, CheckpointActivations, PruneChannels]
+"""A memory relief, one rung of the ladder: bf16 autocast, activation checkpointing, pruning."""
 Action = Union[SetMicroBatch, EmptyCache, CacheSamples, SetLoaderWorkers, Relief]
+"""What a policy's `decide` may return: a frozen dataclass saying what to change and why
+(`reason`); knobs.py carries it out at the next safe point and journals it."""
 RELIEF_NAMES = {UseAutocast: "autocast", CheckpointActivations: "checkpointing", PruneChannels: "pruning"}
 _LADDER = tuple(RELIEF_NAMES)  # cheapest in accuracy first
 

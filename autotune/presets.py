@@ -188,3 +188,24 @@ def resolve_policies(policies: str | Path | Sequence[Policy] | None) -> list[Pol
             raise TypeError(f"policies: {policy!r} lacks the Policy interface (name, events, decide, state_dict, load_state_dict)")
     return policies
 
+
+
+def policy_table() -> str:
+    """The documented table of the built-in policies (docs/policies.md), made from their method
+    cards: each file's docstring, whose first paragraph says what the policy does."""
+    in_presets: dict[str, list[str]] = {}
+    for preset in preset_names():
+        for spec in tomllib.loads((PRESET_DIR / f"{preset}.toml").read_text()).get("policy", []):
+            in_presets.setdefault(spec["use"], []).append(preset)
+    rows = ["| policy | listens to | in presets | does |", "| --- | --- | --- | --- |"]
+    for name, cls in BUILTIN_POLICIES.items():
+        card = sys.modules[cls.__module__].__doc__ or ""
+        summary = " ".join(card.split("\n\n")[0].split()).removeprefix(f"{name}: ")
+        events = ", ".join(f"`{event.name}`" for event in sorted(cls.events, key=lambda e: e.name))
+        presets = ", ".join(in_presets.get(name, [])) or "none"
+        rows.append(f"| `{name}` | {events} | {presets} | {summary} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(policy_table())

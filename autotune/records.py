@@ -4,7 +4,7 @@ Every record has `time` (unix seconds), `kind`, `step` and `epoch`; the fields b
 `Journal.write` refuses a kind that is not here (a writer's typo fails in the suite, not in a
 user's report), and with AUTOTUNE_STRICT_JOURNAL=1 (the test suite sets it) a field that is not
 either. TensorBoard's text tab shows the kinds marked `shown`; `autotune report` reads the kinds
-by these names; the README's list is `markdown()` (tests/test_records.py keeps them equal;
+by these names; the documented list (docs/observability.md) is `markdown()` (tests/test_records.py keeps them equal;
 `python -m autotune.records` prints it).
 
 Owns the names; touches nothing.
@@ -27,7 +27,7 @@ class RecordKind:
 
 
 def _kind(name: str, doc: str, fields: str, shown: bool = False) -> RecordKind:
-    # fields: "name:type name:type ..." (types as the README shows them)
+    # fields: "name:type name:type ..." (types as the docs show them)
     return RecordKind(name, doc, dict(field.split(":", 1) for field in fields.split()), shown)
 
 
@@ -109,7 +109,7 @@ def check(kind: str, fields: Mapping[str, object], strict: bool) -> None:
 
 
 def markdown() -> str:
-    """The documented list of the kinds (the README's)."""
+    """The documented list of the kinds (docs/observability.md's)."""
     lines = []
     for kind in KINDS.values():
         fields = ", ".join(f"`{name}`" for name in kind.fields)

@@ -19,7 +19,7 @@ import functools
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from loguru import logger
@@ -74,19 +74,23 @@ class AutoTrainer:
         batch_size: samples per optimizer step.
         micro_batch_size: samples per forward/backward at the start; default `batch_size`.
             "auto" starts at `batch_size` and lets the policies find the largest that fits.
-        shuffle, seed: the sample order of each epoch is a function of (seed, epoch).
-        num_workers, collate_fn: passed to the DataLoader built for a map-style dataset (the
-            `tune_workers` policy may raise num_workers when the loop waits on its data).
+        shuffle: shuffle each epoch; its order is a function of (seed, epoch).
+        seed: the seed of the epochs' orders (and of the injected OOMs).
+        num_workers: worker processes of the DataLoader built for a map-style dataset (the
+            `tune_workers` policy may raise them when the loop waits on its data).
+        collate_fn: passed to that DataLoader (and the evaluation's).
         progress: show a tqdm bar with loss, micro-batch and memory.
         scheduler: an LR scheduler over `optimizer` (or a factory optimizer -> scheduler),
             saved in checkpoints; stepped per `scheduler_interval` ("step": each optimizer
             step, "epoch": each epoch end). A ReduceLROnPlateau steps on `scheduler_metric`
             (default: the evaluation loss, or the epoch's training loss without `eval_dataset`).
-        eval_dataset, eval_every, eval_batch_size, metrics: evaluate every `eval_every` steps
-            or each "epoch" (the default with an eval_dataset), `eval_batch_size` samples a
-            batch (default `batch_size`) with an eval micro-batch of its own; `metrics` maps
-            names to `fn(outputs, targets)` (loss_fn) or `fn(outputs, micro_batch)` (step_fn),
-            each the mean over the micro-batch or `(mean, n_items)`. See `evaluate`.
+        eval_dataset: a dataset (or DataLoader) to evaluate on, with an eval micro-batch of its
+            own; see `evaluate`.
+        eval_every: evaluate every this many steps, or each "epoch" (the default with an
+            eval_dataset).
+        eval_batch_size: samples an evaluation batch (default `batch_size`).
+        metrics: names mapped to `fn(outputs, targets)` (loss_fn) or `fn(outputs, micro_batch)`
+            (step_fn), each the mean over the micro-batch or `(mean, n_items)`.
         callbacks: objects with any of on_fit_start, on_step_end, on_evaluate, on_epoch_end,
             on_fit_end (see callbacks.py); their state_dict() goes into checkpoints.
         checkpoint_every: write a checkpoint every this many optimizer steps (at steps N, 2N, ...).
@@ -154,7 +158,6 @@ class AutoTrainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=keep_checkpoints, every=checkpoint_every,
                                          interval=checkpoint_interval, ranks=self.ranks, journal=self.journal,
                                          room_bytes=functools.partial(room_bytes, self.knobs.host_cap_bytes))
-        self._loader_version = self.knobs.loader_version
         self._stop_request = StopRequest(ranks, device, self.callbacks)
         # Named in the note of an error, and checkpointed before it propagates where that loses nothing.
         self._in_hand = BatchInHand(self.input.describe_batch, world=ranks.world, folder=self.checkpointer.folder)
@@ -300,9 +303,9 @@ class AutoTrainer:
             for event in self.input.on_step(timing, n, self.journal, self.step, self.epoch,
                                             profile=self.tuner.listens(Event.IO_BOUND)):
                 self.tuner.fire(event, timing=timing)
-            if self.knobs.loader_version != self._loader_version:  # a policy changed workers or caching
+            if self.input.stale(self.knobs):  # a policy changed workers or caching
                 del batches  # its workers exit before the new loader's start
-                batches = self._rebuild_loader()
+                batches = self.input.rebuild(self.knobs, self.journal, self.step, self.epoch, self.position)
             if self.log.show_due(step_end):
                 self.log.show(step_end, loss=lambda: f"{epoch_loss_sum.mean() or 0:.4f}",
                               micro=self.knobs.micro_batch_size,
@@ -346,11 +349,6 @@ class AutoTrainer:
         # checkpoint is due by the step this batch ends at.
         return {"stop_signal": self._stop.signum or 0,
                 "checkpoint_due": self.checkpointer.due(self.step + (1 if self.keep_effective_batch else 0))}
-
-    def _rebuild_loader(self) -> Iterator[Any]:
-        self._loader_version = self.knobs.loader_version
-        return self.input.rebuild(self.knobs.num_workers, self.knobs.sample_cache, self.journal, self.step,
-                                  self.epoch, self.position, host_cap_bytes=self.knobs.host_cap_bytes)
 
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

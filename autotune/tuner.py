@@ -94,8 +94,8 @@ class Tuner:
         model: the `nn.Module` to train; moved to `device` (wrapped in DDP under torchrun).
         optimizer: an optimizer over the model's parameters, or a factory `params -> Optimizer`;
             default AdamW(lr=1e-3). Pruning (a relief) rebuilds it: use `tuner.optimizer`.
-        loss_fn, step_fn: the default for `step`: `loss_fn(outputs, targets)` on `(inputs,
-            targets)` batches, or `step_fn(model, micro_batch) -> loss | (loss, n_items)`.
+        loss_fn: the default for `step`: `loss_fn(outputs, targets)` on `(inputs, targets)` batches.
+        step_fn: or the default for `step`: `step_fn(model, micro_batch) -> loss | (loss, n_items)`.
         scheduler: an LR scheduler over the optimizer (or a factory), stepped after each
             optimizer step (`scheduler_interval="step"`) or by you (`tuner.step_scheduler()`).
         micro_batch_size: samples per forward/backward at the start (default: the whole batch).
@@ -107,9 +107,10 @@ class Tuner:
         owns_optimizer: False where another trainer steps the optimizer and wraps the model
             (HF, Lightning): no optimizer here, no DDP wrapper; use `accumulate`.
         progress: a tqdm bar (AutoTrainer's).
-        host, ranks, counters, backward_fn: a host's (AutoTrainer's, an integration's): what it
-            lends (`Host`), the job it joined, the counters it owns and shares, and the backward
-            its framework makes (default `loss.backward()`).
+        host: a host's (AutoTrainer's, an integration's): what it lends (`Host`).
+        ranks: a host's: the job it joined (default: from the environment).
+        counters: a host's: the counters it owns and shares (`Progress`).
+        backward_fn: a host's: the backward its framework makes (default `loss.backward()`).
     """
 
     # The host face (module docstring): the lifecycle and the parts a host reads. A host uses

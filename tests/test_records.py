@@ -1,4 +1,4 @@
-"""The journal's registry (records.py) is what the README documents and what the writers write."""
+"""The journal's registry (records.py) is what the docs list and what the writers write."""
 
 import re
 from pathlib import Path
@@ -8,14 +8,14 @@ import pytest
 from autotune import records
 from autotune.journal import Journal
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OBSERVABILITY = Path(__file__).resolve().parents[1] / "docs" / "observability.md"
 
 
-def test_the_readmes_list_of_record_kinds_is_the_registrys():
-    text = README.read_text()
+def test_the_docs_list_of_record_kinds_is_the_registrys():
+    text = OBSERVABILITY.read_text()
     block = re.search(r"<!-- journal-kinds -->\n(.*?)\n<!-- /journal-kinds -->", text, re.S)
-    assert block, "README.md has no <!-- journal-kinds --> block"
-    assert block.group(1) == records.markdown(), "README.md's list differs: paste `python -m autotune.records`"
+    assert block, "docs/observability.md has no <!-- journal-kinds --> block"
+    assert block.group(1) == records.markdown(), "docs/observability.md's list differs: paste `python -m autotune.records`"
 
 
 def test_every_kind_written_in_the_package_is_registered():

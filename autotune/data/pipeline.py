@@ -7,7 +7,8 @@ nothing. A DataLoader the caller built is used as it is and never rebuilt; user_
 resumes it mid-epoch on the same samples.
 
 Owns: the DataLoader built here, its rebuilds, the input profile, the sample cache's lifetime.
-Touches: the journal; a caller's DataLoader only to read its position (user_loader.py).
+Touches: the journal; the knobs, read only (the workers and the cache policies asked for); a caller's
+DataLoader only to read its position (user_loader.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class InputPipeline:
         self.profile: InputProfile | None = None
         self.cache: SampleCache | None = None
         self._skip_next = False  # the first batch of a new loader waits on its workers starting
+        self.built_for = 0  # the knobs' loader_version this loader was built for (knobs.py bumps it)
         if isinstance(dataset, DataLoader):
             if dataset.batch_size is None:
                 raise ValueError("the DataLoader must have a batch_size (it is the batch of one optimizer step)")
@@ -170,12 +172,16 @@ class InputPipeline:
         return "load/decode dominates" if profile.load_share >= 0.5 else "transforms dominate"
 
     # ------------------------------------------------------------------------- rebuilding
-    def rebuild(self, num_workers: int, cache: CacheSamples | None, journal: Journal, step: int, epoch: int,
-                position: int, host_cap_bytes: int | None = None) -> Iterator[Any]:
-        """A new loader with `num_workers` and (if asked) the sample cache, continuing `epoch` at
-        `position`. `host_cap_bytes`: the user's memory cap when training on CPU."""
+    def stale(self, knobs: Any) -> bool:
+        """Whether a policy changed the workers or the cache since this loader was built."""
+        return knobs.loader_version != self.built_for
+
+    def rebuild(self, knobs: Any, journal: Journal, step: int, epoch: int, position: int) -> Iterator[Any]:
+        """A new loader with the knobs' workers and (if asked) the sample cache, continuing `epoch`
+        at `position`."""
+        self.built_for, num_workers, cache = knobs.loader_version, knobs.num_workers, knobs.sample_cache
         if cache is not None and self.cache is None:
-            self._start_cache(cache, journal, step, epoch, host_cap_bytes)
+            self._start_cache(cache, journal, step, epoch, knobs.host_cap_bytes)
         self.set_workers(num_workers)
         journal.write("loader_rebuilt", step, epoch, num_workers=num_workers, cache=self.cache is not None,
                       position=position)

@@ -70,7 +70,8 @@ class AutoTuneTrainer(Trainer):
     Args:
         tuner_options: passed to `Tuner`: `policies`, `memory_cap`, `micro_batch_size`,
             `monitor`, `monitor_interval`, `inject_oom`, `seed`, `split_fn`.
-        *args, **kwargs: `transformers.Trainer`'s.
+        *args: `transformers.Trainer`'s.
+        **kwargs: `transformers.Trainer`'s.
     """
 
     def __init__(self, *args: Any, tuner_options: dict[str, Any] | None = None, **kwargs: Any):

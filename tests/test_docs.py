@@ -1,0 +1,81 @@
+"""The documentation cannot rot: the site builds with --strict, every Python block of README.md and
+docs/ is run here or marked (with a reason) as not runnable, and every public name has a docstring
+the API reference shows."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autotune
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+BLOCK = re.compile(r"(?:^(<!--[^\n]*-->)\n)?^```python\n(.*?)^```$", re.M | re.S)
+
+
+def python_blocks(page: Path) -> list[tuple[str | None, str]]:
+    """Each Python block of `page`, with the HTML comment on the line before it (or None)."""
+    return [(m.group(1), m.group(2)) for m in BLOCK.finditer(page.read_text())]
+
+
+def test_the_pages_have_python_blocks_to_check():
+    assert sum(len(python_blocks(page)) for page in PAGES) >= 8  # the pattern sees the blocks at all
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_block_is_run_or_marked(page, tmp_path):
+    runnable = []
+    for marker, code in python_blocks(page):
+        if marker is None:
+            runnable.append(code)
+            continue
+        not_run = re.fullmatch(r"<!-- not run: (.+\S) -->", marker)
+        source = re.fullmatch(r"<!-- from (\S+) -->", marker)
+        assert not_run or source, f"{page.name}: a block's marker is neither 'not run: REASON' nor 'from PATH': {marker}"
+        if source:  # the block is that file's text, line for line in its order (the file is run by the suite)
+            lines = iter((ROOT / source.group(1)).read_text().splitlines())
+            for line in filter(str.strip, code.splitlines()):
+                assert any(line == other for other in lines), f"{page.name}: {line!r} is not in {source.group(1)}"
+    if not runnable:
+        return
+    # One interpreter a page, its blocks in order, in a folder of its own (runs/ lands there).
+    script = tmp_path / "page.py"
+    script.write_text("\n".join(runnable))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, f"{page.name}'s Python blocks failed:\n{done.stderr[-3000:]}"
+
+
+def test_every_public_name_has_a_docstring_the_reference_shows():
+    # Read as the reference reads it (griffe, without importing): a type alias's docstring is the
+    # string after it, which Python's __doc__ does not keep.
+    griffe = pytest.importorskip("griffe", reason="needs the docs extra (make test installs it)")
+    shown = set()
+    for page in (ROOT / "docs" / "reference").glob("*.md"):
+        shown |= set(re.findall(r"^::: (\S+)$", page.read_text(), re.M))
+    package = griffe.load("autotune", search_paths=[str(ROOT)])
+    for name in autotune.__all__:
+        where = f"{autotune._EXPORTS[name]}.{name}"
+        assert where in shown, f"autotune.{name} is not in docs/reference/ (add '::: {where}')"
+        docstring = package[where.removeprefix("autotune.")].docstring
+        assert docstring is not None and docstring.value.strip(), f"{where} has no docstring"
+
+
+def test_the_policy_table_is_made_from_the_method_cards():
+    from autotune.presets import policy_table
+
+    text = (ROOT / "docs" / "policies.md").read_text()
+    block = re.search(r"<!-- policy-table -->\n(.*?)\n<!-- /policy-table -->", text, re.S)
+    assert block and block.group(1) == policy_table(), "docs/policies.md's table differs: paste `python -m autotune.presets`"
+
+
+@pytest.mark.slow
+def test_the_site_builds_strict(tmp_path):
+    pytest.importorskip("mkdocs", reason="needs the docs extra (make test installs it)")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert (tmp_path / "site" / "reference" / "trainer" / "index.html").exists()
