@@ -7,12 +7,12 @@ PIP := $(VENV)/bin/pip
 # the package itself accepts any torch >= 2.3.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install demo test bench gpu-check clean
+.PHONY: install demo test docs docs-serve wheel-check bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml examples/custom_policy/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH_PINS)
-	$(PIP) install --quiet -e '.[test,tensorboard]'
+	$(PIP) install --quiet -e '.[test,tensorboard,docs]'
 	$(PIP) install --quiet --no-deps -e examples/custom_policy  # the example plug-in, tested by the suite
 	touch $@
 
@@ -23,6 +23,18 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The documentation site (docs/, mkdocs.yml), built into site/; the tests build it too.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
+
+# The wheel, installed in a fresh virtual environment, runs `autotune demo`.
+wheel-check: install
+	$(PIP) install --quiet build
+	bash .ci/wheel-check
 
 bench: install
 	$(PIP) install --quiet -e '.[bench]'
@@ -45,4 +57,4 @@ gpu-check:
 	bash benchmarks/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site dist build
