@@ -1,6 +1,6 @@
-"""The documentation cannot rot: the site builds with --strict, every Python block of README.md and
-docs/ is run here or marked (with a reason) as not runnable, and every public name has a docstring
-the API reference shows."""
+"""The documentation cannot rot: the site builds with --strict, every code block of README.md and
+docs/ is run here (Python), or is a file's text line for line, or is marked with the reason it is not
+run (shell, TOML); `text` blocks are output. Every public name has a docstring the API reference shows."""
 
 import re
 import subprocess
@@ -13,23 +13,28 @@ import autotune
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-BLOCK = re.compile(r"(?:^(<!--[^\n]*-->)\n)?^```python\n(.*?)^```$", re.M | re.S)
+BLOCK = re.compile(r"(?:^(<!--[^\n]*-->)\n)?^```(\w*)\n(.*?)^```$", re.M | re.S)
 
 
-def python_blocks(page: Path) -> list[tuple[str | None, str]]:
-    """Each Python block of `page`, with the HTML comment on the line before it (or None)."""
-    return [(m.group(1), m.group(2)) for m in BLOCK.finditer(page.read_text())]
+def code_blocks(page: Path) -> list[tuple[str | None, str, str]]:
+    """Each fenced block of `page`: the HTML comment on the line before it (or None), its language, its text."""
+    return [(m.group(1), m.group(2), m.group(3)) for m in BLOCK.finditer(page.read_text())]
 
 
-def test_the_pages_have_python_blocks_to_check():
-    assert sum(len(python_blocks(page)) for page in PAGES) >= 8  # the pattern sees the blocks at all
+def test_the_pages_have_code_blocks_to_check():
+    languages = [language for page in PAGES for _, language, _ in code_blocks(page)]
+    assert languages.count("python") >= 8 and languages.count("bash") >= 8  # the pattern sees the blocks at all
+    assert "" not in languages, "a block without a language: python, bash, toml, or text for output"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_python_block_is_run_or_marked(page, tmp_path):
     runnable = []
-    for marker, code in python_blocks(page):
+    for marker, language, code in code_blocks(page):
+        if language == "text":  # output, shown
+            continue
         if marker is None:
+            assert language == "python", f"{page.name}: a {language} block with no 'not run: REASON' or 'from PATH'"
             runnable.append(code)
             continue
         not_run = re.fullmatch(r"<!-- not run: (.+\S) -->", marker)

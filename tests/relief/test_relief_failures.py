@@ -21,6 +21,11 @@ from torch.utils.data import TensorDataset
 from autotune import AutoTrainer, OutOfMemory
 from autotune.limits import cap_address_space, lift_address_space_cap
 
+# Native kernels, as the other ladder tests: once autocast is on, oneDNN builds its bf16 kernels
+# for the first time under the cap, and on a CPU with native bf16 (AMX) an allocation it does
+# not check can crash the process instead of raising (seen once in the suite: SIGSEGV right
+# after the autocast relief; docs/memory-caps.md).
+torch.backends.mkldnn.enabled = False
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4096, 8192), nn.ReLU(), nn.Linear(8192, 10))
