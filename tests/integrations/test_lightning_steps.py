@@ -155,8 +155,12 @@ save({"need": need, "ooms": strategy.tuner.ooms, "micro": strategy.micro_batch_s
 def test_a_bf16_lightning_run_fits_where_plain_lightning_does(tmp_path):
     # The Tuner starts under the user's cap: before, its sampler thread's 8 MiB stack alone made
     # this run need 24 MiB of headroom where plain Lightning needed 14 (it ended "even at
-    # micro-batch 1", or oneDNN crashed compiling the smaller sizes' kernels).
-    settings = f"OUT_DIR={str(tmp_path / 'out')!r}\nMARGIN={6 * 2**20}\n"
+    # micro-batch 1", or oneDNN crashed compiling the smaller sizes' kernels). The margin: 8 MiB over
+    # plain Lightning's measured need. 6 MiB failed 4 runs of 11 on a 2-core AMX Xeon (autotune's
+    # code at 16f7f47 and today's alike: an OOM at 128 with 6 MiB left, before the first forward's
+    # activations); the 8 MiB stack that regressed it would still fail here. Where the rest of
+    # autotune's own memory goes under a cap is issue 34's to measure and cut.
+    settings = f"OUT_DIR={str(tmp_path / 'out')!r}\nMARGIN={8 * 2**20}\n"
     proc, result = run_python(settings + BF16_SCRIPT, tmp_path, timeout=240)
     assert proc.returncode == 0 and result is not None, proc.stderr[-3000:]
     if "uncalibrated" in result:
