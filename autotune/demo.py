@@ -43,7 +43,7 @@ def _dataset(data_dir: str | None, samples: int):
 
 
 def _measured_budget(model, device, batch_size: int) -> int:
-    """Room under which a quarter of the batch trains and half of it does not, measured on
+    """Room under which a quarter of the batch trains and the whole of it does not, measured on
     this machine with real OOMs on CPU (what a step needs differs from CPU to CPU: autotune.limits).
     On CUDA, where kernels do not change with the CPU, 300 MiB, as the demo always had."""
     import torch
@@ -60,18 +60,19 @@ def _measured_budget(model, device, batch_size: int) -> int:
         finally:
             model.zero_grad(set_to_none=True)
 
-    # What the run holds that a probe does not: SGD's momentum (from its first step) and, from
-    # the second micro-batch of a batch on, the gradients accumulated so far, held through the
-    # whole forward (a probe allocates its gradients as backward frees its activations).
+    # What the run holds that a probe does not, once it trains at a quarter of the batch: SGD's
+    # momentum (from its first step) and, from the second micro-batch of a batch on, the gradients
+    # accumulated so far, held through the whole forward (a probe allocates its gradients as
+    # backward frees its activations). The size that must fail is the whole batch, as the run's
+    # first attempt makes it: with neither (half the batch plus them was measured before, and on an
+    # AMX Xeon the whole batch of 256 then fitted under the cap: 0 OOMs).
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # Half the batch must fail (the whole one then does too): a probe that runs takes seconds
-    # here, and the bisection of the half size runs half as long.
-    calibration = calibrate_headroom(probe, fits=max(1, batch_size // 4), fails=max(2, batch_size // 2),
-                                     extra_bytes=2 * parameter_bytes)
+    calibration = calibrate_headroom(probe, fits=max(1, batch_size // 4), fails=max(2, batch_size),
+                                     extra_bytes=2 * parameter_bytes, fails_extra_bytes=0)
     if calibration.headroom_bytes is None and calibration.fits_bytes is not None:
-        # Half the batch measured too close to a quarter (seen on a loaded machine: 172 vs 181 MiB,
-        # 26 MiB apart when measured again): the quarter's need and a margin still let the quarter
-        # train and refuse the whole batch, which needs far more than either.
+        # The whole batch measured too close to a quarter's training need (on a loaded machine the
+        # figures move by 20 MiB and more): the quarter's need and a margin still let the quarter
+        # train; the whole batch may fit too, and the summary then shows no OOM survived.
         print(f"measured: {calibration}; the cap is a quarter's need + 12 MiB", flush=True)
         return calibration.fits_bytes + 12 * 2**20
     if calibration.headroom_bytes is None:

@@ -143,7 +143,8 @@ def least_headroom(probe: Callable[[], Any], high_bytes: int = 2**30, resolution
 
 
 def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, margin_bytes: int = 12 * MiB,
-                       extra_bytes: int = 0, high_bytes: int = 2**30) -> Calibration:
+                       extra_bytes: int = 0, fails_extra_bytes: int | None = None,
+                       high_bytes: int = 2**30) -> Calibration:
     """A cap headroom under which `probe(fits)` runs and `probe(fails)` does not, with
     `margin_bytes` on both sides, measured on this machine with real OOMs (`least_headroom`
     of each, then their middle). `probe(size)`: one forward and backward at micro-batch `size`
@@ -151,7 +152,9 @@ def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, ma
     (an optimizer's state, allocated at its first step; with gradient accumulation, the
     gradients held through every micro-batch after the first, where a probe allocates its own
     as backward frees the activations: the demo's ResNet-18 failed at its calibrated size
-    until they were counted). Call it after the warm-up the run
+    until they were counted). `fails_extra_bytes` (default `extra_bytes`): the same for the size
+    that must fail, where it differs (a first attempt at the whole batch holds neither: the
+    optimizer's state comes at its first step, after backward). Call it after the warm-up the run
     itself makes, and set the cap right after (`cap_address_space(result.headroom_bytes)`)."""
     need_fails = least_headroom(lambda: probe(fails), high_bytes)
     need_fits = least_headroom(lambda: probe(fits), need_fails or high_bytes)
@@ -162,7 +165,7 @@ def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, ma
         return Calibration(None, need_fits, None, f"micro-batch {fails} runs under any headroom measured "
                            f"({high_bytes / MiB:.0f} MiB): nothing would run out of memory")
     need_fits += extra_bytes
-    need_fails += extra_bytes
+    need_fails += extra_bytes if fails_extra_bytes is None else fails_extra_bytes
     measured = (f"micro-batch {fits} needs {need_fits / MiB:.0f} MiB of headroom, {fails} needs "
                 f"{need_fails / MiB:.0f} MiB on this machine")
     if need_fails - need_fits < 2 * margin_bytes:
