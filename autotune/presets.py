@@ -189,14 +189,13 @@ def resolve_policies(policies: str | Path | Sequence[Policy] | None) -> list[Pol
     return policies
 
 
-
 def policy_table() -> str:
     """The documented table of the built-in policies (docs/policies.md), made from their method
     cards: each file's docstring, whose first paragraph says what the policy does."""
     in_presets: dict[str, list[str]] = {}
     for preset in preset_names():
-        for spec in tomllib.loads((PRESET_DIR / f"{preset}.toml").read_text()).get("policy", []):
-            in_presets.setdefault(spec["use"], []).append(preset)
+        for policy in load_preset(PRESET_DIR / f"{preset}.toml"):
+            in_presets.setdefault(policy.name, []).append(preset)
     rows = ["| policy | listens to | in presets | does |", "| --- | --- | --- | --- |"]
     for name, cls in BUILTIN_POLICIES.items():
         card = sys.modules[cls.__module__].__doc__ or ""

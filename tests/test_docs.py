@@ -2,6 +2,7 @@
 docs/ is run here (Python), or is a file's text line for line, or is marked with the reason it is not
 run (shell, TOML); `text` blocks are output. Every public name has a docstring the API reference shows."""
 
+import os
 import re
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def test_every_python_block_is_run_or_marked(page, tmp_path):
     script = tmp_path / "page.py"
     script.write_text("\n".join(runnable))
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, f"{page.name}'s Python blocks failed:\n{done.stderr[-3000:]}"
 
 
