@@ -15,7 +15,7 @@ the one way every host trains a batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from autotune.distributed import Agreement, Ranks, Solo
 from autotune.knobs import Knobs
 from autotune.memory import StepDemand
 from autotune.recovery import OOMRecovery
-from autotune.step import Losses, StepCore
+from autotune.step import Attempt, Losses, StepCore
 
 
 @dataclasses.dataclass
@@ -63,6 +63,7 @@ class BatchRunner:
         self.measured = False  # whether the last batch was measured (its demand read, BATCH_MEASURED fired)
         self.last_good_micro: int | None = None  # the micro-batch of the last batch that completed
         self.holding = False  # gradients of earlier batches set aside during this one
+        self._agreement: Agreement | None = None  # the steady path's, alone (see `_agreed_alone`)
 
     def run(self, batch: Any, n: int, *, optimizer_step: bool, proposal: Callable[[], dict[str, Any]] | None,
             held: list[tuple[nn.Parameter, torch.Tensor]] | None, fire: Callable[..., None],
@@ -73,19 +74,30 @@ class BatchRunner:
         parameters directly. `fire`, `carry_out` and `checkpoint` are the Tuner's, lent for the
         OOM recovery of this batch (recovery.py)."""
         self.holding = held is not None
+        additive = not optimizer_step
+        cadence, knobs = self.cadence, self.knobs
+        measured = self.measured = cadence.due(knobs.micro_batch_size)
+        attempt: Attempt | None = None
+        if not measured and self.ranks.alone and self.core.failure is None:
+            # The steady path: nothing to measure and nobody to agree with, so the attempt and
+            # the step are all there is to do. An OOM goes on below, as any attempt's would.
+            attempt = self.core.attempt(batch, n, 0, knobs.micro_batch_size, additive=additive)
+            if attempt.failed_micro_batch is None:
+                agreed = (Agreement(None, knobs.micro_batch_size, **proposal()) if proposal is not None
+                          else self._agreed_alone(knobs.micro_batch_size))
+                self._complete(attempt, n, optimizer_step, held, checkpoint)
+                return self._outcome(attempt.losses, 0, agreed, measured, additive)
         done = 0  # samples whose optimizer step has completed
         tried: list[int] = []
-        additive = not optimizer_step
         losses: Losses | None = None
-        cadence = self.cadence
-        measured = self.measured = cadence.due(self.knobs.micro_batch_size)
         rebase = not cadence.last_measured
         while done < n:
-            if measured:
-                self.demand.start(self.knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
-                rebase = False
-            self.knobs.follow(self.ranks.same_size(self.knobs.micro_batch_size, n, self.core.counters.step))
-            attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
+            if attempt is None:
+                if measured:
+                    self.demand.start(knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
+                    rebase = False
+                knobs.follow(self.ranks.same_size(knobs.micro_batch_size, n, self.core.counters.step))
+                attempt = self.core.attempt(batch, n, done, knobs.micro_batch_size, additive=additive)
             # Sharded, a rank that cannot go on (its optimizer step failed) ran no exchange: it says
             # "failed" at the others' first check, and the agreement then stops every rank.
             if self.ranks.end_attempt(attempt.failed_micro_batch is not None or self.core.failure is not None,
@@ -95,8 +107,8 @@ class BatchRunner:
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
             # rank that ran out of memory.
             agreed = self.ranks.agree(Agreement(
-                failed_micro_batch=attempt.failed_micro_batch, micro_batch_size=self.knobs.micro_batch_size,
-                relief=self.ranks.offer_relief(self.knobs), fatal=self.core.failure,
+                failed_micro_batch=attempt.failed_micro_batch, micro_batch_size=knobs.micro_batch_size,
+                relief=self.ranks.offer_relief(knobs), fatal=self.core.failure,
                 **(proposal() if proposal is not None else {})), self.core.device)
             if agreed.failed_micro_batch is not None and (self.keep_effective_batch or additive):
                 # Another rank ran out of memory: this rank's whole attempt is retried with
@@ -106,46 +118,60 @@ class BatchRunner:
                 losses = attempt.losses
             else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
                 losses.parts += attempt.losses.parts
-            self.knobs.follow(agreed.micro_batch_size)  # rank 0's
+            knobs.follow(agreed.micro_batch_size)  # rank 0's
             self.recovery.settle_relief(agreed.relief)
             if agreed.fatal:
                 self.recovery.give_up_on_the_step(agreed.fatal, checkpoint)
             if agreed.failed_micro_batch is None:
-                if not optimizer_step:
-                    done = n
-                elif self.keep_effective_batch:
-                    if held and self.ranks.bucket is not None:
-                        # The held gradients are views of the ranks' gradient buffers: added into them first
-                        # (rank-alike already, so averaging leaves them as they are).
-                        add_gradients(held)
-                        held = None
-                    self.core.reduce_gradients(attempt)
-                    if held:
-                        add_gradients(held)
-                    self.core.optimizer_step(n)
-                    done = n
-                failure = self.ranks.known_to_all(self.core.failure)
-                if failure:
-                    self.recovery.give_up_on_the_step(failure, checkpoint)
+                self._complete(attempt, n, optimizer_step, held, checkpoint)
                 break
             # Out of the `except` block now, so the exception and its frames are gone and
             # the tensors they pinned (activations, partial gradients) can be freed.
             tried.append(agreed.failed_micro_batch)
             self.recovery.recover(agreed.failed_micro_batch, tried, attempt, holding=self.holding, fire=fire,
                                   carry_out=carry_out, checkpoint=checkpoint)
+            attempt = None
             measured = self.measured = True  # the retry is measured, whatever the cadence said
             rebase = False  # the room was measured after the clean-up
+        return self._outcome(losses, len(tried), agreed, measured, additive)
+
+    def _agreed_alone(self, micro_batch_size: int) -> Agreement:
+        # Alone with nothing to propose, every batch agrees the same: one record per size, not one a batch.
+        if self._agreement is None or self._agreement.micro_batch_size != micro_batch_size:
+            self._agreement = Agreement(None, micro_batch_size)
+        return self._agreement
+
+    def _complete(self, attempt: Attempt, n: int, optimizer_step: bool,
+                  held: list[tuple[nn.Parameter, torch.Tensor]] | None, checkpoint: Callable[..., Any]) -> None:
+        # The attempt every rank agreed fit: its gradients reduced, the held ones added, the step.
+        if optimizer_step and self.keep_effective_batch:
+            if held and self.ranks.bucket is not None:
+                # The held gradients are views of the ranks' gradient buffers: added into them first
+                # (rank-alike already, so averaging leaves them as they are).
+                add_gradients(held)
+                held = None
+            if not self.ranks.alone or attempt.items is not None:  # alone, by samples: nothing to reduce
+                self.core.reduce_gradients(attempt)
+            if held:
+                add_gradients(held)
+            self.core.optimizer_step(n)
+        failure = self.core.failure if self.ranks.alone else self.ranks.known_to_all(self.core.failure)
+        if failure:
+            self.recovery.give_up_on_the_step(failure, checkpoint)
+
+    def _outcome(self, losses: Losses | None, retries: int, agreed: Agreement, measured: bool,
+                 additive: bool) -> BatchOutcome:
         if self.core.skipped:
             self.recovery.report_skipped(losses, self.keep_effective_batch)
         self.last_good_micro = self.knobs.micro_batch_size
-        cadence.done(measured, self.demand.finish() if measured else None)
-        return BatchOutcome(len(tried), losses if losses is not None else Losses(additive=additive), self.core.device,
-                            agreed)
+        self.cadence.done(measured, self.demand.finish() if measured else None)
+        return BatchOutcome(retries, losses if losses is not None else Losses(additive=additive),
+                            self.core.device, agreed)
 
 
-def set_aside_gradients(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """Take the gradients the model's parameters hold (their `.grad` is None after), to add back later."""
-    held = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+def set_aside_gradients(params: Iterable[nn.Parameter]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Take the gradients the parameters hold (their `.grad` is None after), to add back later."""
+    held = [(p, p.grad) for p in params if p.grad is not None]
     for p, _ in held:
         p.grad = None
     return held

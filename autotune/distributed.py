@@ -110,6 +110,7 @@ class Solo:
     """A process training alone: every agreement is its own proposal; no collective, no wrapper."""
 
     rank, world, local_rank, is_main = 0, 1, 0, True
+    alone = True  # no other process to agree with (batch.py's steady path)
     bucket = None  # alone, gradients are never all-reduced
 
     def device_for(self, device: str | torch.device | None, keep_effective_batch: bool) -> str | torch.device | None:
@@ -212,6 +213,8 @@ class Solo:
 
 class Ranks:
     """This process's place in a torchrun job, and the collectives that keep the ranks one model."""
+
+    alone = False
 
     def __init__(self, rank: int, world: int, local_rank: int):
         self.rank, self.world, self.local_rank = rank, world, local_rank

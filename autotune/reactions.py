@@ -42,6 +42,19 @@ class Reactions:
         self.reliefs_allowed = reliefs_allowed
         self.allocator = None  # the last measured step's allocator figures (CUDA)
 
+    def quiet(self) -> bool:
+        """Whether `after_batch` has nothing to do after this batch: it was not measured, nobody
+        listens to BATCH_END, no relief waits, the monitor has no news. Most batches of a steady
+        run: their figures are not gathered, no snapshot is built."""
+        knobs = self.knobs
+        return (not self.batches.measured and not self.hears_every_batch and knobs.relief is None
+                and knobs.relief_agreed is None and not self.monitor_link.news())
+
+    @property
+    def hears_every_batch(self) -> bool:
+        """Whether a policy listens to BATCH_END."""
+        return Event.BATCH_END in self.dispatcher.events
+
     def after_batch(self, timing: StepTiming, checkpoint: Callable[..., Any]) -> None:
         """BATCH_END, BATCH_MEASURED (a measured batch: cadence.py), an agreed relief carried out,
         and what the monitor's samples show sent to the policies."""

@@ -214,14 +214,17 @@ class Tuner:
 
         Returns the batch's mean loss as a 0-d tensor (read it with `.item()` when you log:
         that waits for the device). `step_fn`/`loss_fn` default to the constructor's."""
-        self.core.use(step_fn, loss_fn)
+        core = self.core
+        if step_fn is not None or loss_fn is not None or core.source is None:
+            core.use(step_fn, loss_fn)
         n = self._begin_batch(batch)
         # What the loop accumulated before this call (Accelerate's accumulate() holds gradients
         # back over several batches) is kept out of the attempts and added back before the
         # optimizer step: a failed attempt's gradients are dropped by the Tuner itself, never
         # through an optimizer wrapper's zero_grad (Accelerate's skips it between sync steps).
-        held = set_aside_gradients(self.model) if self.keep_effective_batch else None
-        outcome = self.train_batch(batch, n, held=held)
+        held = set_aside_gradients(core.parameters()) if self.keep_effective_batch else None
+        outcome = self.batches.run(batch, n, optimizer_step=True, proposal=None, held=held, fire=self.fire,
+                                   carry_out=self.carry_out, checkpoint=self.checkpoint)
         self._after_own_batch(n, outcome)
         return outcome.mean_loss()
 
@@ -232,7 +235,7 @@ class Tuner:
         its normalisation); gradients add onto those accumulated before."""
         self.core.use(step_fn, None)
         n = self._begin_batch(batch, n)
-        held = set_aside_gradients(self.model)  # a retry drops the failed attempt's gradients, never these
+        held = set_aside_gradients(self.core.parameters())  # a retry drops the failed attempt's gradients, never these
         outcome = self.train_batch(batch, n, optimizer_step=False, held=held)
         add_gradients(held)
         self.counters.samples_seen += n * self.ranks.world
@@ -242,9 +245,9 @@ class Tuner:
     def _after_own_batch(self, n: int, outcome: BatchOutcome) -> None:
         # Without a loader of our own, a step's time runs from the last one's end (data wait unknown: 0).
         now = time.perf_counter()
-        timing = StepTiming(step_seconds=now - self._last_step_end, data_wait_seconds=0.0, retries=outcome.retries)
-        self._last_step_end = now
-        self.after_batch(timing, n, outcome)
+        step_seconds, self._last_step_end = now - self._last_step_end, now
+        if self.log.step_due() or not self.reactions.quiet():  # else nothing reads the timing
+            self.after_batch(StepTiming(step_seconds=step_seconds, retries=outcome.retries), n, outcome)
 
     def step_scheduler(self, metric: float | None = None) -> None:
         """Step the scheduler yourself (scheduler_interval="epoch"; a ReduceLROnPlateau's metric)."""
@@ -307,10 +310,11 @@ class Tuner:
         """After a batch: its figures logged, BATCH_END, BATCH_MEASURED (a measured batch: see
         cadence.py), an agreed relief carried out, and what the monitor's samples show
         (MEMORY_HIGH, MEMORY_PRESSURE) sent to the policies."""
-        # One memory_stats() call a measured step (CUDA), made when the step's need was measured.
-        allocator = self.reactions.allocator = self.demand.allocator
-        demand = self.demand.last if self.batches.measured else None
+        if self.batches.measured:  # one memory_stats() call a measured step (CUDA), made when its need was
+            self.reactions.allocator = self.demand.allocator
         if self.log.step_due():  # most steps of a long run write nothing: their figures are not gathered
+            allocator = self.reactions.allocator
+            demand = self.demand.last if self.batches.measured else None
             self.log.step(self.step_count, self.counters.epoch, samples=n, samples_seen=self.samples_seen,
                           micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
                           data_wait_fraction=timing.data_wait_fraction, demand=demand,
@@ -318,7 +322,8 @@ class Tuner:
                           reserved_bytes=allocator.reserved_bytes if allocator else None,
                           loss=outcome.mean_loss, sample=self.monitor_link.latest,
                           grad_norm=self.core.grad_norm)
-        self.reactions.after_batch(timing, self.checkpoint)
+        if not self.reactions.quiet():
+            self.reactions.after_batch(timing, self.checkpoint)
 
     def carry_out(self, relief: Relief | None) -> bool:
         """Carry out a relief a policy asked for; False if there was none or it failed."""

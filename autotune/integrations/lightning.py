@@ -121,11 +121,11 @@ class _TunedSteps:
         # Lightning zeroes gradients after training_step, before backward (on an optimizer step's
         # first batch): the batch's gradients are computed apart from those already there, and
         # added to them where Lightning then calls backward (below), as a plain backward would.
-        earlier = set_aside_gradients(module)
+        earlier = set_aside_gradients(module.parameters())
         with self.precision_plugin.train_step_context():
             outcome = self.tuner.accumulate(batch, micro_loss, n=n)
         logs.replay(n, attempt=self._counters.ooms)  # one value a name for the batch, as without pieces
-        self._computed = set_aside_gradients(module)
+        self._computed = set_aside_gradients(module.parameters())
         add_gradients(earlier)
         loss = outcome.loss_sum.detach() / scale  # the batch's mean loss, as training_step would return it
         return {"loss": loss, **extras} if extras else loss

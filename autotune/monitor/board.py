@@ -25,6 +25,7 @@ _PAYLOAD = struct.Struct("<dqqqqQi4x")  # time, used, cap, total, process bytes,
 SIZE = _HEADER.size + _PAYLOAD.size
 SOURCES = ("", "cuda", "nvml", "rlimit_as", "cgroup", "memory_cap", "host")
 _SEQ_OFFSET = 8
+_SEQ = struct.Struct("<Q")
 
 
 def _encode(value: int | None) -> int:
@@ -91,8 +92,15 @@ class Board:
             return before, sample, _decode(process)
         return None
 
+    def changed(self) -> bool:
+        """Whether a sample was written since the last one `read_new` returned (one read)."""
+        return _SEQ.unpack_from(self._map, _SEQ_OFFSET)[0] != self._last_read
+
     def read_new(self) -> tuple[DeviceSample, int | None] | None:
-        """The sample if it is newer than the last one this reader returned, else None."""
+        """The sample if it is newer than the last one this reader returned, else None (most
+        calls, between two samples: one read of the sequence number, under a microsecond)."""
+        if _SEQ.unpack_from(self._map, _SEQ_OFFSET)[0] == self._last_read:
+            return None
         got = self.read()
         if got is None or got[0] == self._last_read:
             return None

@@ -35,6 +35,7 @@ class MonitorLink:
         self.detector = MemoryDetector()
         self.window: collections.deque[DeviceSample] = collections.deque(maxlen=20)
         self._own: tuple[float, DeviceSample] | None = None  # (monotonic time, an in-process reading)
+        self._heard_at = 0.0  # monotonic time of its last sample, or of the last look at whether it lives
 
     def start(self, step: int, epoch: int) -> None:
         if not self.enabled or self.process is not None:
@@ -52,11 +53,14 @@ class MonitorLink:
 
     def watch(self, allocator: AllocatorStats | None, step: int, epoch: int) -> list[Event]:
         """Between steps: take the monitor's newest sample (microseconds, never blocks), keep the
-        monitor alive, and return what the detectors see."""
+        monitor alive, and return what the detectors see. Between two samples (most steps) this
+        is one read of the board's sequence number; whether the process lives is asked (a
+        waitpid) only when no sample came for an interval."""
         events = []
         if self.process is not None:
             got = self.process.latest()
             if got is not None:
+                self._heard_at = time.monotonic()
                 self.process.settle()  # started: its sampling gets a share of the cores from now on
                 sample = got[0]
                 if sample.used_bytes is None and self.device.type == "cuda":
@@ -64,10 +68,18 @@ class MonitorLink:
                     sample = device_sample(self.device, self.cap_bytes)
                 self.window.append(sample)
                 events += self.detector.on_sample(sample)
-            elif not self.process.alive():
-                self._died(step, epoch)
+            elif time.monotonic() - self._heard_at >= self.interval:
+                self._heard_at = time.monotonic()
+                if not self.process.alive():
+                    self._died(step, epoch)
         events += self.detector.on_step(allocator, self.window[-1] if self.window else None)
         return events
+
+    def news(self) -> bool:
+        """Whether `watch` may have something to say without allocator figures: a sample came,
+        or none came for an interval (is the process alive?). Most steps: no."""
+        process = self.process
+        return process is not None and (process.board.changed() or time.monotonic() - self._heard_at >= self.interval)
 
     def _died(self, step: int, epoch: int) -> None:
         # Training goes on without it; the journal and the log say so.

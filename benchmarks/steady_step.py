@@ -1,0 +1,315 @@
+"""What a steady step costs: each way of training with autotune against the same training without it.
+
+Nothing happens in these runs (no cap, no OOM, no alarm), so whatever autotune adds to a step is
+its own work. Four pairs, each in its own process, on one torch thread:
+
+- `loop`: `Tuner.step` in a hand-written loop vs the same loop calling backward and step itself
+- `autotrainer`: `AutoTrainer.fit` vs a hand loop over a DataLoader of the same data
+- `hf`: `AutoTuneTrainer` vs HF's `Trainer`
+- `lightning`: `AutoTuneStrategy` vs Lightning's own strategy
+
+and two sizes of step: `1ms` (a token MLP, 8 sequences of 8 tokens a batch, width 192: about 1 ms
+on one core) and `10ms` (32 sequences of 32 tokens, width 768). Every pair alternates rounds
+(without, with, with, without, ...) in one process; a round is a fresh model and trainer and
+`--steps` batches, and its figure is the median interval between consecutive steps after its
+first 100 (start-up and warm-up: the monitor process starts once per run). Reported: the median
+over rounds of each side, their ratio, the spread of the rounds' ratios, and the difference in
+microseconds (autotune's own work a step). autotune runs with its defaults: the default preset,
+the monitor process on; AutoTrainer without its progress bar (the hand loop has none).
+
+With `--torchrun`, the two-rank rows as well: `Tuner.step` vs a hand loop on a DDP model, and
+`Tuner(shard=True)` vs a hand loop on an FSDP2 model (gloo, one thread a rank).
+
+    pip install -e '.[bench]'
+    python benchmarks/steady_step.py [--rounds 7] [--pairs loop,autotrainer,hf,lightning] [--sizes 1ms,10ms]
+                                     [--torchrun]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write_results  # noqa: E402
+
+VOCAB, DIM, CLASSES = 1000, 64, 4
+SIZES = {  # name: (tokens a sequence, sequences a batch, MLP width, steps a round)
+    "1ms": (16, 8, 192, 900),
+    "10ms": (32, 32, 768, 400),
+}
+PAIRS = {
+    "loop": "your loop: `Tuner.step` vs backward + step",
+    "autotrainer": "`AutoTrainer` vs a hand loop over a DataLoader",
+    "hf": "HF: `AutoTuneTrainer` vs `Trainer`",
+    "lightning": "Lightning: `AutoTuneStrategy` vs its own strategy",
+    "ddp": "torchrun, 2 ranks, DDP: `Tuner.step` vs a hand loop",
+    "fsdp": "torchrun, 2 ranks, FSDP2: `Tuner(shard=True).step` vs a hand loop",
+}
+WARM_UP = 250
+
+
+def parts(size: str):
+    """The dataset, its collate function and a model factory for one size."""
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    tokens, batch, width, steps = SIZES[size]
+
+    class Sequences(Dataset):
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(0)
+            self.items = torch.randint(0, VOCAB, (batch * steps, tokens), generator=g)
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.items[i], "labels": i % CLASSES}
+
+    def collate(items: list[dict]) -> dict:
+        return {"input_ids": torch.stack([it["input_ids"] for it in items]),
+                "labels": torch.tensor([it["labels"] for it in items])}
+
+    class TokenMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.mlp = nn.Sequential(nn.Linear(DIM, width), nn.GELU(), nn.Linear(width, DIM))
+            self.head = nn.Linear(DIM, CLASSES)
+
+        def forward(self, input_ids, labels):  # HF's calling convention: a dict with the loss
+            logits = self.head(self.mlp(self.embed(input_ids)).mean(dim=1))
+            return {"loss": nn.functional.cross_entropy(logits, labels)}
+
+    return Sequences(), collate, TokenMLP, batch
+
+
+def one_round(pair: str, side: str, size: str, run_dir: str) -> list[float]:
+    """One run of `side` ("with" or "without" autotune): the time stamps of its steps."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    data, collate, TokenMLP, batch = parts(size)
+    model = TokenMLP()
+    stamps: list[float] = []
+    with_autotune = side == "with"
+    if pair == "loop":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        loader = DataLoader(data, batch_size=batch, collate_fn=collate)
+        if with_autotune:
+            from autotune import Tuner
+
+            with Tuner(model, optimizer, device="cpu", run_dir=run_dir) as tuner:
+                for b in loader:
+                    tuner.step(b, lambda m, micro: m(**micro)["loss"])
+                    stamps.append(time.perf_counter())
+        else:
+            for b in loader:
+                model(**b)["loss"].backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                stamps.append(time.perf_counter())
+    elif pair == "autotrainer":
+        def step(m, micro):
+            stamps.append(time.perf_counter())
+            return m(**micro)["loss"]
+
+        if with_autotune:
+            from autotune import AutoTrainer
+
+            trainer = AutoTrainer(model, data, step_fn=step, optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+                                  batch_size=batch, collate_fn=collate, device="cpu", run_dir=run_dir, progress=False)
+            trainer.fit(epochs=1)
+            trainer.close()
+        else:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            generator = torch.Generator().manual_seed(0)
+            model.train()
+            for b in DataLoader(data, batch_size=batch, collate_fn=collate, shuffle=True, generator=generator):
+                step(model, b).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    elif pair == "hf":
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+
+        from autotune.integrations.transformers import AutoTuneTrainer
+
+        class Stamp(TrainerCallback):
+            def on_step_end(self, *args, **kwargs):
+                stamps.append(time.perf_counter())
+
+        args = TrainingArguments(output_dir=run_dir, per_device_train_batch_size=batch, num_train_epochs=1,
+                                 learning_rate=0.01, optim="sgd", lr_scheduler_type="constant", save_strategy="no",
+                                 logging_strategy="no", report_to="none", use_cpu=True,
+                                 disable_tqdm=True, seed=0)
+        cls = AutoTuneTrainer if with_autotune else Trainer
+        cls(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Stamp()]).train()
+    elif pair == "lightning":
+        import lightning as L
+
+        from autotune.integrations.lightning import AutoTuneStrategy
+
+        class Module(L.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = model
+
+            def training_step(self, b, batch_idx):
+                return self.net(**b)["loss"]
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        class Stamp(L.Callback):
+            def on_train_batch_end(self, *args):
+                stamps.append(time.perf_counter())
+
+        trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, callbacks=[Stamp()], logger=False,
+                            strategy=AutoTuneStrategy("cpu", tuner_options={"run_dir": run_dir}) if with_autotune else "auto",
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=run_dir)
+        trainer.fit(Module(), DataLoader(data, batch_size=batch, collate_fn=collate))
+    else:
+        raise ValueError(f"unknown pair {pair!r}")
+    return stamps
+
+
+def distributed_round(pair: str, side: str, size: str, run_dir: str) -> list[float]:
+    """One run of a two-rank pair on this rank (under torchrun): its step time stamps."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    data, collate, TokenMLP, batch = parts(size)
+    model = TokenMLP()
+    loader = DataLoader(data, batch_size=batch, collate_fn=collate,
+                        sampler=DistributedSampler(data, shuffle=False))
+    stamps: list[float] = []
+    if side == "with":
+        from autotune import Tuner
+
+        with Tuner(model, lambda p: torch.optim.SGD(p, lr=0.01), device="cpu", run_dir=run_dir,
+                   shard=pair == "fsdp") as tuner:
+            for b in loader:
+                tuner.step(b, lambda m, micro: m(**micro)["loss"])
+                stamps.append(time.perf_counter())
+        return stamps
+    if pair == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model.embed, model.mlp, model.head):
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+    for b in loader:
+        wrapped(**b)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        stamps.append(time.perf_counter())
+    dist.barrier()
+    return stamps
+
+
+def interval(stamps: list[float]) -> float:
+    """The median interval between consecutive steps after the warm-up."""
+    return statistics.median(b - a for a, b in zip(stamps[WARM_UP:], stamps[WARM_UP + 1:]))
+
+
+def measure(pair: str, size: str, rounds: int, distributed: bool = False) -> dict:
+    """`rounds` alternating rounds of the pair in this process: each side's interval per round."""
+    import torch
+
+    torch.set_num_threads(1)  # a ~1 ms step on two threads of a shared 2-core VM is mostly noise
+    run = distributed_round if distributed else one_round
+    figures: dict[str, list[float]] = {"without": [], "with": []}
+    run_dir = f"runs/bench-steady/{pair}-{size}"
+    run(pair, "without", size, run_dir)  # warm-up: imports, first-call costs
+    run(pair, "with", size, run_dir)
+    for r in range(rounds):
+        for side in ("without", "with") if r % 2 == 0 else ("with", "without"):
+            figures[side].append(interval(run(pair, side, size, run_dir)))
+    return figures
+
+
+def in_process(pair: str, size: str, rounds: int) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--worker", pair, size, str(rounds)], capture_output=True,
+                          text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{pair} {size} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def under_torchrun(pair: str, size: str, rounds: int) -> dict:
+    out = Path(f"runs/bench-steady/{pair}-{size}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", __file__,
+                    "--rank-worker", pair, size, str(rounds), str(out)], check=True, timeout=3600,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def row(pair: str, size: str, figures: dict) -> str:
+    without, with_ = figures["without"], figures["with"]
+    ratios = [w / wo for w, wo in zip(with_, without)]
+    a, b = statistics.median(without), statistics.median(with_)
+    return (f"| {PAIRS[pair]} | {size} | {a * 1e3:.3f} ({min(without) * 1e3:.3f}-{max(without) * 1e3:.3f}) | "
+            f"{b * 1e3:.3f} ({min(with_) * 1e3:.3f}-{max(with_) * 1e3:.3f}) | {b / a:.3f} | "
+            f"{min(ratios):.3f}-{max(ratios):.3f} | {(b - a) * 1e6:+.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--pairs", default="loop,autotrainer,hf,lightning")
+    parser.add_argument("--sizes", default="1ms,10ms")
+    parser.add_argument("--torchrun", action="store_true", help="the two-rank rows too (ddp, fsdp)")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--rank-worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        pair, size, rounds = args.worker
+        print(json.dumps(measure(pair, size, int(rounds))))
+        return
+    if args.rank_worker:
+        import torch.distributed as dist
+
+        pair, size, rounds, out = args.rank_worker
+        dist.init_process_group("gloo")
+        figures = measure(pair, size, int(rounds), distributed=True)
+        if dist.get_rank() == 0:
+            Path(out).write_text(json.dumps(figures))
+        dist.destroy_process_group()
+        return
+    pairs = args.pairs.split(",") + (["ddp", "fsdp"] if args.torchrun else [])
+    lines = ["| pair | step | without (ms, spread) | with autotune (ms, spread) | ratio | rounds' ratios | "
+             "autotune's own (us a step) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for pair in pairs:
+        for size in args.sizes.split(","):
+            measure_pair = under_torchrun if pair in ("ddp", "fsdp") else in_process
+            figures = measure_pair(pair, size, args.rounds)
+            print(pair, size, figures, file=sys.stderr)
+            lines.append(row(pair, size, figures))
+    sizes = "; ".join(f"{name}: {batch} sequences of {tokens} tokens a batch, MLP {DIM}-{width}-{DIM}"
+                      for name, (tokens, batch, width, _) in SIZES.items())
+    lines += ["", f"Token MLP (embedding {VOCAB}x{DIM}, mean-pooled, {CLASSES} classes), SGD, one torch thread; "
+              f"{sizes}. Each pair in its own process, {args.rounds} alternating rounds, a fresh model and trainer "
+              f"each; a round's figure is the median step interval after its first {WARM_UP} steps; the columns are "
+              "the medians over rounds (spread: min-max), their ratio, the spread of the rounds' own ratios, and "
+              "the difference. autotune with its defaults (default preset, monitor process on)."]
+    write_results("steady_step", "A steady step: autotune's own work, side by side (CPU)", lines)
+
+
+if __name__ == "__main__":
+    main()
