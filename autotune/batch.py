@@ -1,10 +1,15 @@
 """One batch until every sample of it is in a completed optimizer step: the attempts, the ranks'
 agreement after each, OOM recovery between them, and the gradients a caller held back.
 
+    steady (alone, not measured): the attempt; it fit: add the held, step; done
     while the batch is not done:       (events.py has the whole picture)
-      measured: the step's peak from here           attempt (step.py)
+      measured: the step's peak from here           attempt (step.py), unless the steady one failed
       agree (distributed.py), failed or not         no failure: reduce, add the held, step; done
       failure: recovery.py (clean up, record, decide), then the same batch again, smaller
+
+The steady path is the loop's first pass with nothing in it that cannot change the outcome:
+alone there is nobody to agree with, and a batch the cadence does not measure has no peak to
+read. An OOM in its attempt goes on in the loop exactly as an attempt there would.
 
 Owns: whether the last batch was measured, the last good micro-batch, whether earlier gradients
 are held. Touches: the step core (attempts, the optimizer step), the knobs (rank 0's size), the
@@ -64,6 +69,7 @@ class BatchRunner:
         self.last_good_micro: int | None = None  # the micro-batch of the last batch that completed
         self.holding = False  # gradients of earlier batches set aside during this one
         self._agreement: Agreement | None = None  # the steady path's, alone (see `_agreed_alone`)
+        self.steady_path = True  # False: every batch through the full loop (what the tests compare it with)
 
     def run(self, batch: Any, n: int, *, optimizer_step: bool, proposal: Callable[[], dict[str, Any]] | None,
             held: list[tuple[nn.Parameter, torch.Tensor]] | None, fire: Callable[..., None],
@@ -78,7 +84,7 @@ class BatchRunner:
         cadence, knobs = self.cadence, self.knobs
         measured = self.measured = cadence.due(knobs.micro_batch_size)
         attempt: Attempt | None = None
-        if not measured and self.ranks.alone and self.core.failure is None:
+        if not measured and self.steady_path and self.ranks.alone and self.core.failure is None:
             # The steady path: nothing to measure and nobody to agree with, so the attempt and
             # the step are all there is to do. An OOM goes on below, as any attempt's would.
             attempt = self.core.attempt(batch, n, 0, knobs.micro_batch_size, additive=additive)

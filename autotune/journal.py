@@ -162,9 +162,19 @@ class RunLog:
         self.bar = _ProgressBar(total=total, disable=not self.show_progress, unit="batch", dynamic_ncols=True)
 
     def step_due(self) -> bool:
-        """Whether `step` has anything to do for the next step (a bar to move, a line due): a
-        caller may skip gathering its figures otherwise."""
-        return self.bar is not None or self.steps.due()
+        """Whether `step` has a line to write for the next step: a caller may skip gathering its
+        figures otherwise (and only move the bar: `advance`)."""
+        return self.steps.due()
+
+    @property
+    def moves_bar(self) -> bool:
+        """Whether a bar is shown that moves every step (`advance`)."""
+        return self.bar is not None and self.show_progress
+
+    def advance(self) -> None:
+        """The bar one step on."""
+        if self.bar is not None:
+            self.bar.update(1)
 
     def step(self, step: int, epoch: int, *, samples: int, samples_seen: int, micro_batch_size: int,
              step_seconds: float, data_wait_fraction: float, demand: float | None, allocated_bytes: int | None,
@@ -172,9 +182,8 @@ class RunLog:
              grad_norm: Any = None) -> None:
         """One step's figures: to steps.jsonl and TensorBoard when due (thinned: a two-day run
         writes megabytes, and reads the loss off the device rarely), and to the bar.
-        `loss()`: the batch's mean loss (read off the device only when written)."""
-        if self.bar is not None:
-            self.bar.update(1)
+        `loss()`: the batch's mean loss (read off the device only when written). The bar is moved
+        apart (`advance`), every step."""
         if not self.steps.due():
             return
         norm = {} if grad_norm is None else {"grad_norm": round(float(grad_norm), 6)}  # read off the device: thinned

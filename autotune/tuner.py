@@ -246,7 +246,8 @@ class Tuner:
         # Without a loader of our own, a step's time runs from the last one's end (data wait unknown: 0).
         now = time.perf_counter()
         step_seconds, self._last_step_end = now - self._last_step_end, now
-        if self.log.step_due() or not self.reactions.quiet():  # else nothing reads the timing
+        log = self.log
+        if log.moves_bar or log.step_due() or not self.reactions.quiet():  # else nothing reads the timing
             self.after_batch(StepTiming(step_seconds=step_seconds, retries=outcome.retries), n, outcome)
 
     def step_scheduler(self, metric: float | None = None) -> None:
@@ -310,6 +311,8 @@ class Tuner:
         """After a batch: its figures logged, BATCH_END, BATCH_MEASURED (a measured batch: see
         cadence.py), an agreed relief carried out, and what the monitor's samples show
         (MEMORY_HIGH, MEMORY_PRESSURE) sent to the policies."""
+        if self.log.moves_bar:
+            self.log.advance()
         if self.batches.measured:  # one memory_stats() call a measured step (CUDA), made when its need was
             self.reactions.allocator = self.demand.allocator
         if self.log.step_due():  # most steps of a long run write nothing: their figures are not gathered

@@ -174,7 +174,7 @@ def one_round(pair: str, side: str, size: str, run_dir: str) -> list[float]:
                 stamps.append(time.perf_counter())
 
         trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, callbacks=[Stamp()], logger=False,
-                            strategy=AutoTuneStrategy("cpu", tuner_options={"run_dir": run_dir}) if with_autotune else "auto",
+                            strategy=AutoTuneStrategy("cpu") if with_autotune else "auto",
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             default_root_dir=run_dir)
         trainer.fit(Module(), DataLoader(data, batch_size=batch, collate_fn=collate))

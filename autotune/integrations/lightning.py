@@ -115,19 +115,23 @@ class _TunedSteps:
                                 "(a tensor, or a dict with 'loss')")
             if isinstance(out, Mapping):
                 extras.update((k, v) for k, v in out.items() if k != "loss")
-            return loss * (batch_len(micro) / n * scale)
+            share = (n if micro is batch else batch_len(micro)) / n * scale
+            return loss if share == 1 else loss * share  # the whole batch, no accumulation: as it is
 
         self._counters.step, self._counters.epoch = trainer.global_step, trainer.current_epoch
         # Lightning zeroes gradients after training_step, before backward (on an optimizer step's
         # first batch): the batch's gradients are computed apart from those already there, and
         # added to them where Lightning then calls backward (below), as a plain backward would.
-        earlier = set_aside_gradients(module.parameters())
+        parameters = self.tuner.core.parameters()  # the module's, walked once
+        earlier = set_aside_gradients(parameters)
         with self.precision_plugin.train_step_context():
             outcome = self.tuner.accumulate(batch, micro_loss, n=n)
         logs.replay(n, attempt=self._counters.ooms)  # one value a name for the batch, as without pieces
-        self._computed = set_aside_gradients(module.parameters())
+        self._computed = set_aside_gradients(parameters)
         add_gradients(earlier)
-        loss = outcome.loss_sum.detach() / scale  # the batch's mean loss, as training_step would return it
+        loss = outcome.loss_sum.detach()  # the batch's mean loss, as training_step would return it
+        if scale != 1:
+            loss = loss / scale
         return {"loss": loss, **extras} if extras else loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

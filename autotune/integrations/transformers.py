@@ -144,7 +144,9 @@ class AutoTuneTrainer(Trainer):
             if self.args.n_gpu > 1:
                 loss = loss.mean()
             if not scaled:  # a mean over this micro-batch: its share of the batch, and HF's 1/k
-                loss = loss * (batch_len(micro) / n) / accumulation
+                share = (n if micro is inputs else batch_len(micro)) / n / accumulation
+                if share != 1:
+                    loss = loss * share
             return loss
 
         self._counters.step = self.state.global_step
