@@ -151,9 +151,12 @@ def _plain_len(batch: Any) -> int | None:
         return None
     n = None
     for part in parts:
-        if type(part) is not torch.Tensor or part.ndim == 0 or (n is not None and part.shape[0] != n):
+        if type(part) is not torch.Tensor or not part.ndim:
             return None
-        n = part.shape[0]
+        m = len(part)  # its first dimension, without building a torch.Size
+        if n is not None and m != n:
+            return None
+        n = m
     # A tuple as long as its tensors' first dimension could also be read as samples: the full reading decides.
     return n if type(batch) is dict or n != len(batch) else None
 

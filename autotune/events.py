@@ -8,6 +8,7 @@ batch of it, with FIT_START at their first batch and FIT_END at `Tuner.end`)::
       for epoch:                                    EPOCH_START
         for batch in loader:                        (time blocked in next() = data wait)
           measured = cadence says so (cadence.py)   # a changing run: every batch; steady: 1 in 32
+          steady path (batch.py; alone, not measured): the attempt and the step below, nothing else
           while the batch is not done:              # retry the same batch until it fits
             measured: the step's peak memory from here (memory.py's StepDemand)
             sharded (FSDP2): every rank takes rank 0's micro-batch first (sharded.py)
@@ -26,6 +27,8 @@ batch of it, with FIT_START at their first batch and FIT_END at `Tuner.end`)::
                                                     OOM -> policies -> e.g. SetMicroBatch(n // 2)
               at the smallest size, a relief if a policy asked (checkpoint first), else
               raise autotune.OutOfMemory with the figures (checkpoint first); the retry is measured
+          a quiet batch (not measured, nobody hears BATCH_END, no relief waiting, no new monitor
+            sample, no log line due) skips the four lines below: nothing in them could act
                                                     BATCH_END
           measured: the step's need and room        BATCH_MEASURED
           a relief a policy asked for (relief/ladder.py): autocast, checkpointing, pruning

@@ -156,20 +156,17 @@ class RunLog:
             self.journal.listeners.append(self.tensorboard.record)
         self.show_progress = progress and writes
         self.bar: tqdm | None = None
+        self.moves_bar = False  # a bar is shown that moves every step (`advance`)
         self._last_shown = 0.0
 
     def open_bar(self, total: int | None) -> None:
         self.bar = _ProgressBar(total=total, disable=not self.show_progress, unit="batch", dynamic_ncols=True)
+        self.moves_bar = self.show_progress  # a bar is shown that moves every step (`advance`)
 
     def step_due(self) -> bool:
         """Whether `step` has a line to write for the next step: a caller may skip gathering its
         figures otherwise (and only move the bar: `advance`)."""
         return self.steps.due()
-
-    @property
-    def moves_bar(self) -> bool:
-        """Whether a bar is shown that moves every step (`advance`)."""
-        return self.bar is not None and self.show_progress
 
     def advance(self) -> None:
         """The bar one step on."""
@@ -227,3 +224,4 @@ class RunLog:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+            self.moves_bar = False

@@ -41,6 +41,7 @@ class Reactions:
         self.ranks, self.device, self.host, self.keep_effective_batch = ranks, device, host, keep_effective_batch
         self.reliefs_allowed = reliefs_allowed
         self.allocator = None  # the last measured step's allocator figures (CUDA)
+        self.hears_every_batch = Event.BATCH_END in dispatcher.events  # a policy listens to BATCH_END
 
     def quiet(self) -> bool:
         """Whether `after_batch` has nothing to do after this batch: it was not measured, nobody
@@ -49,11 +50,6 @@ class Reactions:
         knobs = self.knobs
         return (not self.batches.measured and not self.hears_every_batch and knobs.relief is None
                 and knobs.relief_agreed is None and not self.monitor_link.news())
-
-    @property
-    def hears_every_batch(self) -> bool:
-        """Whether a policy listens to BATCH_END."""
-        return Event.BATCH_END in self.dispatcher.events
 
     def after_batch(self, timing: StepTiming, checkpoint: Callable[..., Any]) -> None:
         """BATCH_END, BATCH_MEASURED (a measured batch: cadence.py), an agreed relief carried out,

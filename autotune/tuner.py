@@ -255,9 +255,11 @@ class Tuner:
         self.core.step_scheduler(metric)
 
     def _begin_batch(self, batch: Any, n: int | None = None) -> int:
+        n = batch_len(batch) if n is None else n
+        if self._started and self._sized and n <= self.knobs.batch_size:  # most batches: nothing to set up
+            return n
         if self._closed:
             raise RuntimeError("this Tuner was closed: build a new one to train again")
-        n = batch_len(batch) if n is None else n
         if not self._sized:  # the first batch: start at the whole batch
             self.knobs.batch_size = self.knobs.micro_batch_size = n
             self._sized = True

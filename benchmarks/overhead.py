@@ -212,7 +212,7 @@ def finite_check_cost(model: nn.Module) -> float:
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     core = StepCore(model, optimizer, None, loss_fn=nn.functional.cross_entropy, step_fn=None, split_fn=None,
-                    device=torch.device("cpu"), ranks=Solo(), progress=Progress(), keep_effective_batch=True,
+                    device=torch.device("cpu"), ranks=Solo(), counters=Progress(), keep_effective_batch=True,
                     inject_oom=0.0, seed=0)
     for p in model.parameters():
         p.grad = torch.randn_like(p)

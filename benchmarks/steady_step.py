@@ -8,7 +8,7 @@ its own work. Four pairs, each in its own process, on one torch thread:
 - `hf`: `AutoTuneTrainer` vs HF's `Trainer`
 - `lightning`: `AutoTuneStrategy` vs Lightning's own strategy
 
-and two sizes of step: `1ms` (a token MLP, 8 sequences of 8 tokens a batch, width 192: about 1 ms
+and two sizes of step: `1ms` (a token MLP, 8 sequences of 20 tokens a batch, width 192: about 1 ms
 on one core) and `10ms` (32 sequences of 32 tokens, width 768). Every pair alternates rounds
 (without, with, with, without, ...) in one process; a round is a fresh model and trainer and
 `--steps` batches, and its figure is the median interval between consecutive steps after its
@@ -41,7 +41,7 @@ from common import write_results  # noqa: E402
 
 VOCAB, DIM, CLASSES = 1000, 64, 4
 SIZES = {  # name: (tokens a sequence, sequences a batch, MLP width, steps a round)
-    "1ms": (16, 8, 192, 900),
+    "1ms": (20, 8, 192, 900),
     "10ms": (32, 32, 768, 400),
 }
 PAIRS = {
@@ -93,11 +93,23 @@ def parts(size: str):
     return Sequences(), collate, TokenMLP, batch
 
 
+CHECKED = ("loop", "autotrainer")  # the pairs whose autotune side checks the gradients itself (on_nonfinite)
+
+
 def one_round(pair: str, side: str, size: str, run_dir: str) -> list[float]:
-    """One run of `side` ("with" or "without" autotune): the time stamps of its steps."""
+    """One run of `side` ("with" or "without" autotune, or "unchecked": with autotune, its check
+    for non-finite gradients replaced by a yes, to tell its share): the time stamps of its steps."""
     import torch
     from torch.utils.data import DataLoader
 
+    from autotune.step import StepCore
+
+    if side == "unchecked":  # measurement only: the check is part of every real step
+        checked, StepCore._gradients_finite = StepCore._gradients_finite, lambda self: True
+        try:
+            return one_round(pair, "with", size, run_dir)
+        finally:
+            StepCore._gradients_finite = checked
     data, collate, TokenMLP, batch = parts(size)
     model = TokenMLP()
     stamps: list[float] = []
@@ -233,12 +245,13 @@ def measure(pair: str, size: str, rounds: int, distributed: bool = False) -> dic
 
     torch.set_num_threads(1)  # a ~1 ms step on two threads of a shared 2-core VM is mostly noise
     run = distributed_round if distributed else one_round
-    figures: dict[str, list[float]] = {"without": [], "with": []}
+    sides = ("without", "with", "unchecked") if pair in CHECKED and not distributed else ("without", "with")
+    figures: dict[str, list[float]] = {side: [] for side in sides}
     run_dir = f"runs/bench-steady/{pair}-{size}"
-    run(pair, "without", size, run_dir)  # warm-up: imports, first-call costs
-    run(pair, "with", size, run_dir)
+    for side in sides:  # warm-up: imports, first-call costs
+        run(pair, side, size, run_dir)
     for r in range(rounds):
-        for side in ("without", "with") if r % 2 == 0 else ("with", "without"):
+        for side in sides if r % 2 == 0 else sides[::-1]:
             figures[side].append(interval(run(pair, side, size, run_dir)))
     return figures
 
@@ -264,9 +277,11 @@ def row(pair: str, size: str, figures: dict) -> str:
     without, with_ = figures["without"], figures["with"]
     ratios = [w / wo for w, wo in zip(with_, without)]
     a, b = statistics.median(without), statistics.median(with_)
+    check = (f"{(b - statistics.median(figures['unchecked'])) * 1e6:+.0f}" if "unchecked" in figures
+             else "- (the trainer's optimizer step)")
     return (f"| {PAIRS[pair]} | {size} | {a * 1e3:.3f} ({min(without) * 1e3:.3f}-{max(without) * 1e3:.3f}) | "
             f"{b * 1e3:.3f} ({min(with_) * 1e3:.3f}-{max(with_) * 1e3:.3f}) | {b / a:.3f} | "
-            f"{min(ratios):.3f}-{max(ratios):.3f} | {(b - a) * 1e6:+.0f} |")
+            f"{min(ratios):.3f}-{max(ratios):.3f} | {(b - a) * 1e6:+.0f} | {check} |")
 
 
 def main() -> None:
@@ -294,7 +309,8 @@ def main() -> None:
         return
     pairs = args.pairs.split(",") + (["ddp", "fsdp"] if args.torchrun else [])
     lines = ["| pair | step | without (ms, spread) | with autotune (ms, spread) | ratio | rounds' ratios | "
-             "autotune's own (us a step) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "autotune's own (us a step) | of which the non-finite check (us) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for pair in pairs:
         for size in args.sizes.split(","):
             measure_pair = under_torchrun if pair in ("ddp", "fsdp") else in_process
@@ -307,7 +323,11 @@ def main() -> None:
               f"{sizes}. Each pair in its own process, {args.rounds} alternating rounds, a fresh model and trainer "
               f"each; a round's figure is the median step interval after its first {WARM_UP} steps; the columns are "
               "the medians over rounds (spread: min-max), their ratio, the spread of the rounds' own ratios, and "
-              "the difference. autotune with its defaults (default preset, monitor process on)."]
+              "the difference. autotune with its defaults (default preset, monitor process on). The last column: "
+              "the same autotune side run a third time, alternating with the others, with its check of the "
+              "gradients for NaN/inf before each optimizer step (on_nonfinite, one fused pass over them) "
+              "answered without looking; the difference is what the check costs. HF and Lightning step their "
+              "own optimizers, so autotune checks nothing there."]
     write_results("steady_step", "A steady step: autotune's own work, side by side (CPU)", lines)
 
 
