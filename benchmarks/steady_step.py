@@ -10,18 +10,21 @@ its own work. Four pairs, each in its own process, on one torch thread:
 
 and two sizes of step: `1ms` (a token MLP, 8 sequences of 20 tokens a batch, width 192: about 1 ms
 on one core) and `10ms` (32 sequences of 32 tokens, width 768). Every pair alternates rounds
-(without, with, with, without, ...) in one process; a round is a fresh model and trainer and
-`--steps` batches, and its figure is the median interval between consecutive steps after its
-first 100 (start-up and warm-up: the monitor process starts once per run). Reported: the median
-over rounds of each side, their ratio, the spread of the rounds' ratios, and the difference in
-microseconds (autotune's own work a step). autotune runs with its defaults: the default preset,
+(without, with, with, without, ...) in one process; a round is a fresh model and trainer and a
+size's steps, and its figure is the median interval between consecutive steps after its first
+250 (start-up and warm-up: the monitor process starts once per run; the steps log writes each of
+its first 200 steps). The two sides of a round run next to each other, at the same speed of this
+shared VM (which drifts by tens of percent over seconds): the ratio and the difference reported
+are the medians of the rounds' own, with the middle half of the ratios. The pairs whose autotune
+side checks the gradients itself (`loop`, `autotrainer`) run it a third time with that check
+answered without looking, to tell its share. autotune runs with its defaults: the default preset,
 the monitor process on; AutoTrainer without its progress bar (the hand loop has none).
 
 With `--torchrun`, the two-rank rows as well: `Tuner.step` vs a hand loop on a DDP model, and
 `Tuner(shard=True)` vs a hand loop on an FSDP2 model (gloo, one thread a rank).
 
     pip install -e '.[bench]'
-    python benchmarks/steady_step.py [--rounds 7] [--pairs loop,autotrainer,hf,lightning] [--sizes 1ms,10ms]
+    python benchmarks/steady_step.py [--rounds 11] [--pairs loop,autotrainer,hf,lightning] [--sizes 1ms,10ms]
                                      [--torchrun]
 """
 
@@ -41,8 +44,8 @@ from common import write_results  # noqa: E402
 
 VOCAB, DIM, CLASSES = 1000, 64, 4
 SIZES = {  # name: (tokens a sequence, sequences a batch, MLP width, steps a round)
-    "1ms": (20, 8, 192, 900),
-    "10ms": (32, 32, 768, 400),
+    "1ms": (20, 8, 192, 700),
+    "10ms": (32, 32, 768, 350),
 }
 PAIRS = {
     "loop": "your loop: `Tuner.step` vs backward + step",
@@ -274,19 +277,22 @@ def under_torchrun(pair: str, size: str, rounds: int) -> dict:
 
 
 def row(pair: str, size: str, figures: dict) -> str:
+    """A round's sides ran next to each other, at the machine's speed of the moment: the ratio and
+    the difference are the medians of the rounds' own (paired), with the quartiles of the ratios."""
     without, with_ = figures["without"], figures["with"]
-    ratios = [w / wo for w, wo in zip(with_, without)]
+    ratios = sorted(w / wo for w, wo in zip(with_, without))
+    own = statistics.median(w - wo for w, wo in zip(with_, without))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    check = (f"{statistics.median(w - u for w, u in zip(with_, figures['unchecked'])) * 1e6:+.0f}"
+             if "unchecked" in figures else "- (its trainer steps)")
     a, b = statistics.median(without), statistics.median(with_)
-    check = (f"{(b - statistics.median(figures['unchecked'])) * 1e6:+.0f}" if "unchecked" in figures
-             else "- (the trainer's optimizer step)")
-    return (f"| {PAIRS[pair]} | {size} | {a * 1e3:.3f} ({min(without) * 1e3:.3f}-{max(without) * 1e3:.3f}) | "
-            f"{b * 1e3:.3f} ({min(with_) * 1e3:.3f}-{max(with_) * 1e3:.3f}) | {b / a:.3f} | "
-            f"{min(ratios):.3f}-{max(ratios):.3f} | {(b - a) * 1e6:+.0f} | {check} |")
+    return (f"| {PAIRS[pair]} | {size} | {len(ratios)} | {a * 1e3:.3f} | {b * 1e3:.3f} | "
+            f"{statistics.median(ratios):.3f} | {quartiles[0]:.3f}-{quartiles[2]:.3f} | {own * 1e6:+.0f} | {check} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--pairs", default="loop,autotrainer,hf,lightning")
     parser.add_argument("--sizes", default="1ms,10ms")
     parser.add_argument("--torchrun", action="store_true", help="the two-rank rows too (ddp, fsdp)")
@@ -308,9 +314,9 @@ def main() -> None:
         dist.destroy_process_group()
         return
     pairs = args.pairs.split(",") + (["ddp", "fsdp"] if args.torchrun else [])
-    lines = ["| pair | step | without (ms, spread) | with autotune (ms, spread) | ratio | rounds' ratios | "
+    lines = ["| pair | step | rounds | without (ms) | with autotune (ms) | ratio | ratio, middle half of the rounds | "
              "autotune's own (us a step) | of which the non-finite check (us) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for pair in pairs:
         for size in args.sizes.split(","):
             measure_pair = under_torchrun if pair in ("ddp", "fsdp") else in_process
@@ -320,10 +326,12 @@ def main() -> None:
     sizes = "; ".join(f"{name}: {batch} sequences of {tokens} tokens a batch, MLP {DIM}-{width}-{DIM}"
                       for name, (tokens, batch, width, _) in SIZES.items())
     lines += ["", f"Token MLP (embedding {VOCAB}x{DIM}, mean-pooled, {CLASSES} classes), SGD, one torch thread; "
-              f"{sizes}. Each pair in its own process, {args.rounds} alternating rounds, a fresh model and trainer "
-              f"each; a round's figure is the median step interval after its first {WARM_UP} steps; the columns are "
-              "the medians over rounds (spread: min-max), their ratio, the spread of the rounds' own ratios, and "
-              "the difference. autotune with its defaults (default preset, monitor process on). The last column: "
+              f"{sizes}. Each pair in its own process, {args.rounds} alternating rounds (without, with, with, "
+              f"without, ...), a fresh model and trainer each, a round's figure its median step interval after the "
+              f"first {WARM_UP} steps. Ratio and own: the medians of the "
+              "rounds' paired ratios and differences (this VM's speed drifts by tens of percent over seconds: "
+              "the sides of one round run at the same speed); without/with: the medians of each side. autotune "
+              "with its defaults (default preset, monitor process on). The last column: "
               "the same autotune side run a third time, alternating with the others, with its check of the "
               "gradients for NaN/inf before each optimizer step (on_nonfinite, one fused pass over them) "
               "answered without looking; the difference is what the check costs. HF and Lightning step their "
