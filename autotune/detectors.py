@@ -107,9 +107,16 @@ class InputDetector:
         return self._bound
 
     def summary(self) -> tuple[float, float, int]:
-        """(data-wait share, samples per second, steps) over the current window, or the last full one."""
-        if not self._steps:
+        """(data-wait share, samples per second, steps) over the last full window since the loader
+        was rebuilt, or over the current one until the first is full. The last full one, not the
+        one filling: a policy that judges on a full window (tune_workers, `steps` >= its
+        judge_steps) must find one at whichever batch it is asked, not only at the batch after a
+        window closed (with batches measured every 32 and windows of 20, those may never meet)."""
+        if self._last[2] or not self._steps:
             return self._last
+        return self._figures()
+
+    def _figures(self) -> tuple[float, float, int]:
         step = sum(t.step_seconds for t, _ in self._steps)
         wait = sum(t.data_wait_seconds for t, _ in self._steps)
         samples = sum(n for _, n in self._steps)
@@ -120,7 +127,7 @@ class InputDetector:
         self._steps.append((timing, samples))
         if len(self._steps) < self.window:
             return []
-        self._last = self.summary()
+        self._last = self._figures()
         fraction = self._last[0]
         self._steps.clear()  # the next verdict needs a fresh window: at most one event per window
         if fraction >= self.high or (self._bound and fraction >= self.calm):

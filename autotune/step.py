@@ -303,6 +303,7 @@ class StepCore:
         self.on_failure: Callable[[], None] | None = None
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
         self._parameters: tuple[nn.Parameter, ...] | None = None  # the model's, walked once (see `parameters`)
+        self._flag = _FLAGS.get(device) or _FLAGS.setdefault(device, _FoundFlag(device))  # the check's (all_finite)
 
     @property
     def plateau(self) -> bool:
@@ -478,7 +479,15 @@ class StepCore:
         check adds to a step. Sharded, every rank looks at its own shards and they agree."""
         local = [g if type(g) is torch.Tensor else g.to_local() if hasattr(g, "to_local") else g
                  for group in self.optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
-        return self.ranks.finite_everywhere(all_finite(local), self.device)
+        flag = self._flag
+        try:  # every gradient on the model's device: the one fused check, without looking up the device
+            torch._amp_foreach_non_finite_check_and_unscale_(local, flag.tensor, flag.one)
+            finite = not flag.found()
+            if not finite:
+                flag.clear()  # the check only ever sets it
+        except (NotImplementedError, RuntimeError):  # several devices, sparse or complex gradients
+            finite = all_finite(local)
+        return self.ranks.finite_everywhere(finite, self.device)
 
     def _skip(self, why: str, by: str) -> None:
         # The batch is consumed, not trained: no step, no samples counted, no scheduler step.

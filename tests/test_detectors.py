@@ -89,3 +89,18 @@ def test_restart_forgets_the_window():
 def test_bad_input_thresholds():
     with pytest.raises(ValueError, match="calm"):
         InputDetector(high=0.05, calm=0.2)
+
+
+def test_input_summary_is_the_last_full_window_while_the_next_fills():
+    """tune_workers judges a trial on a full window; asked at a batch where the next window has begun
+    (batches measured every 32, windows of 20: they may never meet), it must still find the full one."""
+    detector = InputDetector(high=0.2, calm=0.05, window=10)
+    steps(detector, 0.3, 4)
+    assert detector.summary()[2] == 4  # before the first full window: the one filling
+    steps(detector, 0.3, 6)
+    steps(detector, 0.1, 3)  # the next window has begun
+    wait, _, n = detector.summary()
+    assert n == 10 and abs(wait - 0.3) < 1e-9
+    detector.restart()  # the loader changed: its figures start again
+    steps(detector, 0.1, 3)
+    assert detector.summary()[2] == 3
