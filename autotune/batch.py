@@ -156,12 +156,11 @@ class BatchRunner:
                 # (rank-alike already, so averaging leaves them as they are).
                 add_gradients(held)
                 held = None
-            if not self.ranks.alone or attempt.items is not None:  # alone, by samples: nothing to reduce
-                self.core.reduce_gradients(attempt)
+            self.core.reduce_gradients(attempt)
             if held:
                 add_gradients(held)
             self.core.optimizer_step(n)
-        failure = self.core.failure if self.ranks.alone else self.ranks.known_to_all(self.core.failure)
+        failure = self.ranks.known_to_all(self.core.failure)
         if failure:
             self.recovery.give_up_on_the_step(failure, checkpoint)
 

@@ -215,7 +215,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     if not tensors:
         return True
     try:
-        return _finite_on(tensors[0].device, tensors)  # one device: the common case
+        return _finite_on(_flag_for(tensors[0].device), tensors)  # one device: the common case
     except (NotImplementedError, RuntimeError):
         pass
     by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -223,7 +223,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
         by_device.setdefault(t.device, []).append(t)
     for device, group in by_device.items():
         try:
-            if not _finite_on(device, group):
+            if not _finite_on(_flag_for(device), group):
                 return False
         except (NotImplementedError, RuntimeError):  # sparse or complex tensors: one by one
             if not all(bool(torch.isfinite(t.coalesce().values() if t.is_sparse else t).all()) for t in group):
@@ -231,9 +231,13 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
-def _finite_on(device: torch.device, tensors: list[torch.Tensor]) -> bool:
-    flag = _FLAGS.get(device) or _FLAGS.setdefault(device, _FoundFlag(device))
-    torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag.tensor, flag.one)
+def _finite_on(flag: "_FoundFlag", tensors: list[torch.Tensor]) -> bool:
+    """The fused check of `tensors`, all on `flag`'s device (else it raises, the flag cleared)."""
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag.tensor, flag.one)
+    except (NotImplementedError, RuntimeError):
+        flag.clear()  # what it looked at before it refused may have set it
+        raise
     if not flag.found():
         return True
     flag.clear()  # the check only ever sets it: cleared after a find, not before each check
@@ -258,6 +262,12 @@ class _FoundFlag:
 _FLAGS: dict[torch.device, _FoundFlag] = {}
 
 
+def _flag_for(device: torch.device) -> _FoundFlag:
+    if device not in _FLAGS:
+        _FLAGS[device] = _FoundFlag(device)
+    return _FLAGS[device]
+
+
 def is_zero(weight: Any) -> bool:
     """Whether a loss weight (samples or items) is a plain zero."""
     # Only a plain count can be told zero without reading the device; a tensor never is (items >= 1 by then).
@@ -278,8 +288,8 @@ class StepCore:
         # Optimizer steps not taken since the caller last looked: (step, why, by whom).
         self.skipped: list[tuple[int, str, str]] = []
         self.loss_fn, self.step_fn, self.split_fn = loss_fn, step_fn, split_fn
-        # What errors about the loss name; None: neither was given yet (`use` says to pass one).
-        self.source = "loss_fn" if loss_fn is not None else "step_fn" if step_fn is not None else None
+        # What errors about the loss name.
+        self.source = "loss_fn" if loss_fn is not None else "step_fn"
         self.device, self.ranks, self.counters = device, ranks, counters
         self.keep_effective_batch = keep_effective_batch
         self.inject_oom = inject_oom
@@ -303,7 +313,7 @@ class StepCore:
         self.on_failure: Callable[[], None] | None = None
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
         self._parameters: tuple[nn.Parameter, ...] | None = None  # the model's, walked once (see `parameters`)
-        self._flag = _FLAGS.get(device) or _FLAGS.setdefault(device, _FoundFlag(device))  # the check's (all_finite)
+        self._flag = _flag_for(device)  # the non-finite check's, for the model's device (all_finite)
 
     @property
     def plateau(self) -> bool:
@@ -322,7 +332,6 @@ class StepCore:
         if self.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
         seen = done
-        alone = self.ranks.alone
         # The whole batch in one piece (most steps): as it came, no split
         pieces = (((batch, n),) if done == 0 and size >= n and self.split_fn is None
                   else micro_batches(batch, size, start=done, split_fn=self.split_fn, total=n))
@@ -330,9 +339,8 @@ class StepCore:
             with self.ranks.no_sync():
                 for micro, m in pieces:
                     seen += m
-                    if not alone:
-                        self.ranks.micro_batch(last=seen >= n)
-                    inject = self._draw_injection(size) if self.inject_oom else None
+                    self.ranks.micro_batch(last=seen >= n)
+                    inject = self._draw_injection(size)
                     if inject == "forward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
                     loss, items = loss_and_items(self.loss(to_device(micro, self.device)), self.source)
@@ -464,10 +472,7 @@ class StepCore:
                 raise
             self.failure = f"out of memory in optimizer.step() at step {self.counters.step}: {oom_message(exc)}"
             return
-        if optimizer is not None:
-            self.ranks.zero_grad(optimizer)
-        else:  # another trainer's optimizer (never stepped here, but zero_grad is shared)
-            self.drop_gradients()
+        self.zero_grad()
         if self.scheduler is not None and self.scheduler_interval == "step" and not self.plateau:
             self.scheduler.step()
         counters = self.counters
@@ -479,12 +484,8 @@ class StepCore:
         check adds to a step. Sharded, every rank looks at its own shards and they agree."""
         local = [g if type(g) is torch.Tensor else g.to_local() if hasattr(g, "to_local") else g
                  for group in self.optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
-        flag = self._flag
         try:  # every gradient on the model's device: the one fused check, without looking up the device
-            torch._amp_foreach_non_finite_check_and_unscale_(local, flag.tensor, flag.one)
-            finite = not flag.found()
-            if not finite:
-                flag.clear()  # the check only ever sets it
+            finite = _finite_on(self._flag, local)
         except (NotImplementedError, RuntimeError):  # several devices, sparse or complex gradients
             finite = all_finite(local)
         return self.ranks.finite_everywhere(finite, self.device)

@@ -215,16 +215,14 @@ class Tuner:
         Returns the batch's mean loss as a 0-d tensor (read it with `.item()` when you log:
         that waits for the device). `step_fn`/`loss_fn` default to the constructor's."""
         core = self.core
-        if step_fn is not None or loss_fn is not None or core.source is None:
-            core.use(step_fn, loss_fn)
+        core.use(step_fn, loss_fn)
         n = self._begin_batch(batch)
         # What the loop accumulated before this call (Accelerate's accumulate() holds gradients
         # back over several batches) is kept out of the attempts and added back before the
         # optimizer step: a failed attempt's gradients are dropped by the Tuner itself, never
         # through an optimizer wrapper's zero_grad (Accelerate's skips it between sync steps).
         held = set_aside_gradients(core.parameters()) if self.keep_effective_batch else None
-        outcome = self.batches.run(batch, n, optimizer_step=True, proposal=None, held=held, fire=self.fire,
-                                   carry_out=self.carry_out, checkpoint=self.checkpoint)
+        outcome = self.train_batch(batch, n, held=held)
         self._after_own_batch(n, outcome)
         return outcome.mean_loss()
 

@@ -19,8 +19,8 @@ from autotune.snapshot import DeviceSample
 from autotune.step import StepCore
 
 # Fields that say when or how long, name a process or a file, or measure the process: not what a run decided.
-VOLATILE = {"time", "wall_seconds", "seconds", "pid", "path", "lost_seconds", "elapsed_seconds", "state_bytes",
-            "freed_bytes", "rss_bytes", "took_seconds", "write_seconds", "step_seconds", "background",
+VOLATILE = {"time", "wall_seconds", "seconds", "pid", "path", "lost_seconds", "write_seconds", "step_seconds",
+            "background",
             "breakdown"}  # what the process held at an OOM: its resident bytes, measured
 
 

@@ -99,7 +99,7 @@ class Board:
     def read_new(self) -> tuple[DeviceSample, int | None] | None:
         """The sample if it is newer than the last one this reader returned, else None (most
         calls, between two samples: one read of the sequence number, under a microsecond)."""
-        if _SEQ.unpack_from(self._map, _SEQ_OFFSET)[0] == self._last_read:
+        if not self.changed():
             return None
         got = self.read()
         if got is None or got[0] == self._last_read:

@@ -68,7 +68,7 @@ class MonitorLink:
                     sample = device_sample(self.device, self.cap_bytes)
                 self.window.append(sample)
                 events += self.detector.on_sample(sample)
-            elif time.monotonic() - self._heard_at >= self.interval:
+            elif self._silent():
                 self._heard_at = time.monotonic()
                 if not self.process.alive():
                     self._died(step, epoch)
@@ -79,7 +79,11 @@ class MonitorLink:
         """Whether `watch` may have something to say without allocator figures: a sample came,
         or none came for an interval (is the process alive?). Most steps: no."""
         process = self.process
-        return process is not None and (process.board.changed() or time.monotonic() - self._heard_at >= self.interval)
+        return process is not None and (process.board.changed() or self._silent())
+
+    def _silent(self) -> bool:
+        # No sample for an interval: whether the process lives is worth a look (a waitpid).
+        return time.monotonic() - self._heard_at >= self.interval
 
     def _died(self, step: int, epoch: int) -> None:
         # Training goes on without it; the journal and the log say so.
