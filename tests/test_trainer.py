@@ -117,7 +117,10 @@ def test_max_steps_stops_early(tmp_path):
 def test_journal_records_the_run(tmp_path):
     trainer(tmp_path, batch_size=16).fit(epochs=2)
     kinds = [r["kind"] for r in journal(tmp_path / "run")]
-    assert kinds[0] == "fit_start" and kinds[-2:] == ["fit_end", "checkpoint"] and kinds.count("epoch_end") == 2
+    # The end checkpoint is written in the background and journaled once on disk: before or after
+    # fit_end, whichever comes first.
+    assert kinds[0] == "fit_start" and sorted(kinds[-2:]) == ["checkpoint", "fit_end"]
+    assert kinds.count("epoch_end") == 2
     for record in journal(tmp_path / "run"):
         assert {"time", "kind", "step", "epoch"} <= set(record)
 
