@@ -15,7 +15,8 @@ from autotune import AutoTrainer
 from autotune.distributed import Solo
 from autotune.monitor.board import Board
 from autotune.presets import resolve_policies
-from autotune.snapshot import DeviceSample
+from autotune.memory import StepDemand
+from autotune.snapshot import DeviceSample, StepMemory
 from autotune.step import StepCore
 
 # Fields that say when or how long, name a process or a file, or measure the process: not what a run decided.
@@ -112,6 +113,9 @@ def run(tmp_path, steady: bool, monkeypatch) -> tuple[list[dict], dict[str, torc
         return result
 
     monkeypatch.setattr(StepCore, "attempt", watched)
+    # What a measured step needed, scripted: measured, it is the host's memory (other processes move
+    # it), and fit_micro_batch's moves follow it. A MiB a sample, of 64 MiB.
+    monkeypatch.setattr(StepDemand, "_measure", lambda self: StepMemory(self._micro, self._micro * 2**20, 64 * 2**20))
     trainer.fit(epochs=3)
     trainer.close()
     steady_batches = trainer.counters.batches_done + 60 - agreements[0]  # 3 epochs of 20 batches; batches_done: 0
