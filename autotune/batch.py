@@ -34,7 +34,7 @@ from autotune.recovery import OOMRecovery
 from autotune.step import Attempt, Losses, StepCore
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class BatchOutcome:
     """What training one batch did."""
 
@@ -69,6 +69,7 @@ class BatchRunner:
         self.last_good_micro: int | None = None  # the micro-batch of the last batch that completed
         self.holding = False  # gradients of earlier batches set aside during this one
         self._agreement: Agreement | None = None  # the steady path's, alone (see `_agreed_alone`)
+        self._proposed: dict[str, Any] = {}  # what it was agreed from
         self.steady_path = True  # False: every batch through the full loop (what the tests compare it with)
 
     def run(self, batch: Any, n: int, *, optimizer_step: bool, proposal: Callable[[], dict[str, Any]] | None,
@@ -87,12 +88,17 @@ class BatchRunner:
         if not measured and self.steady_path and self.ranks.alone and self.core.failure is None:
             # The steady path: nothing to measure and nobody to agree with, so the attempt and
             # the step are all there is to do. An OOM goes on below, as any attempt's would.
-            attempt = self.core.attempt(batch, n, 0, knobs.micro_batch_size, additive=additive)
+            if n <= knobs.micro_batch_size and self._whole_batches and not additive:
+                done = self._whole(batch, n, held, proposal, checkpoint)
+                if type(done) is BatchOutcome:  # the common case: a plain loss, no failure
+                    return done
+                attempt = done
+            else:
+                attempt = self.core.attempt(batch, n, 0, knobs.micro_batch_size, additive=additive)
             if attempt.failed_micro_batch is None:
-                agreed = (Agreement(None, knobs.micro_batch_size, **proposal()) if proposal is not None
-                          else self._agreed_alone(knobs.micro_batch_size))
+                agreed = self._agreed_alone(proposal)  # before the step: a checkpoint is due by the step it ends at
                 self._complete(attempt, n, optimizer_step, held, checkpoint)
-                return self._outcome(attempt.losses, 0, agreed, measured, additive)
+                return self._outcome(attempt.losses, 0, agreed, False, additive)
         done = 0  # samples whose optimizer step has completed
         tried: list[int] = []
         losses: Losses | None = None
@@ -141,10 +147,42 @@ class BatchRunner:
             rebase = False  # the room was measured after the clean-up
         return self._outcome(losses, len(tried), agreed, measured, additive)
 
-    def _agreed_alone(self, micro_batch_size: int) -> Agreement:
-        # Alone with nothing to propose, every batch agrees the same: one record per size, not one a batch.
-        if self._agreement is None or self._agreement.micro_batch_size != micro_batch_size:
-            self._agreement = Agreement(None, micro_batch_size)
+    def _whole(self, batch: Any, n: int, held: list[tuple[nn.Parameter, torch.Tensor]] | None,
+               proposal: Callable[[], dict[str, Any]] | None, checkpoint: Callable[..., Any]) -> BatchOutcome | Attempt:
+        # The steady path's common batch: whole, in one piece, a plain loss (step.py's
+        # `whole_batch`), then the step, with as few moves as the loop's own bookkeeping allows
+        # (a ~1 ms step pays for each). Anything else comes back as an `Attempt` to go on with.
+        core = self.core
+        loss = core.whole_batch(batch, n)
+        if type(loss) is Attempt:
+            return loss
+        agreed = self._agreed_alone(proposal)  # before the step, as the loop's agreement is
+        if held:
+            add_gradients(held)
+        core.optimizer_step(n)  # alone, weighted by samples: nothing to reduce
+        if core.failure is not None:  # alone, known to all
+            self.recovery.give_up_on_the_step(core.failure, checkpoint)
+        losses = Losses([(loss, n)])
+        if core.skipped:
+            self.recovery.report_skipped(losses, True)
+        self.last_good_micro = self.knobs.micro_batch_size
+        self.cadence.done(False, None)
+        return BatchOutcome(0, losses, core.device, agreed)
+
+    @property
+    def _whole_batches(self) -> bool:
+        # Whether the steady path may use the step core's whole-batch attempt (step.py): the
+        # effective batch kept, no split_fn, no injected faults.
+        core = self.core
+        return self.keep_effective_batch and core.split_fn is None and not core.inject_oom
+
+    def _agreed_alone(self, proposal: Callable[[], dict[str, Any]] | None) -> Agreement:
+        # Alone, what this process proposes is agreed. Most batches propose what the last one did
+        # (no signal, no checkpoint due): one record for them, not one a batch.
+        size = self.knobs.micro_batch_size
+        proposed = proposal() if proposal is not None else _NOTHING_PROPOSED
+        if self._agreement is None or self._agreement.micro_batch_size != size or proposed != self._proposed:
+            self._agreement, self._proposed = Agreement(None, size, **proposed), proposed
         return self._agreement
 
     def _complete(self, attempt: Attempt, n: int, optimizer_step: bool,
@@ -160,6 +198,10 @@ class BatchRunner:
             if held:
                 add_gradients(held)
             self.core.optimizer_step(n)
+        self._complete_failure(checkpoint)
+
+    def _complete_failure(self, checkpoint: Callable[..., Any]) -> None:
+        # The optimizer step ran out of memory, here or (known to every rank now) on another rank.
         failure = self.ranks.known_to_all(self.core.failure)
         if failure:
             self.recovery.give_up_on_the_step(failure, checkpoint)
@@ -172,6 +214,9 @@ class BatchRunner:
         self.cadence.done(measured, self.demand.finish() if measured else None)
         return BatchOutcome(retries, losses if losses is not None else Losses(additive=additive),
                             self.core.device, agreed)
+
+
+_NOTHING_PROPOSED: dict[str, Any] = {}
 
 
 def set_aside_gradients(params: Iterable[nn.Parameter]) -> list[tuple[nn.Parameter, torch.Tensor]]:

@@ -153,7 +153,7 @@ def _plain_len(batch: Any) -> int | None:
     for part in parts:
         if type(part) is not torch.Tensor or not part.ndim:
             return None
-        m = len(part)  # its first dimension, without building a torch.Size
+        m = part.shape[0]  # its first dimension (len() goes through Tensor.__len__'s Python checks)
         if n is not None and m != n:
             return None
         n = m

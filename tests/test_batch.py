@@ -17,7 +17,7 @@ from autotune.monitor.board import Board
 from autotune.presets import resolve_policies
 from autotune.memory import StepDemand
 from autotune.snapshot import DeviceSample, StepMemory
-from autotune.step import StepCore
+from autotune.step import Attempt, StepCore
 
 # Fields that say when or how long, name a process or a file, or measure the process: not what a run decided.
 VOLATILE = {"time", "wall_seconds", "seconds", "pid", "path", "lost_seconds", "write_seconds", "step_seconds",
@@ -104,15 +104,19 @@ def run(tmp_path, steady: bool, monkeypatch) -> tuple[list[dict], dict[str, torc
         return agree(self, mine, device)
 
     monkeypatch.setattr(Solo, "agree", counted)
-    attempt = StepCore.attempt
     unmeasured_ooms = [0]  # attempts that ran out of memory on a batch the cadence did not measure
 
-    def watched(self, *args, **kwargs):
-        result = attempt(self, *args, **kwargs)
-        unmeasured_ooms[0] += result.failed_micro_batch is not None and not tuner.batches.measured
-        return result
+    def watching(method):
+        def watched(self, *args, **kwargs):
+            result = method(self, *args, **kwargs)
+            failed = isinstance(result, Attempt) and result.failed_micro_batch is not None
+            unmeasured_ooms[0] += failed and not tuner.batches.measured
+            return result
+        return watched
 
-    monkeypatch.setattr(StepCore, "attempt", watched)
+    # The loop's attempt, and the steady path's whole batch in one piece.
+    monkeypatch.setattr(StepCore, "attempt", watching(StepCore.attempt))
+    monkeypatch.setattr(StepCore, "whole_batch", watching(StepCore.whole_batch))
     # What a measured step needed, scripted: measured, it is the host's memory (other processes move
     # it), and fit_micro_batch's moves follow it. A MiB a sample, of 64 MiB.
     monkeypatch.setattr(StepDemand, "_measure", lambda self: StepMemory(self._micro, self._micro * 2**20, 64 * 2**20))
