@@ -62,7 +62,7 @@ class StepMemory:
     kept_bytes: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # slots: one is made every batch
 class StepTiming:
     """Where the time of the last optimizer step went."""
 
