@@ -1,8 +1,11 @@
 """What a steady step costs: each way of training with autotune against the same training without it.
 
 Nothing happens in these runs (no cap, no OOM, no alarm), so whatever autotune adds to a step is
-its own work. Four pairs, each in its own process, on one torch thread:
+its own work. Five pairs, each in its own process, on one torch thread:
 
+- `floor`: a hand loop that checks its gradients for NaN/inf before each optimizer step with the
+  check autotune makes (step.py's `all_finite`), vs the same loop without it: what no steady step
+  that keeps that promise can skip, as a reference for the rows below
 - `loop`: `Tuner.step` in a hand-written loop vs the same loop calling backward and step itself
 - `autotrainer`: `AutoTrainer.fit` vs a hand loop over a DataLoader of the same data
 - `hf`: `AutoTuneTrainer` vs HF's `Trainer`
@@ -24,7 +27,7 @@ With `--torchrun`, the two-rank rows as well: `Tuner.step` vs a hand loop on a D
 `Tuner(shard=True)` vs a hand loop on an FSDP2 model (gloo, one thread a rank).
 
     pip install -e '.[bench]'
-    python benchmarks/steady_step.py [--rounds 11] [--pairs loop,autotrainer,hf,lightning] [--sizes 1ms,10ms]
+    python benchmarks/steady_step.py [--rounds 11] [--pairs floor,loop,autotrainer,hf,lightning] [--sizes 1ms,10ms]
                                      [--torchrun]
 """
 
@@ -48,6 +51,7 @@ SIZES = {  # name: (tokens a sequence, sequences a batch, MLP width, steps a rou
     "10ms": (32, 32, 768, 350),
 }
 PAIRS = {
+    "floor": "the floor: a hand loop that checks its gradients for NaN/inf as autotune does, vs backward + step",
     "loop": "your loop: `Tuner.step` vs backward + step",
     "autotrainer": "`AutoTrainer` vs a hand loop over a DataLoader",
     "hf": "HF: `AutoTuneTrainer` vs `Trainer`",
@@ -58,8 +62,9 @@ PAIRS = {
 WARM_UP = 250
 
 
-def parts(size: str):
-    """The dataset, its collate function and a model factory for one size."""
+def parts(size: str, copies: int = 1):
+    """The dataset, its collate function and a model factory for one size (`copies`: the round's
+    steps `copies` times over: under torchrun every rank takes its share of them)."""
     import torch
     from torch import nn
     from torch.utils.data import Dataset
@@ -69,7 +74,7 @@ def parts(size: str):
     class Sequences(Dataset):
         def __init__(self) -> None:
             g = torch.Generator().manual_seed(0)
-            self.items = torch.randint(0, VOCAB, (batch * steps, tokens), generator=g)
+            self.items = torch.randint(0, VOCAB, (batch * steps * copies, tokens), generator=g)
 
         def __len__(self) -> int:
             return len(self.items)
@@ -96,6 +101,7 @@ def parts(size: str):
     return Sequences(), collate, TokenMLP, batch
 
 
+NO_CHECK_COLUMN = {"floor": "- (the whole row)", "hf": "- (its trainer steps)", "lightning": "- (its trainer steps)"}
 CHECKED = ("loop", "autotrainer")  # the pairs whose autotune side checks the gradients itself (on_nonfinite)
 
 
@@ -117,7 +123,18 @@ def one_round(pair: str, side: str, size: str, run_dir: str) -> list[float]:
     model = TokenMLP()
     stamps: list[float] = []
     with_autotune = side == "with"
-    if pair == "loop":
+    if pair == "floor":  # what no steady step can skip: the check before the optimizer step (step.py's all_finite)
+        from autotune.step import all_finite
+
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        params = list(model.parameters())
+        for b in DataLoader(data, batch_size=batch, collate_fn=collate):
+            model(**b)["loss"].backward()
+            if not with_autotune or all_finite([p.grad for p in params if p.grad is not None]):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stamps.append(time.perf_counter())
+    elif pair == "loop":
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         loader = DataLoader(data, batch_size=batch, collate_fn=collate)
         if with_autotune:
@@ -205,7 +222,7 @@ def distributed_round(pair: str, side: str, size: str, run_dir: str) -> list[flo
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
-    data, collate, TokenMLP, batch = parts(size)
+    data, collate, TokenMLP, batch = parts(size, copies=dist.get_world_size())  # a round's steps on every rank
     model = TokenMLP()
     loader = DataLoader(data, batch_size=batch, collate_fn=collate,
                         sampler=DistributedSampler(data, shuffle=False))
@@ -284,7 +301,7 @@ def row(pair: str, size: str, figures: dict) -> str:
     own = statistics.median(w - wo for w, wo in zip(with_, without))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     check = (f"{statistics.median(w - u for w, u in zip(with_, figures['unchecked'])) * 1e6:+.0f}"
-             if "unchecked" in figures else "- (its trainer steps)")
+             if "unchecked" in figures else NO_CHECK_COLUMN.get(pair, "- (not told apart)"))
     a, b = statistics.median(without), statistics.median(with_)
     return (f"| {PAIRS[pair]} | {size} | {len(ratios)} | {a * 1e3:.3f} | {b * 1e3:.3f} | "
             f"{statistics.median(ratios):.3f} | {quartiles[0]:.3f}-{quartiles[2]:.3f} | {own * 1e6:+.0f} | {check} |")
@@ -293,7 +310,7 @@ def row(pair: str, size: str, figures: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--pairs", default="loop,autotrainer,hf,lightning")
+    parser.add_argument("--pairs", default="floor,loop,autotrainer,hf,lightning")
     parser.add_argument("--sizes", default="1ms,10ms")
     parser.add_argument("--torchrun", action="store_true", help="the two-rank rows too (ddp, fsdp)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
@@ -338,7 +355,8 @@ def main() -> None:
               "the same autotune side run a third time, alternating with the others, with its check of the "
               "gradients for NaN/inf before each optimizer step (on_nonfinite, one fused pass over them) "
               "answered without looking; the difference is what the check costs. HF and Lightning step their "
-              "own optimizers, so autotune checks nothing there."]
+              "own optimizers, so autotune checks nothing there. The floor row's \"with\" side is no autotune: "
+              "the hand loop with the same check, what any steady step that keeps that promise pays."]
     write_results("steady_step", "A steady step: autotune's own work, side by side (CPU)", lines)
 
 
