@@ -1,12 +1,14 @@
 """What a steady step costs: each way of training with autotune against the same training without it.
 
 Nothing happens in these runs (no cap, no OOM, no alarm), so whatever autotune adds to a step is
-its own work. Five pairs, each in its own process, on one torch thread:
+its own work. Six pairs, each in its own process, on one torch thread:
 
 - `floor`: a hand loop that checks its gradients for NaN/inf before each optimizer step with the
   check autotune makes (step.py's `all_finite`), vs the same loop without it: what no steady step
   that keeps that promise can skip, as a reference for the rows below
 - `loop`: `Tuner.step` in a hand-written loop vs the same loop calling backward and step itself
+- `interleaved`: the same two, stepped in turn batch by batch in one loop and timed step by step, so
+  both sides see the VM at the same moment (its rows: chunks of a round's steps, not rounds)
 - `autotrainer`: `AutoTrainer.fit` vs a hand loop over a DataLoader of the same data
 - `hf`: `AutoTuneTrainer` vs HF's `Trainer`
 - `lightning`: `AutoTuneStrategy` vs Lightning's own strategy
@@ -27,7 +29,7 @@ With `--torchrun`, the two-rank rows as well: `Tuner.step` vs a hand loop on a D
 `Tuner(shard=True)` vs a hand loop on an FSDP2 model (gloo, one thread a rank).
 
     pip install -e '.[bench]'
-    python benchmarks/steady_step.py [--rounds 11] [--pairs floor,loop,autotrainer,hf,lightning] [--sizes 1ms,10ms]
+    python benchmarks/steady_step.py [--rounds 11] [--pairs floor,loop,interleaved,autotrainer,hf,lightning] [--sizes 1ms,10ms]
                                      [--torchrun]
 """
 
@@ -53,6 +55,7 @@ SIZES = {  # name: (tokens a sequence, sequences a batch, MLP width, steps a rou
 PAIRS = {
     "floor": "the floor: a hand loop that checks its gradients for NaN/inf as autotune does, vs backward + step",
     "loop": "your loop: `Tuner.step` vs backward + step",
+    "interleaved": "your loop, step by step: `Tuner.step` and backward + step taken in turn in one loop",
     "autotrainer": "`AutoTrainer` vs a hand loop over a DataLoader",
     "hf": "HF: `AutoTuneTrainer` vs `Trainer`",
     "lightning": "Lightning: `AutoTuneStrategy` vs its own strategy",
@@ -276,6 +279,45 @@ def measure(pair: str, size: str, rounds: int, distributed: bool = False) -> dic
     return figures
 
 
+def interleaved(size: str, steps: int) -> dict:
+    """`Tuner.step` and the plain loop's step taken in turn, batch by batch, in one loop: both sides
+    at the same moment of the VM's drift, so their medians compare to a few microseconds where
+    rounds of seconds each cannot (the 10 ms rows). Each side's step is timed around its call; a
+    side runs right after the other's, so both start with caches the other one filled."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from autotune import Tuner
+
+    torch.set_num_threads(1)
+    data, collate, TokenMLP, batch = parts(size)
+    plain_model, tuned_model = TokenMLP(), TokenMLP()
+    optimizer = torch.optim.SGD(plain_model.parameters(), lr=0.01)
+    times: dict[str, list[float]] = {"without": [], "with": []}
+    loss_of = lambda m, micro: m(**micro)["loss"]  # noqa: E731
+    with Tuner(tuned_model, torch.optim.SGD(tuned_model.parameters(), lr=0.01), device="cpu",
+               run_dir=f"runs/bench-steady/interleaved-{size}") as tuner:
+        done = 0
+        while done < steps:
+            for i, b in enumerate(DataLoader(data, batch_size=batch, collate_fn=collate)):
+                for side in ("without", "with") if i % 2 == 0 else ("with", "without"):
+                    start = time.perf_counter()
+                    if side == "with":
+                        tuner.step(b, loss_of)
+                    else:
+                        plain_model(**b)["loss"].backward()
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                    times[side].append(time.perf_counter() - start)
+                done += 1
+                if done >= steps:
+                    break
+    # In chunks of a round's steps after the warm-up: each chunk's medians pair as a round's do.
+    chunk = SIZES[size][3]
+    return {side: [statistics.median(values[at:at + chunk]) for at in range(WARM_UP, len(values) - chunk // 2, chunk)]
+            for side, values in times.items()}
+
+
 def in_process(pair: str, size: str, rounds: int) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--worker", pair, size, str(rounds)], capture_output=True,
                           text=True, timeout=3600)
@@ -310,7 +352,7 @@ def row(pair: str, size: str, figures: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--pairs", default="floor,loop,autotrainer,hf,lightning")
+    parser.add_argument("--pairs", default="floor,loop,interleaved,autotrainer,hf,lightning")
     parser.add_argument("--sizes", default="1ms,10ms")
     parser.add_argument("--torchrun", action="store_true", help="the two-rank rows too (ddp, fsdp)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
@@ -318,7 +360,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         pair, size, rounds = args.worker
-        print(json.dumps(measure(pair, size, int(rounds))))
+        figures = (interleaved(size, WARM_UP + SIZES[size][3] * int(rounds)) if pair == "interleaved"
+                   else measure(pair, size, int(rounds)))
+        print(json.dumps(figures))
         return
     if args.rank_worker:
         import torch.distributed as dist
