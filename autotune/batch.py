@@ -89,10 +89,10 @@ class BatchRunner:
             # The steady path: nothing to measure and nobody to agree with, so the attempt and
             # the step are all there is to do. An OOM goes on below, as any attempt's would.
             if n <= knobs.micro_batch_size and self._whole_batches and not additive:
-                done = self._whole(batch, n, held, proposal, checkpoint)
-                if type(done) is BatchOutcome:  # the common case: a plain loss, no failure
-                    return done
-                attempt = done
+                whole = self._whole(batch, n, held, proposal, checkpoint)
+                if type(whole) is BatchOutcome:  # the common case: a plain loss, no failure
+                    return whole
+                attempt = whole
             else:
                 attempt = self.core.attempt(batch, n, 0, knobs.micro_batch_size, additive=additive)
             if attempt.failed_micro_batch is None:
@@ -160,14 +160,8 @@ class BatchRunner:
         if held:
             add_gradients(held)
         core.optimizer_step(n)  # alone, weighted by samples: nothing to reduce
-        if core.failure is not None:  # alone, known to all
-            self.recovery.give_up_on_the_step(core.failure, checkpoint)
-        losses = Losses([(loss, n)])
-        if core.skipped:
-            self.recovery.report_skipped(losses, True)
-        self.last_good_micro = self.knobs.micro_batch_size
-        self.cadence.done(False, None)
-        return BatchOutcome(0, losses, core.device, agreed)
+        self._complete_failure(checkpoint)
+        return self._outcome(Losses([(loss, n)]), 0, agreed, False, False)
 
     @property
     def _whole_batches(self) -> bool:

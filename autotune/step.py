@@ -347,7 +347,6 @@ class StepCore:
                     loss, items = loss_and_items(self.loss(to_device(micro, self.device)), self.source)
                     if inject == "backward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune before backward, p={self.inject_oom})")
-                    weight = m if items is None else items
                     if additive:
                         self._backward(loss)
                         result.losses.parts.append((loss.detach(), 1))  # the losses add up to the batch's
@@ -360,18 +359,9 @@ class StepCore:
                             return result
                         result.done += m
                         result.started = time.perf_counter()  # this chunk is stepped: kept
-                    elif items is None:
-                        # Weight by the micro-batch's share so the accumulated gradient is the
-                        # gradient of the mean loss over the whole batch.
-                        self._backward(loss * (m / n) if m != n else loss)
+                        result.losses.parts.append((loss.detach(), m if items is None else items))
                     else:
-                        if result.ref is None:
-                            # Sharded, FSDP2 sums the ranks' gradients before anyone knows every
-                            # rank's items: each weights by raw items (ref 1), divided after.
-                            result.ref = 1 if self.ranks.sums_in_backward else _at_least_one(items * (n / m) if m != n else items)
-                        self._backward(loss * (items / result.ref))
-                        result.items = items if result.items is None else result.items + items
-                    result.losses.parts.append((loss.detach(), weight))
+                        self._accumulate(result, loss, items, m, n)
                     del loss
         except PeerFailed:
             # Another rank ran out of memory: this one's attempt stops at the same check, and is retried with it.
@@ -393,22 +383,29 @@ class StepCore:
             if type(out) is torch.Tensor and not out.ndim:
                 self._backward(out)
                 return out.detach()
-            loss, items = loss_and_items(out, self.source)
             result = Attempt(None, 0, Losses(), started=started)
-            if items is None:
-                self._backward(loss)
-                result.losses.parts.append((loss.detach(), n))
-                return result
-            # Weighted by items in one piece: the batch's own items are the reference (module docstring).
-            result.ref = 1 if self.ranks.sums_in_backward else _at_least_one(items)
-            self._backward(loss * (items / result.ref))
-            result.items = items
-            result.losses.parts.append((loss.detach(), items))
+            self._accumulate(result, *loss_and_items(out, self.source), n, n)
             return result
         except Exception as exc:
             result = Attempt(None, 0, Losses(), started=started)
             self._note_failure(exc, result, n, keep_stepped=False)
             return result
+
+    def _accumulate(self, result: Attempt, loss: torch.Tensor, items: Any, m: int, n: int) -> None:
+        # One micro-batch of `m` of the batch's `n` samples backpropagated, its gradient accumulated
+        # as its share of the batch's, and its loss kept in `result`.
+        if items is None:
+            # Weight by the micro-batch's share so the accumulated gradient is the gradient of
+            # the mean loss over the whole batch.
+            self._backward(loss * (m / n) if m != n else loss)
+        else:
+            if result.ref is None:
+                # Sharded, FSDP2 sums the ranks' gradients before anyone knows every rank's
+                # items: each weights by raw items (ref 1), divided after.
+                result.ref = 1 if self.ranks.sums_in_backward else _at_least_one(items * (n / m) if m != n else items)
+            self._backward(loss * (items / result.ref))
+            result.items = items if result.items is None else result.items + items
+        result.losses.parts.append((loss.detach(), m if items is None else items))
 
     def _note_failure(self, exc: Exception, result: Attempt, size: int, keep_stepped: bool) -> None:
         # An attempt's exception: an OOM is noted in `result` (never the exception itself, whose
