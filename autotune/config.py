@@ -17,6 +17,7 @@ import psutil
 import torch
 from torch import nn
 
+from autotune.memory import with_cuda_index
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL
 from autotune.step import PRECISIONS
 from autotune.units import format_bytes, parse_bytes
@@ -26,9 +27,12 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device to train on: the given one, checked, or CUDA when available, else CPU."""
+    """The device to train on: the given one, checked, or CUDA when available, else CPU. A CUDA
+    device always comes back with its index ("cuda" is the current one, "cuda:0" as a rule):
+    `torch.cuda.set_per_process_memory_fraction` and friends refuse a device without one, and
+    `torch.device("cuda") != torch.device("cuda:0")` where tensors' devices are compared."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -38,6 +42,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
             raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return with_cuda_index(resolved)
     elif resolved.type not in ("cpu", "mps", "xpu"):
         raise ValueError(f"unsupported device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
     return resolved
@@ -71,7 +76,7 @@ def resolve_memory_cap(cap: float | int | str | None, device: torch.device) -> i
         raise ValueError(f"memory_cap={cap!r} ({format_bytes(cap_bytes)}) is more than the {device} has "
                          f"({format_bytes(total)})")
     if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(cap_bytes / total, device)
+        torch.cuda.set_per_process_memory_fraction(cap_bytes / total, with_cuda_index(device))
     return cap_bytes
 
 

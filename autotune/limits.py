@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from autotune.memory import load_libc
+from autotune.memory import load_libc, with_cuda_index
 from autotune.monitor.host import virtual_bytes
 
 
@@ -85,7 +85,7 @@ def cap_cuda_memory(device: torch.device, cap_bytes: int) -> float:
     """Limit the CUDA caching allocator on `device` to `cap_bytes`; return the fraction set."""
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = min(1.0, cap_bytes / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, with_cuda_index(device))
     return fraction
 
 

@@ -33,6 +33,13 @@ from autotune.units import format_bytes
 _libc: ctypes.CDLL | None | bool = None  # None: not looked up yet; False: not available
 
 
+def with_cuda_index(device: torch.device) -> torch.device:
+    """`device`, and for "cuda" without an index the current CUDA device's, "cuda:N"."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def load_libc() -> ctypes.CDLL | None:
     """glibc, loaded once (looking it up can run a subprocess, so do it before any OOM)."""
     global _libc

@@ -349,6 +349,7 @@ class Tuner:
         `load_state_dict` on a Tuner built alike. A sharded (FSDP2) model's weights and optimizer
         state are this rank's shards (DTensors): save them with `torch.distributed.checkpoint`, as
         autotune's own checkpoints do."""
+        self.settle()  # a checkpoint holds exact counts and the scheduler's last step
         weights, optimizer = self.ranks.model_state(self.model, self.core.optimizer)
         return checkpoint_format.build(core={**self.core.state_dict(), "model": weights, "optimizer": optimizer},
                                        tuning=self.tuning_state(), progress=self.counters.state_dict(),
@@ -397,6 +398,13 @@ class Tuner:
         except RankFailed as exc:  # another rank's optimizer step ran out of memory
             self.give_up_on_the_step(str(exc))
 
+    def settle(self) -> None:
+        """Read the last optimizer step's non-finite check where a fused optimizer left it on the
+        device (`StepCore.settle`): the counts are exact after, and a skipped step is journaled."""
+        self.core.settle()
+        if self.core.skipped:
+            self.recovery.report_skipped(None, self.keep_effective_batch)
+
     # ------------------------------------------------------------------------- the end
     def agree_on_micro_batch(self) -> int:
         """At the end of a run, on every rank: take rank 0's micro-batch (one broadcast under
@@ -413,6 +421,7 @@ class Tuner:
         if not self._started:
             return
         self._started = False
+        self.settle()
         if not failed:
             self.journal.write("fit_end", self.step_count, self.counters.epoch, samples_seen=self.samples_seen,
                                ooms=self.ooms, micro_batch_size=self.knobs.micro_batch_size,

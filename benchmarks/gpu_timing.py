@@ -68,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # set_per_process_memory_fraction wants an index
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))
     plain(data, device)

@@ -63,6 +63,57 @@ def test_a_nan_batch_is_skipped_not_trained_and_no_checkpoint_is_nonfinite(tmp_p
     assert err.count("non-finite gradients (NaN or inf) at step 6: the optimizer step was skipped") == 1, err
 
 
+@pytest.mark.parametrize("read_late", [False, True], ids=["read-at-once", "read-a-step-late"])
+def test_a_fused_optimizers_nan_step_is_skipped_on_the_device_and_counted_as_read_at_once(tmp_path, capfd,
+                                                                                          monkeypatch, read_late):
+    # On CUDA a fused optimizer's check is read a step late (no host sync: step.py's _LateRead); CPU
+    # reads at once. Both here, on CPU: the weights, the momentum, the LR schedule (no scheduler step
+    # for the skipped step), the counts, the journal and the checkpoint after the NaN step are the
+    # same as a hand loop's that leaves the NaN batch out.
+    from autotune import step as step_module
+    from autotune.checkpoint import nonfinite_weights
+
+    if read_late:
+        monkeypatch.setattr(step_module, "READ_LATE_ON", frozenset({"cpu", "cuda"}))
+    data = nan_data()
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True)
+
+    def halving(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+
+    net = model()
+    with trainer(tmp_path, net, data, optimizer=sgd, scheduler=halving, checkpoint_every=3, keep_checkpoints=5) as t:
+        result = t.fit(epochs=1)
+        assert (t.tuner.core._late is not None) == read_late  # the path this case is about was taken
+    reference = model()
+    optimizer = sgd(reference.parameters())
+    scheduler = halving(optimizer)
+    x, y = data.tensors
+    for start in range(0, N, BATCH):
+        if start == 160:
+            continue
+        nn.functional.mse_loss(reference(x[start:start + BATCH]), y[start:start + BATCH]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    for mine, theirs in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+    assert result.samples_seen == N - BATCH and result.steps == 7
+    records = journal(tmp_path / "run")
+    skipped = [r for r in records if r["kind"] == "nonfinite"]
+    assert len(skipped) == 1 and skipped[0]["at_step"] == 6, skipped
+    # Due at steps 3 and 6: the one due at the NaN batch holds the last finite step, 5 (its step read
+    # before the checkpoint on the late path too), with as many samples and scheduler steps.
+    saved = [torch.load(path, weights_only=True) for path in kept_checkpoints(tmp_path)]
+    assert [(s["progress"]["step"], s["progress"]["samples_seen"], s["core"]["scheduler"]["last_epoch"])
+            for s in saved] == [(3, 3 * BATCH, 3), (5, 5 * BATCH, 5), (7, 7 * BATCH, 7)]
+    assert not any(nonfinite_weights(s["core"]["model"]) for s in saved)
+    err = capfd.readouterr().err
+    assert err.count("non-finite gradients (NaN or inf) at step 6: the optimizer step was skipped") == 1, err
+
+
 def test_stop_on_nonfinite_checkpoints_the_last_finite_step_and_names_the_samples(tmp_path):
     net = model()
     t = trainer(tmp_path, net, nan_data(), on_nonfinite="stop", checkpoint_interval=None)

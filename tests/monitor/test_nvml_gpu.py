@@ -16,7 +16,7 @@ GIB = 2**30
 
 def test_nvml_agrees_with_cuda_mem_get_info():
     device = torch.device("cuda:0")
-    torch.cuda.init()
+    torch.cuda.mem_get_info(device)  # makes this process's CUDA context (~0.5 GiB on an H200) before either reading
     memory = NVML().memory(cuda_uuid(device))
     free, total = torch.cuda.mem_get_info(device)
     # NVML's v2 total includes what the driver reserves; CUDA's does not. Other processes
