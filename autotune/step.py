@@ -35,6 +35,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from loguru import logger
 from torch import nn
 
 from autotune.batching import SplitFn, map_tensors, micro_batches
@@ -299,12 +300,18 @@ class _LateRead:
         self.pending, self.step, self.samples, self.scheduler_owed = True, step, samples, scheduler_owed
 
     def found(self) -> bool:
-        """Whether the pending step's gradients were not finite (it is then no longer pending)."""
+        """Whether the pending step's gradients were not finite (it is then no longer pending).
+        The check only ever sets the flag: it is cleared here after a find, not before each step
+        (one kernel launch fewer a step, where launches are the step's cost)."""
         self.pending = False
         if self.host is None:
-            return self.flag.found()
-        self.event.synchronize()  # recorded a step ago: done, unless the host runs far ahead of the device
-        return bool(self.host)
+            found = self.flag.found()
+        else:
+            self.event.synchronize()  # recorded a step ago: done, unless the host runs far ahead of the device
+            found = bool(self.host)
+        if found:
+            self.flag.clear()
+        return found
 
 
 def _flag_for(device: torch.device) -> _FoundFlag:
@@ -360,6 +367,7 @@ class StepCore:
         self._parameters: tuple[nn.Parameter, ...] | None = None  # the model's, walked once (see `parameters`)
         self._flag = _flag_for(device)  # the non-finite check's, for the model's device (all_finite)
         self._late: _LateRead | None = None  # fused optimizers' checks, read a step late (see `settle`)
+        self._told_fused = False  # the hint that a fused optimizer avoids the check's wait, given once
         self._stepped: tuple[Any, int, tuple[nn.Parameter, ...], bool] | None = None  # see `_stepped_parameters`
 
     @property
@@ -526,9 +534,14 @@ class StepCore:
         clipping = self.clip_grad_norm is not None or self.clip_grad_value is not None
         if self._late is not None and self._late.pending:
             self.settle()  # the last step's check first: its scheduler step sets this step's LR
-        if scaler is None and self.device.type in READ_LATE_ON and self._reads_late(optimizer):
-            self._step_read_late(n_samples, clipping)
-            return
+        if scaler is None and self.device.type in READ_LATE_ON:
+            if self._reads_late(optimizer) and self._step_read_late(n_samples, clipping):
+                return
+            if not self._told_fused:
+                self._told_fused = True
+                logger.info(f"the NaN/inf check of each {type(optimizer).__name__} step waits for {self.device}: "
+                            "an optimizer made with fused=True (Adam, AdamW, SGD, Adagrad) lets autotune leave it on "
+                            "the device (on an H200, a ~2 ms step: Tuner.step 1.21x the plain step, 1.08x fused)")
         try:
             if scaler is None and not self._gradients_finite():
                 # Never trained on: the weights stay those of the last finite step.
@@ -568,17 +581,21 @@ class StepCore:
         return (getattr(optimizer, "_step_supports_amp_scaling", False) and self.on_nonfinite == "skip"
                 and self.ranks.world == 1 and self._stepped_parameters()[1])
 
-    def _step_read_late(self, n_samples: int, clipping: bool) -> None:
-        """The optimizer step with its non-finite check left on the device (see `_LateRead`)."""
+    def _step_read_late(self, n_samples: int, clipping: bool) -> bool:
+        """The optimizer step with its non-finite check left on the device (see `_LateRead`).
+        False, nothing done: the fused check refused these gradients (sparse, complex): the
+        caller checks and steps as everywhere else."""
         if self._late is None:
             self._late = _LateRead(self.device)
         optimizer, flag = self.optimizer, self._late.flag
         params, _ = self._stepped_parameters()
         grads = [g for p in params if (g := p.grad) is not None]
+        try:  # into a clear flag: the last step's was read (settle) and cleared if it was set
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag.tensor, flag.one)
+        except (NotImplementedError, RuntimeError):
+            flag.clear()  # what it looked at before it refused may have set it
+            return False
         try:
-            flag.clear()
-            if grads:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag.tensor, flag.one)
             if clipping:
                 self._clip()  # NaN in, NaN out: the step is skipped either way
             optimizer.grad_scale, optimizer.found_inf = None, flag.tensor
@@ -587,10 +604,11 @@ class StepCore:
             finally:
                 del optimizer.grad_scale, optimizer.found_inf
         except Exception as exc:
+            flag.clear()  # no step to read it for; the next check needs it clear
             if not is_oom(exc):
                 raise
             self.failure = f"out of memory in optimizer.step() at step {self.counters.step}: {oom_message(exc)}"
-            return
+            return True
         self.zero_grad()
         counters = self.counters
         counters.step += 1
@@ -598,6 +616,7 @@ class StepCore:
         counters.samples_seen += samples
         owed = self.scheduler is not None and self.scheduler_interval == "step" and not self.plateau
         self._late.taken(counters.step, samples, owed)
+        return True
 
     def settle(self) -> None:
         """Read the last step's non-finite check if it was left on the device (a fused

@@ -287,3 +287,30 @@ def test_a_batch_in_one_piece_returns_its_loss_with_no_op_and_pieces_combine_by_
     assert epoch.weight == 8 + 8 + 4 + 1
     assert epoch.mean() == pytest.approx((16.0 + 14.0 + 6.0 + 0.75) / 21)
     assert LossSum(cpu).mean() is None
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_where_the_check_would_wait_a_fused_optimizer_reads_it_late_and_others_are_told_once(tmp_path, monkeypatch,
+                                                                                             fused):
+    # On CUDA (here: CPU standing in for it) a foreach optimizer's NaN/inf check is read at once, a
+    # host-device wait each step: said once at INFO, naming the way out. A fused one needs no wait.
+    from loguru import logger
+
+    from autotune import step as step_module
+
+    monkeypatch.setattr(step_module, "READ_LATE_ON", frozenset({"cpu"}))
+    said: list[str] = []
+    sink = logger.add(lambda message: said.append(message.record["message"]), level="INFO")
+    logger.enable("autotune")
+    try:
+        t, _ = trainer(tmp_path, plain, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, foreach=not fused, fused=fused))
+        with t:
+            t.fit(epochs=2)
+            late = t.tuner.core._late
+    finally:
+        logger.remove(sink)
+        logger.disable("autotune")
+    hints = [m for m in said if "fused=True" in m]
+    assert (late is not None) == fused
+    assert len(hints) == (0 if fused else 1), hints
+    assert not hints or "SGD step waits for cpu" in hints[0]
