@@ -19,6 +19,11 @@ from autotune import AutoTrainer
 from autotune.limits import adam_state_bytes, calibrate_headroom, cap_address_space, fix_mmap_threshold
 
 fix_mmap_threshold()  # freed blocks go back to the OS: the address space follows live memory
+# The resumed run may train at other micro-batch sizes (see the test), so its gradients differ from
+# the whole run's in rounding. AdamW divides by sqrt(v) + eps: a gradient that is rounding noise
+# (~1e-9, dead ReLUs) becomes a full lr-sized step of either sign at the default eps=1e-8 (0.016
+# apart after 8 steps, seen in a full suite). eps=1e-4 keeps noise noise (128 vs 256: 3e-8 apart).
+EPS = 1e-4
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(2048, 32, generator=g), torch.randint(0, 4, (2048,), generator=g))
@@ -31,7 +36,7 @@ def step(model, batch):
     return nn.functional.cross_entropy(model(x), y)
 
 trainer = AutoTrainer(model, data, step_fn=step, batch_size=512, device="cpu", run_dir=RUN_DIR, progress=False,
-                      monitor=False, checkpoint_every=1, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+                      monitor=False, checkpoint_every=1, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, eps=EPS))
 
 def probe(rows):
     x, y = data[:rows]
