@@ -3,7 +3,8 @@
     {"format": 2,
      "core":     {"model", "optimizer", "scheduler", "grad_scaler", "injector"}   # step.py + the weights
      "tuning":   {"micro_batch_size", "batch_size", "reliefs", "policies", "counters"}   # Tuner.tuning_state
-     "progress": {"step", "epoch", "position", "batches_done", "samples_seen", "ooms"}   # progress.py
+     "progress": {"step", "epoch", "position", "batches_done", "samples_seen", "ooms",
+                  "world", "epoch_world"}   # progress.py (the last two came later: see migrate)
      "rng":      this rank's random states (+ "loader": a caller's DataLoader's position),
                  + "ranks": every rank's, in a checkpoint written under torchrun
      "host":     the host's own part (AutoTrainer: "num_workers", "evaluation", "callbacks"; {} for a Tuner)}
@@ -23,7 +24,7 @@ from typing import Any
 
 FORMAT = 2
 SECTIONS = ("core", "tuning", "progress", "rng", "host")
-PROGRESS_FIELDS = ("step", "epoch", "position", "batches_done", "samples_seen", "ooms")
+PROGRESS_FIELDS = ("step", "epoch", "position", "batches_done", "samples_seen", "ooms")  # format 1's
 CORE_FIELDS = ("model", "optimizer", "scheduler", "grad_scaler", "injector")
 HOST_FIELDS = ("num_workers", "evaluation", "callbacks")  # AutoTrainer's, in format 1
 
@@ -55,7 +56,11 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
         evaluation = {"calm": 0, "since_failure": 0, **host["evaluation"]}  # "failed_size" was renamed
         evaluation.setdefault("failed_micro_batch", evaluation.pop("failed_size", None))
         host["evaluation"] = evaluation
-    return {**state, "tuning": migrate_tuning(state["tuning"]), "host": host}
+    # The job's number of ranks came later: an older checkpoint was made by as many ranks as saved
+    # random states (every rank's under torchrun), or one.
+    world = len(state["rng"].get("ranks") or [None])
+    progress = {"world": world, "epoch_world": world, **state["progress"]}
+    return {**state, "tuning": migrate_tuning(state["tuning"]), "progress": progress, "host": host}
 
 
 def migrate_tuning(tuning: dict[str, Any]) -> dict[str, Any]:
@@ -87,11 +92,13 @@ def _from_format_1(flat: dict[str, Any]) -> dict[str, Any]:
 
 def rank_rng(state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     """This rank's random states in a (migrated) checkpoint: every rank's is saved under torchrun;
-    a run alone takes rank 0's."""
+    a run alone takes rank 0's. On another number of ranks than saved it, rank r goes on with rank
+    r's streams where there was one, else with rank (r mod saved ranks)'s: the same streams on two
+    ranks from there (dropout masks, augmentations drawn in the main process), which no
+    arrangement of per-rank streams can avoid when ranks are added; the data order does not
+    depend on them (data/sampler.py)."""
     rng = state["rng"]
     ranks = rng.get("ranks")
-    if ranks is None or world == 1:
+    if ranks is None or (world == 1 and rank == 0 and len(ranks) <= 1):
         return {key: value for key, value in rng.items() if key != "ranks"}
-    if len(ranks) != world:
-        raise ValueError(f"the checkpoint was made by {len(ranks)} ranks, this job has {world}")
-    return ranks[rank]
+    return ranks[rank % len(ranks)]

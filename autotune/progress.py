@@ -22,6 +22,8 @@ class Progress:
     batches_done: int = 0  # batches of the current epoch already trained
     samples_seen: int = 0  # each sample counted once per epoch, when its optimizer step completed
     ooms: int = 0  # out-of-memory errors survived
+    world: int = 1  # ranks of the job these counters are of (`position` is each rank's: the job's is position x world)
+    epoch_world: int = 1  # ranks the current epoch began on: its order is padded for them (data/sampler.py)
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

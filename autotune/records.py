@@ -65,6 +65,9 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
           "reason:str need_bytes:int room_bytes:int|None"),
     _kind("resume", "a resume: from which checkpoint, or none found", "found:bool path:str position:int "
           "samples_seen:int micro_batch_size:int", shown=True),
+    _kind("world_changed", "resumed on another number of ranks: each rank's batch re-split so the job's stays",
+          "from_world:int to_world:int batch_size_from:int batch_size_to:int global_batch:int position:int "
+          "micro_batch_size:int", shown=True),
     _kind("preempted", "stopped by a signal, after a checkpoint", "signal:str checkpoint:str", shown=True),
     _kind("stop_requested", "a callback (or another rank's) asked to stop", "reason:str"),
     _kind("epoch_end", "an epoch done", "samples_seen:int loss:float|None micro_batch_size:int"),

@@ -40,6 +40,7 @@ from autotune.evaluation import EvaluationPlan, Evaluator, Metric
 from autotune.events import Event
 from autotune.memory import gc_frozen, memory_text
 from autotune.monitor.host import room_bytes
+from autotune.notices import warn
 from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
@@ -279,7 +280,9 @@ class AutoTrainer:
         self.tuner.fire(Event.EPOCH_START)
         self.model.train()
         epoch_loss_sum = LossSum(self.device)  # summed on the device: no sync per step
-        batches = self.input.batches(self.epoch, self.position, self.batches_done)
+        if self.position == 0:  # the epoch's order is padded for the ranks it begins on
+            self.counters.epoch_world = self.ranks.world
+        batches = self.input.batches(self.epoch, self.position, self.batches_done, self.counters.epoch_world)
         finished_epoch = True
         while True:
             wait_start = time.perf_counter()
@@ -366,8 +369,11 @@ class AutoTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (by this autotune or an older one)."""
         state = checkpoint_format.migrate(state)
-        if state["tuning"]["batch_size"] != self.knobs.batch_size:
-            raise ValueError(f"the checkpoint was made with batch_size {state['tuning']['batch_size']}, this trainer "
+        saved_batch, saved_world = state["tuning"]["batch_size"], state["progress"]["world"]
+        if saved_world != self.ranks.world:
+            batch_size = self._batch_on_this_world(saved_batch, saved_world)
+        elif saved_batch != self.knobs.batch_size:
+            raise ValueError(f"the checkpoint was made with batch_size {saved_batch}, this trainer "
                              f"has {self.knobs.batch_size}: the position in the epoch would not line up")
         self.tuner.load_state_dict(state)
         self.input.load_state_dict(checkpoint_format.rank_rng(state, self.ranks.rank, self.ranks.world).get("loader"))
@@ -375,9 +381,39 @@ class AutoTrainer:
         workers = host.get("num_workers", self.knobs.num_workers) if self.input.owned else self.knobs.num_workers
         if self.knobs.restore(state["tuning"]["micro_batch_size"], workers):  # as tuned before the stop
             self.input.set_workers(workers)
+        if saved_world != self.ranks.world:
+            self._go_on_with_this_world(saved_batch, saved_world, batch_size)
         if host.get("evaluation"):
             self.evaluator.load_state_dict(host["evaluation"])
         self.callbacks.load_state_dict(host.get("callbacks", {}))
+
+    def _batch_on_this_world(self, saved_batch: int, saved_world: int) -> int:
+        # Each rank's batch on this job for the job's batch of the checkpoint's (the user's
+        # batch_size is each rank's share on the job it was written for).
+        global_batch, world = saved_batch * saved_world, self.ranks.world
+        if global_batch % world:
+            raise ValueError(f"the checkpoint was made by {saved_world} ranks at batch_size {saved_batch} each, an "
+                             f"optimizer batch of {global_batch}, which {world} ranks cannot share evenly: resume on a "
+                             "number of ranks that divides it")
+        return global_batch // world
+
+    def _go_on_with_this_world(self, saved_batch: int, saved_world: int, batch_size: int) -> None:
+        """After loading a checkpoint made by another number of ranks: the same optimizer batch,
+        split between this job's ranks, from the job's position in the epoch's order (the ranks'
+        batches k together are its global batch k on any number of ranks: data/sampler.py)."""
+        counters, world = self.counters, self.ranks.world
+        counters.position = counters.position * saved_world // world  # a whole number of global batches
+        counters.world = world
+        self.knobs.batch_size = batch_size
+        self.knobs.micro_batch_size = min(self.knobs.micro_batch_size, batch_size)
+        self.input.set_batch_size(batch_size)
+        global_batch = batch_size * world
+        self.journal.write("world_changed", counters.step, counters.epoch, from_world=saved_world, to_world=world,
+                           batch_size_from=saved_batch, batch_size_to=batch_size, global_batch=global_batch,
+                           position=counters.position, micro_batch_size=self.knobs.micro_batch_size)
+        warn(f"resumed on {world} rank{'s' if world > 1 else ''} from a checkpoint of {saved_world}: each rank's batch "
+             f"is {batch_size} (was {saved_batch}), so every optimizer step is still one of {global_batch} samples, "
+             "in the same order", key=f"world_changed {self.run_dir}")
 
     # ----------------------------------------------------------------------------- what a host lends its Tuner
     def checkpoint_now(self, reason: str, report_failure: bool = True, background: bool = False) -> Path | None:

@@ -158,6 +158,7 @@ class Tuner:
         self.log = RunLog(self.run_dir, writes=self.is_main, tensorboard=tensorboard, progress=progress)
         self.journal = self.log.journal  # rank 0 writes
         self.counters = counters if counters is not None else Progress()
+        self.counters.world = self.counters.epoch_world = self.ranks.world
         self.core = StepCore(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
                              loss_fn=loss_fn, step_fn=step_fn, split_fn=split_fn, device=self.device,
                              backward_fn=backward_fn, ranks=self.ranks, counters=self.counters,
@@ -371,7 +372,7 @@ class Tuner:
         core = state["core"]
         self.ranks.load_model_state(self.model, self.core.optimizer, core["model"], core["optimizer"])
         self.core.load_state_dict(core)
-        self.counters.load_state_dict(state["progress"])
+        self.counters.load_state_dict(state["progress"])  # of the job that saved it: a host re-splits them
         set_rng_state(checkpoint_format.rank_rng(state, self.ranks.rank, self.ranks.world))
 
     def load_tuning_state(self, tuning: dict[str, Any]) -> None:

@@ -75,7 +75,7 @@ class InputPipeline:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         self.dataset = dataset
         self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed,
-                                    rank=ranks.rank, world=ranks.world)
+                                    rank=ranks.rank, world=ranks.world, batch_size=batch_size)
         self._batch_size, self._collate_fn = batch_size, collate_fn
         self.num_workers = num_workers
         self.loader = self._build(dataset, num_workers)
@@ -102,16 +102,26 @@ class InputPipeline:
             total = min(total, max_steps - progress.step)
         return max(total, 0)
 
-    def batches(self, epoch: int, position: int, batches_done: int) -> Iterator[Any]:
-        """The batches of `epoch`, from sample `position` on (`batches_done` batches in)."""
+    def batches(self, epoch: int, position: int, batches_done: int, padded_for: int | None = None) -> Iterator[Any]:
+        """The batches of `epoch`, from sample `position` on (`batches_done` batches in);
+        `padded_for`: the number of ranks the epoch began on (EpochSampler), if not this job's."""
         if self.sampler is not None:
-            self.sampler.set_epoch(epoch, start=position)  # a resumed epoch starts where it stopped
+            self.sampler.set_epoch(epoch, start=position, padded_for=padded_for)  # a resumed epoch goes on
             self.loader.generator.manual_seed(self.seed + epoch)  # worker seeds: a function of the epoch
         elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
             self.loader.sampler.set_epoch(epoch)  # e.g. a user's DistributedSampler
         if self.sampler is None:
             return self.user_position.batches(batches_done)
         return iter(self.loader)
+
+    def set_batch_size(self, batch_size: int) -> None:
+        """Each rank's batch from now on (a resume on another number of ranks keeps the job's):
+        the loader is built anew, and takes effect at the next `batches`."""
+        if not self.owned:
+            raise ValueError("a resume on another number of ranks re-splits the job's batch between them, which "
+                             "needs the DataLoader autotune builds: pass the Dataset, not your DataLoader")
+        self._batch_size = self.sampler.batch_size = batch_size
+        self.loader = self._build(self._cached if self.cache is not None else self.dataset, self.num_workers)
 
     def describe_batch(self, epoch: int, position: int, batches_done: int) -> str:
         """The batch that starts at sample `position` of `epoch`, in words: with its dataset
