@@ -36,7 +36,7 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
     _kind("fit_start", "a run of steps starts (AutoTrainer.fit, or a Tuner's first batch)",
           f"device:str keep_effective_batch:bool memory_cap:int|None policies:list precision:str "
           f"clip_grad_norm:float|None clip_grad_value:float|None compiled:bool epochs:int max_steps:int|None "
-          f"eval_every:int|str|None {_FIT_FIELDS}", shown=True),
+          f"eval_every:int|str|None world:int {_FIT_FIELDS}", shown=True),
     _kind("oom", "an out-of-memory error survived: the same batch is retried smaller",
           "micro_batch_size:int device:str message:str injected:bool lost_seconds:float ooms:int breakdown:dict|None "
           "memory_snapshot:dict", shown=True),

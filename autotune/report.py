@@ -170,11 +170,27 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                             for r in by_kind["nonfinite"]],
         "evaluations": [{"step": e["step"], "metrics": e.get("metrics", {}), "micro_batch_size": e.get("micro_batch_size"),
                          "ooms": e.get("ooms", 0)} for e in by_kind["evaluate"]],
+        # The job's number of ranks over the run: at each fit's start (journals since issue 33 say), and
+        # where a resume changed it.
+        "world": _world_over_the_run(records),
         "stopped_early": next((r.get("reason") for r in reversed(by_kind["stop_requested"])), None),
         "memory": {"cap_bytes": start.get("memory_cap") or (caps[-1] if caps else None),
                    "peak_used_bytes": max(used) if used else None, "samples": len(samples),
                    "source": samples[-1].get("source") if samples else None},
     }
+
+
+def _world_over_the_run(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    changes: list[dict[str, Any]] = []
+    for record in records:
+        kind = record.get("kind")
+        if kind == "world_changed":
+            changes.append({"step": record["step"], "ranks": record["to_world"], "batch_size": record["batch_size_to"],
+                            "from_ranks": record["from_world"]})
+        elif kind == "fit_start" and record.get("world") is not None:
+            if not changes or changes[-1]["ranks"] != record["world"]:
+                changes.append({"step": record["step"], "ranks": record["world"], "batch_size": record.get("batch_size")})
+    return changes
 
 
 def _duration(seconds: float) -> str:
@@ -231,6 +247,10 @@ def render(summary: dict[str, Any]) -> str:
         for e in evaluations[-5:]:
             lines.append(f"    step {e['step']}: " + ", ".join(f"{k} {v:.4g}" for k, v in e["metrics"].items()
                                                              if isinstance(v, (int, float))))
+    world = summary.get("world", [])
+    if len(world) > 1 or (world and world[0]["ranks"] > 1):
+        lines.append("  ranks: " + " -> ".join(f"{w['ranks']} from step {w['step']} (batch {w['batch_size']} each)"
+                                               for w in world))
     if summary.get("stopped_early"):
         lines.append(f"  stopped early: {summary['stopped_early']}")
     if summary["actions"]:

@@ -280,7 +280,8 @@ class Tuner:
                            micro_batch_size=self.knobs.micro_batch_size, keep_effective_batch=self.keep_effective_batch,
                            memory_cap=self.knobs.memory_cap_bytes, policies=[p.name for p in self.dispatcher.policies],
                            precision=self.core.precision, clip_grad_norm=self.core.clip_grad_norm,
-                           clip_grad_value=self.core.clip_grad_value, compiled=self.core.compiled_model, **fit_start)
+                           clip_grad_value=self.core.clip_grad_value, compiled=self.core.compiled_model,
+                           world=self.ranks.world, **fit_start)
         self.monitor_link.start(self.step_count, self.counters.epoch)
         if self.history is not None:
             self.history.start()

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 
+from autotune.report import render, summarize
 from tests.conftest import journal, torchrun
 
 pytestmark = pytest.mark.slow
@@ -107,3 +108,6 @@ def test_a_resume_on_another_number_of_ranks_trains_the_same_batches_to_the_same
     assert (changed["from_world"], changed["to_world"], changed["step"]) == (before, after, STOP_AT)
     assert (changed["batch_size_from"], changed["batch_size_to"]) == (GLOBAL_BATCH // before, GLOBAL_BATCH // after)
     assert changed["global_batch"] == GLOBAL_BATCH
+    shown = render(summarize(broken))
+    assert (f"ranks: {before} from step 0 (batch {GLOBAL_BATCH // before} each) -> {after} from step {STOP_AT} "
+            f"(batch {GLOBAL_BATCH // after} each)") in shown, shown
