@@ -311,7 +311,7 @@ class Checkpoints:
 
 
 NOT_SHARDED = ("is a sharded checkpoint (torch.distributed.checkpoint): it resumes the same model sharded with "
-               "FSDP2 under torchrun (AutoTrainer(..., shard=True)) only")
+               "FSDP2 under torchrun (AutoTrainer(..., shard=True)), or in one process alone")
 
 
 class CheckpointDue(enum.IntEnum):
@@ -474,7 +474,9 @@ class Checkpointer:
         """`load` the checkpoint at `path`, or (None) the newest that loads; none: say so, and the
         run starts fresh. A named one that does not load is an error naming it. `template`: the
         state now (`state_dict`), whose shards a sharded model's checkpoint is read into."""
-        template = template if self.ranks.writes_shards else None
+        # Sharded checkpoints are read into the state now: by the ranks of a sharded job, or by a job of
+        # one process, which reads every rank's shards into whole tensors (a node lost: issue 33).
+        template = template if self.ranks.writes_shards or self.ranks.world == 1 else None
         if path is not None:
             if not path.exists():
                 raise FileNotFoundError(f"resume={str(path)!r}: no such checkpoint")

@@ -445,8 +445,16 @@ def _whole(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[d
 def _load_whole(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
                 optimizer_state: Any) -> None:
     model.load_state_dict(weights)
-    if optimizer is not None and optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
+    if optimizer is None or optimizer_state is None:
+        return
+    if any(isinstance(key, str) for key in optimizer_state.get("state", {})):
+        # Keyed by parameter name: a sharded job's checkpoint, its shards read whole (sharded.py's
+        # `sharded_state`), on one process now.
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, optimizer_state)
+        return
+    optimizer.load_state_dict(optimizer_state)
 
 
 def _rank0s(code: int, ratio: int) -> Relief | None:

@@ -191,7 +191,7 @@ class AutoTrainer:
         if resume is not False:
             path = None if resume is True else Path(resume)
             self.checkpointer.resume(self.load_state_dict, self.counters, self.device, path=path,
-                                     template=self.state_dict)
+                                     template=self._template_for_shards)
         self._stop_request.clear()
         started = time.perf_counter()
         self.checkpointer.restart_clock(self.step)
@@ -386,6 +386,18 @@ class AutoTrainer:
         if host.get("evaluation"):
             self.evaluator.load_state_dict(host["evaluation"])
         self.callbacks.load_state_dict(host.get("callbacks", {}))
+
+    def _template_for_shards(self) -> dict[str, Any]:
+        # The state now, where a sharded checkpoint's shards are read into. One process reading a
+        # sharded job's checkpoint reads the weights and the optimizer state by parameter name, as the
+        # sharded job wrote them (DCP assembles each whole tensor from every rank's shards).
+        state = self.state_dict()
+        if not self.ranks.writes_shards:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            state["core"]["model"] = get_model_state_dict(self.model)
+            state["core"]["optimizer"] = get_optimizer_state_dict(self.model, self.core.optimizer)
+        return state
 
     def _batch_on_this_world(self, saved_batch: int, saved_world: int) -> int:
         # Each rank's batch on this job for the job's batch of the checkpoint's (the user's

@@ -120,11 +120,32 @@ def test_a_checkpoint_of_another_model_is_an_error_naming_what_has_no_place(tmp_
         checkpoints.load(path, template=lambda: smaller, ranks=Solo())
 
 
-def test_a_run_without_sharding_that_finds_a_sharded_checkpoint_says_so_instead_of_starting_afresh(tmp_path):
+class ReplicatedPair(Solo):
+    """Rank 0 of two whose model is replicated (DDP): its checkpoints are one file."""
+
+    world = 2
+
+
+def test_a_replicated_job_that_finds_a_sharded_checkpoint_says_so_instead_of_starting_afresh(tmp_path):
     Checkpoints(tmp_path).save_sharded(state(1), 1, is_main=True)
-    checkpointer = Checkpointer(tmp_path, keep=3, every=None, interval=None, ranks=Solo(), journal=Journal())
+    checkpointer = Checkpointer(tmp_path, keep=3, every=None, interval=None, ranks=ReplicatedPair(),
+                                journal=Journal())
     with pytest.raises(ValueError, match="step-000000001 is a sharded checkpoint .* shard=True"):
         checkpointer.resume(lambda s: None, None, torch.device("cpu"), template=template)
+
+
+def test_a_process_alone_reads_a_sharded_checkpoint_whole(tmp_path):
+    # A sharded job that lost its other nodes goes on in one process (issue 33): DCP reads every
+    # shard into the template's whole tensors.
+    Checkpoints(tmp_path).save_sharded(state(1), 1, is_main=True)
+    checkpointer = Checkpointer(tmp_path, keep=3, every=None, interval=None, ranks=Solo(), journal=Journal())
+
+    class Progress:
+        step = epoch = position = samples_seen = 1
+
+    loaded = []
+    checkpointer.resume(loaded.append, Progress(), torch.device("cpu"), template=template)
+    assert_same(loaded[0], state(1))
 
 
 def test_the_checkpointer_writes_a_sharded_models_checkpoint_as_a_folder_and_resumes_from_it(tmp_path):

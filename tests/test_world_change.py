@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from autotune import AutoTrainer
 
-run_dir, phase, tag, batch_size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+run_dir, phase, tag, batch_size, shard = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "shard"
 world = int(os.environ.get("WORLD_SIZE", "1"))
 rank = int(os.environ.get("RANK", "0"))
 
@@ -54,25 +54,31 @@ model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
 # The script as a user leaves it when a node is lost: each rank's batch_size as on the first job.
 trainer = AutoTrainer(model, Numbered(), step_fn=step, batch_size=batch_size, device="cpu",
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), run_dir=run_dir,
-                      progress=False, monitor=False, checkpoint_interval=None, seed=3)
+                      progress=False, monitor=False, checkpoint_interval=None, seed=3, shard=shard)
 if phase == "first":
     result = trainer.fit(epochs={EPOCHS}, max_steps={STOP_AT})
 else:
     result = trainer.fit(epochs={EPOCHS}, resume=phase == "resume")
+if shard and world > 1:  # the whole weights from every rank's shards (a collective: before close)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+else:
+    weights = model.state_dict()
 trainer.close()
 if rank == 0:
-    torch.save(model.state_dict(), os.path.join(run_dir, f"final-{{tag}}.pt"))
+    torch.save(weights, os.path.join(run_dir, f"final-{{tag}}.pt"))
 with open(os.path.join(run_dir, f"seen-{{tag}}-rank{{rank}}.json"), "w") as f:
     json.dump({{"seen": seen, "steps": result.steps, "samples": result.samples_seen,
                "batch": result.batch_size}}, f)
 '''.format(N=N, GLOBAL_BATCH=GLOBAL_BATCH, EPOCHS=EPOCHS, STOP_AT=STOP_AT)
 
 
-def run(tmp_path, world, run_dir, phase, tag, batch_size):
-    """The script on `world` ranks: 2 under torchrun (gloo), 1 as a plain process."""
+def run(tmp_path, world, run_dir, phase, tag, batch_size, shard=False):
+    """The script on `world` ranks: 2 under torchrun (gloo), 1 as a plain process; `shard`: FSDP2
+    where there are ranks to shard over."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    args = [str(run_dir), phase, tag, str(batch_size)]
+    args = [str(run_dir), phase, tag, str(batch_size), "shard" if shard else "whole"]
     results = [run_dir / f"seen-{tag}-rank{rank}.json" for rank in range(world)]
     if world == 2:
         torchrun(script, args, results)
@@ -84,15 +90,20 @@ def run(tmp_path, world, run_dir, phase, tag, batch_size):
     return [json.loads(path.read_text()) for path in results]
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2-ranks-then-1", "1-rank-then-2"])
-def test_a_resume_on_another_number_of_ranks_trains_the_same_batches_to_the_same_weights(tmp_path, before, after):
+@pytest.mark.parametrize("before, after, shard", [(2, 1, False), (1, 2, False), (2, 1, True)],
+                         ids=["ddp-2-ranks-then-1", "1-rank-then-ddp-2", "fsdp2-2-ranks-then-1"])
+def test_a_resume_on_another_number_of_ranks_trains_the_same_batches_to_the_same_weights(tmp_path, before, after,
+                                                                                        shard):
+    # fsdp2: the sharded job's checkpoint is a folder of both ranks' shards (DCP), read whole by one process.
     batch_size = GLOBAL_BATCH // before  # each rank's, as the first job's script says; the resumed job keeps it
     whole = tmp_path / "whole"
-    run(tmp_path, before, whole, "whole", "whole", batch_size)
+    run(tmp_path, before, whole, "whole", "whole", batch_size, shard)
     broken = tmp_path / "broken"
-    first = run(tmp_path, before, broken, "first", "first", batch_size)
+    first = run(tmp_path, before, broken, "first", "first", batch_size, shard)
     assert all(r["steps"] == STOP_AT for r in first)
-    resumed = run(tmp_path, after, broken, "resume", "resumed", batch_size)
+    if shard:
+        assert (broken / "checkpoints" / f"step-{STOP_AT:09d}").is_dir()
+    resumed = run(tmp_path, after, broken, "resume", "resumed", batch_size, shard)
 
     # The same weights as the run that was never stopped, to float32 rounding (see the module docstring).
     reference = torch.load(whole / "final-whole.pt", weights_only=True)
