@@ -43,6 +43,7 @@ import torch
 from loguru import logger
 
 from autotune.batching import tensor_bytes
+from autotune.memory import start_with_small_stack
 from autotune.notices import info, warn
 from autotune.preemption import Preempted
 from autotune.sharded_checkpoint import REST, read_rest, read_shards, split, write_shards
@@ -244,7 +245,7 @@ class Checkpoints:
                                   name="autotune-checkpoint")
         with _writing_lock:
             try:
-                thread.start()  # not a daemon: the interpreter's exit waits for the checkpoint
+                start_with_small_stack(thread)  # not a daemon: the interpreter's exit waits for the checkpoint
             except RuntimeError as exc:  # can't start new thread (a hard memory cap): synchronous
                 logger.debug(f"checkpoint of step {step}: no background write ({exc})")
                 return None

@@ -23,12 +23,11 @@ from typing import Any, Callable
 
 import torch
 
-from autotune.memory import load_libc, with_cuda_index
+from autotune.memory import M_ARENA_MAX, load_libc, with_cuda_index
 from autotune.monitor.host import virtual_bytes
 
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
-_M_ARENA_MAX = -8
 
 
 def single_malloc_arena() -> None:
@@ -42,7 +41,7 @@ def single_malloc_arena() -> None:
     """
     libc = load_libc()
     if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(_M_ARENA_MAX, 1)
+        libc.mallopt(M_ARENA_MAX, 1)
 
 
 def fix_mmap_threshold(threshold: int = 128 * 1024) -> None:

@@ -245,6 +245,37 @@ def _kib_field(text: bytes, name: bytes) -> int:
 SAMPLER_STACK_BYTES = 256 * 1024
 
 
+def start_with_small_stack(thread: threading.Thread, stack_bytes: int = SAMPLER_STACK_BYTES) -> None:
+    """Start one of autotune's own threads with a small stack: RLIMIT_AS counts a thread's whole
+    stack reservation (8 MiB by default), and autotune's threads only read files, sleep and write.
+    (threading.stack_size is the process's setting: set for this start only.)"""
+    previous = threading.stack_size(stack_bytes)
+    try:
+        thread.start()
+    finally:
+        threading.stack_size(previous)
+
+
+def one_arena_under_an_address_space_cap() -> bool:
+    """Under RLIMIT_AS, make every thread allocate from glibc's main arena (`mallopt(M_ARENA_MAX,
+    1)`); True if the cap is there and it was done. A thread's first allocation otherwise reserves
+    an arena of its own, 64 MiB of address space that the cap counts: the first thread autotune
+    starts (the step's virtual-peak sampler, a checkpoint writer) took 64 MiB of a 320 MiB cap,
+    whatever it did (issue 34). Without a cap nothing changes: the reservation costs nothing then."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return False
+    libc = load_libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(M_ARENA_MAX, 1))
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
 class _VirtualPeakSampler:
     """The virtual size, read every `period` seconds on a thread while a step runs: the peak of
     a step when the process's own virtual peak (which cannot be reset) is higher from before."""
@@ -258,15 +289,10 @@ class _VirtualPeakSampler:
         self._statm = os.open("/proc/self/statm", os.O_RDONLY)
         self._page = os.sysconf("SC_PAGE_SIZE")
         self._thread = threading.Thread(target=self._run, name="autotune-virtual-peak", daemon=True)
-        # A small stack: RLIMIT_AS counts a thread's whole stack reservation (8 MiB by default),
-        # and the sampler often starts under the cap, at a run's first measured step (it only
-        # reads /proc and sleeps). Measured: a Lightning bf16 run needed 24 MiB of headroom
-        # with the default stack where plain Lightning needed 14.
-        previous = threading.stack_size(SAMPLER_STACK_BYTES)
-        try:
-            self._thread.start()
-        finally:
-            threading.stack_size(previous)
+        # It often starts under the cap, at a run's first measured step (it only reads /proc and
+        # sleeps). Measured: a Lightning bf16 run needed 24 MiB of headroom with the default stack
+        # where plain Lightning needed 14.
+        start_with_small_stack(self._thread)
 
     def _virtual(self) -> int:
         try:  # the first field of statm: the virtual size in pages

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn, Protocol, Sequence
 
 import torch
+from loguru import logger
 from torch import nn
 
 from autotune.actions import Relief
@@ -55,7 +56,7 @@ from autotune.distributed import Ranks, Solo, from_environment
 from autotune.events import Event
 from autotune.journal import RunLog
 from autotune.knobs import Knobs
-from autotune.memory import StepDemand, warm_up_oom_path
+from autotune.memory import StepDemand, one_arena_under_an_address_space_cap, warm_up_oom_path
 from autotune.memory_history import AllocationHistory
 from autotune.monitor.link import MonitorLink
 from autotune.policy import Policy
@@ -139,6 +140,9 @@ class Tuner:
                               batch_size=batch_size, memory_snapshot=memory_snapshot, precision=precision,
                               clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
                               scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
+        if one_arena_under_an_address_space_cap():  # before any thread of ours allocates
+            logger.info("RLIMIT_AS is set: every thread allocates from one malloc arena (a thread's own arena "
+                        "would reserve 64 MiB of the cap)")
         self.ranks = ranks if ranks is not None else from_environment()
         self.device = resolve_device(self.ranks.device_for(device, keep_effective_batch))
         if ranks is None:  # ranks given: the caller joined the job
