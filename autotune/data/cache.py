@@ -27,6 +27,7 @@ import dataclasses
 import io
 import mmap
 import multiprocessing
+import sys
 import os
 import pickle
 import secrets
@@ -99,11 +100,11 @@ def split_for_caching(dataset: Any) -> CacheSplit:
         return CacheSplit(_Loaded(dataset), dataset.augment, "load(index) cached, augment(sample) after")
     if getattr(dataset, "cacheable", False) is True:
         return CacheSplit(dataset, None, "cacheable = True: whole samples cached")
-    try:
-        from torchvision.datasets import VisionDataset
-        from torchvision.datasets.vision import StandardTransform
-    except ImportError:  # torchvision is a dependency, but a broken install should not stop training
-        VisionDataset = StandardTransform = ()  # type: ignore[assignment,misc]
+    # A torchvision dataset was made by a process that imported torchvision: looked up, never imported
+    # here (importing it maps ~38 MiB of libraries, counted by an address-space cap: issue 34).
+    vision = sys.modules.get("torchvision.datasets.vision")
+    VisionDataset = getattr(vision, "VisionDataset", ())
+    StandardTransform = getattr(vision, "StandardTransform", ())
     if VisionDataset and isinstance(dataset, VisionDataset):
         transform = getattr(dataset, "transform", None)
         target_transform = getattr(dataset, "target_transform", None)
