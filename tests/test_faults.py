@@ -32,6 +32,24 @@ def trainer(tmp_path, net, data, **kwargs):
     return AutoTrainer(net, data, **{**options, **kwargs})
 
 
+def without_the_nan_batch(data, make_optimizer, make_scheduler=None):
+    """The model a plain loop trains when it leaves the NaN batch (samples 160..191) out: no step, no
+    scheduler step for it."""
+    reference = model()
+    optimizer = make_optimizer(reference.parameters())
+    scheduler = make_scheduler(optimizer) if make_scheduler is not None else None
+    x, y = data.tensors
+    for start in range(0, N, BATCH):
+        if start == 160:
+            continue
+        nn.functional.mse_loss(reference(x[start:start + BATCH]), y[start:start + BATCH]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return reference
+
+
 def kept_checkpoints(tmp_path):
     return sorted((tmp_path / "run" / "checkpoints").glob("step-*.pt"))
 
@@ -41,16 +59,7 @@ def test_a_nan_batch_is_skipped_not_trained_and_no_checkpoint_is_nonfinite(tmp_p
     net = model()
     with trainer(tmp_path, net, data, checkpoint_every=2, keep_checkpoints=3) as t:
         result = t.fit(epochs=1)
-    # The weights of a plain loop that leaves the NaN batch out.
-    reference = model()
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
-    x, y = data.tensors
-    for start in range(0, N, BATCH):
-        if start == 160:
-            continue
-        nn.functional.mse_loss(reference(x[start:start + BATCH]), y[start:start + BATCH]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    reference = without_the_nan_batch(data, lambda p: torch.optim.SGD(p, lr=0.05))
     for mine, theirs in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
     assert result.samples_seen == N - BATCH and result.steps == 7 and result.loss == result.loss  # not NaN
@@ -87,17 +96,7 @@ def test_a_fused_optimizers_nan_step_is_skipped_on_the_device_and_counted_as_rea
     with trainer(tmp_path, net, data, optimizer=sgd, scheduler=halving, checkpoint_every=3, keep_checkpoints=5) as t:
         result = t.fit(epochs=1)
         assert (t.tuner.core._late is not None) == read_late  # the path this case is about was taken
-    reference = model()
-    optimizer = sgd(reference.parameters())
-    scheduler = halving(optimizer)
-    x, y = data.tensors
-    for start in range(0, N, BATCH):
-        if start == 160:
-            continue
-        nn.functional.mse_loss(reference(x[start:start + BATCH]), y[start:start + BATCH]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
+    reference = without_the_nan_batch(data, sgd, halving)
     for mine, theirs in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
     assert result.samples_seen == N - BATCH and result.steps == 7

@@ -90,8 +90,9 @@ def run(tmp_path, world, run_dir, phase, tag, batch_size, shard=False):
     return [json.loads(path.read_text()) for path in results]
 
 
-@pytest.mark.parametrize("before, after, shard", [(2, 1, False), (1, 2, False), (2, 1, True)],
-                         ids=["ddp-2-ranks-then-1", "1-rank-then-ddp-2", "fsdp2-2-ranks-then-1"])
+# DDP from two ranks to one: tests/test_elastic.py, where torchrun restarts the job after a node is lost.
+@pytest.mark.parametrize("before, after, shard", [(1, 2, False), (2, 1, True)],
+                         ids=["1-rank-then-ddp-2", "fsdp2-2-ranks-then-1"])
 def test_a_resume_on_another_number_of_ranks_trains_the_same_batches_to_the_same_weights(tmp_path, before, after,
                                                                                         shard):
     # fsdp2: the sharded job's checkpoint is a folder of both ranks' shards (DCP), read whole by one process.
