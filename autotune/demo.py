@@ -68,7 +68,7 @@ def _measured_budget(model, device, batch_size: int) -> int:
     # AMX Xeon the whole batch of 256 then fitted under the cap: 0 OOMs).
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     calibration = calibrate_headroom(probe, fits=max(1, batch_size // 4), fails=max(2, batch_size),
-                                     extra_bytes=2 * parameter_bytes, fails_extra_bytes=0)
+                                     extra_bytes=2 * parameter_bytes, fails_extra_bytes=0, quick=True)
     if calibration.headroom_bytes is None and calibration.fits_bytes is not None:
         # The whole batch measured too close to a quarter's training need (on a loaded machine the
         # figures move by 20 MiB and more): the quarter's need and a margin still let the quarter

@@ -143,7 +143,7 @@ def least_headroom(probe: Callable[[], Any], high_bytes: int = 2**30, resolution
 
 def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, margin_bytes: int = 12 * MiB,
                        extra_bytes: int = 0, fails_extra_bytes: int | None = None,
-                       high_bytes: int = 2**30) -> Calibration:
+                       high_bytes: int = 2**30, quick: bool = False) -> Calibration:
     """A cap headroom under which `probe(fits)` runs and `probe(fails)` does not, with
     `margin_bytes` on both sides, measured on this machine with real OOMs (`least_headroom`
     of each, then their middle). `probe(size)`: one forward and backward at micro-batch `size`
@@ -154,7 +154,27 @@ def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, ma
     until they were counted). `fails_extra_bytes` (default `extra_bytes`): the same for the size
     that must fail, where it differs (a first attempt at the whole batch holds neither: the
     optimizer's state comes at its first step, after backward). Call it after the warm-up the run
-    itself makes, and set the cap right after (`cap_address_space(result.headroom_bytes)`)."""
+    itself makes, and set the cap right after (`cap_address_space(result.headroom_bytes)`).
+
+    `quick`: the size that must fail is probed once, not bisected: the headroom is two margins
+    above what `fits` needs, and `fails` is checked not to run a margin above that (the demo's
+    whole batch of ResNet-18 takes seconds a probe, ten of them to bisect). Where it runs
+    there, both are bisected and the headroom is their middle, as without `quick`."""
+    fails_extra = extra_bytes if fails_extra_bytes is None else fails_extra_bytes
+    if quick:
+        first = least_headroom(lambda: probe(fits), high_bytes)
+        if first is not None:
+            above = first + extra_bytes + 3 * margin_bytes
+            if not runs_under(above - fails_extra, lambda: probe(fails)):
+                # Measured again after the failure, as the run will need it after its first OOM
+                # (a failed probe leaves the heap otherwise: the demo's 128 then needed 24 MiB more).
+                need_fits = least_headroom(lambda: probe(fits), above)
+                if need_fits is not None and need_fits + extra_bytes + 3 * margin_bytes <= above:
+                    need_fits += extra_bytes
+                    headroom = need_fits + 2 * margin_bytes
+                    return Calibration(headroom, need_fits, None, f"micro-batch {fits} needs {need_fits / MiB:.0f} "
+                                       f"MiB of headroom, {fails} does not run under {above / MiB:.0f} MiB on this "
+                                       f"machine: headroom {headroom / MiB:.0f} MiB")
     need_fails = least_headroom(lambda: probe(fails), high_bytes)
     need_fits = least_headroom(lambda: probe(fits), need_fails or high_bytes)
     if need_fits is None:
@@ -164,7 +184,7 @@ def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, ma
         return Calibration(None, need_fits, None, f"micro-batch {fails} runs under any headroom measured "
                            f"({high_bytes / MiB:.0f} MiB): nothing would run out of memory")
     need_fits += extra_bytes
-    need_fails += extra_bytes if fails_extra_bytes is None else fails_extra_bytes
+    need_fails += fails_extra
     measured = (f"micro-batch {fits} needs {need_fits / MiB:.0f} MiB of headroom, {fails} needs "
                 f"{need_fails / MiB:.0f} MiB on this machine")
     if need_fails - need_fits < 2 * margin_bytes:
@@ -184,6 +204,7 @@ def example_headroom(probe: Callable[[int], Any], batch_size: int, extra_bytes: 
     """The examples' and the demo's cap: a headroom under which a quarter of the batch fits and
     the whole batch does not, measured on this machine (`calibrate_headroom`). Says what it
     measured on stdout; None (run uncapped) where the two cannot be told apart here."""
-    calibration = calibrate_headroom(probe, fits=max(1, batch_size // 4), fails=batch_size, extra_bytes=extra_bytes)
+    calibration = calibrate_headroom(probe, fits=max(1, batch_size // 4), fails=batch_size, extra_bytes=extra_bytes,
+                                     quick=True)
     print(f"memory cap: {calibration}" if calibration.headroom_bytes else f"no memory cap: {calibration}", flush=True)
     return calibration.headroom_bytes
