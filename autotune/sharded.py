@@ -375,8 +375,29 @@ def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
     from torch.distributed.tensor import DTensor
 
     if not any(isinstance(value, DTensor) for value in weights.values()):
-        raise ValueError("the state holds whole tensors, not a sharded model's shards: it was saved without "
-                         "FSDP2, and autotune resumes a sharded model from its own sharded checkpoints only")
+        # Whole tensors: the checkpoint of a job of one process (a sharded job grown from one: issue 33).
+        # Every rank read the file; each keeps its shards of every tensor.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        whole = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, weights, options=whole)
+        if optimizer is not None and optimizer_state is not None:
+            set_optimizer_state_dict(model, optimizer, _keyed_by_name(model, optimizer, optimizer_state),
+                                     options=whole)
+        return
     set_model_state_dict(model, weights)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, optimizer_state)
+
+
+def _keyed_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """`optimizer.state_dict()` of a job of one process (its parameters numbered in the optimizer's
+    order) keyed by parameter name, as torch's distributed state-dict functions take it. The numbers
+    are this optimizer's order: one made alike over the same model's parameters."""
+    if all(isinstance(key, str) for key in state["state"]):
+        return state
+    names = {param: name for name, param in model.named_parameters()}
+    by_number = [names[param] for group in optimizer.param_groups for param in group["params"]]
+    return {"state": {by_number[number]: values for number, values in state["state"].items()},
+            "param_groups": [{**group, "params": [by_number[number] for number in group["params"]]}
+                             for group in state["param_groups"]]}
