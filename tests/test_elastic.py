@@ -5,7 +5,8 @@
 - a node joins: a job running on one node is restarted by torchrun on two when the second arrives.
 
 Either way `fit(resume=True)` goes on from the last checkpoint with the same optimizer batch, and the run
-ends with the weights of the job whose ranks never changed; every sample is trained once an epoch by the
+ends with the weights of a run whose ranks never changed (one process: the same optimizer batch, so one or
+two ranks end alike, to float32 rounding); every sample is trained once an epoch by the
 steps that count: those checkpointed before the change and those after the resume (the steps between the
 checkpoint and the change are trained again, as after any crash).
 
@@ -24,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import _kill_tree, free_port, journal, torchrun
+from tests.conftest import _kill_tree, free_port, journal
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +62,10 @@ def step(model, micro):
         os.kill(os.getpid(), signal.SIGKILL)   # and its rank
     if event == "join" and world == 1 and trainer.step == at:
         open(os.path.join(run_dir, "waiting"), "w").close()  # the test starts the second node now;
-        time.sleep(240)  # torchrun stops this rank to restart the job on both
+        # torchrun stops this rank (SIGTERM) to restart the job on both. autotune's own handler would
+        # checkpoint at the end of this step, which never ends: torchrun would wait out its grace period.
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+        time.sleep(240)
     seen.write(json.dumps({"step": trainer.step, "world": world, "ids": ids.tolist()}) + "\n")
     return nn.functional.cross_entropy(model(x), y)
 
@@ -96,8 +100,11 @@ def elastic_job(script: Path, args: list[str], join_at_marker: Path | None = Non
                "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                "--rdzv-id=elastic-test", "--monitor-interval=0.5",
                # Started together, the agents fill the first rendezvous at once; after a loss the survivor
-               # waits this long for a second node before it goes on alone (so does a first node alone).
-               "--rdzv-conf", f"is_host=false,last_call_timeout={3 if join_at_marker else 10}", str(script), *args]
+               # waits last_call_timeout for a second node before it goes on alone (so does a first node
+               # alone). A node is taken for dead after keep_alive_max_attempt heartbeats of
+               # keep_alive_interval missed (torch's defaults: 3 of 5 s).
+               "--rdzv-conf", f"is_host=false,last_call_timeout={3 if join_at_marker else 10},"
+               "keep_alive_interval=1,keep_alive_max_attempt=3", str(script), *args]
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory() as folder:
         logs = [open(Path(folder) / f"{node}.log", "w+") for node in range(2)]
@@ -143,14 +150,24 @@ def same_weights(run_dir: Path, reference_dir: Path) -> None:
         torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6)
 
 
-def test_a_lost_node_is_survived_by_torchrun_restarting_the_rest_and_the_run_ends_as_if_nothing_was_lost(tmp_path):
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """The run whose ranks never change, on one process: the reference of both tests. The optimizer batch
+    is the same on one rank or two, so both end with its weights (to float32 rounding)."""
+    folder = tmp_path_factory.mktemp("whole")
+    script = folder / "train.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(folder), str(GLOBAL_BATCH), "none", "0"],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder
+
+
+def test_a_lost_node_is_survived_by_torchrun_restarting_the_rest_and_the_run_ends_as_if_nothing_was_lost(tmp_path,
+                                                                                                        whole):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     batch_size = GLOBAL_BATCH // 2
-    whole = tmp_path / "whole"
-    whole.mkdir()
-    torchrun(script, [str(whole), str(batch_size), "none", "0"], [whole / "result-rank0.json",
-                                                                  whole / "result-rank1.json"])
 
     run_dir = tmp_path / "lost"
     run_dir.mkdir()
@@ -174,14 +191,10 @@ def test_a_lost_node_is_survived_by_torchrun_restarting_the_rest_and_the_run_end
     assert sorted(counted) == sorted(list(range(N)) * EPOCHS)
 
 
-def test_a_node_that_joins_is_taken_in_by_torchrun_restarting_the_job_and_the_run_ends_as_if_it_had_not(tmp_path):
+def test_a_node_that_joins_is_taken_in_by_torchrun_restarting_the_job_and_the_run_ends_as_if_it_had_not(tmp_path,
+                                                                                                        whole):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    whole = tmp_path / "whole"
-    whole.mkdir()
-    proc = subprocess.run([sys.executable, str(script), str(whole), str(GLOBAL_BATCH), "none", "0"],
-                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
     run_dir = tmp_path / "joined"
     run_dir.mkdir()
