@@ -534,10 +534,11 @@ class StepCore:
         clipping = self.clip_grad_norm is not None or self.clip_grad_value is not None
         if self._late is not None and self._late.pending:
             self.settle()  # the last step's check first: its scheduler step sets this step's LR
-        if scaler is None and self.device.type in READ_LATE_ON:
-            if self._reads_late(optimizer) and self._step_read_late(n_samples, clipping):
-                return
-            if not self._told_fused:
+        if scaler is None and self.device.type in READ_LATE_ON and self._may_read_late():
+            if self._fused(optimizer):
+                if self._step_read_late(n_samples, clipping):
+                    return
+            elif not self._told_fused:  # only where a fused optimizer would have spared the wait
                 self._told_fused = True
                 logger.info(f"the NaN/inf check of each {type(optimizer).__name__} step waits for {self.device}: "
                             "an optimizer made with fused=True (Adam, AdamW, SGD, Adagrad) lets autotune leave it on "
@@ -575,11 +576,15 @@ class StepCore:
         counters.step += 1
         counters.samples_seen += n_samples * self.ranks.world
 
-    def _reads_late(self, optimizer: torch.optim.Optimizer) -> bool:
-        # A fused optimizer skips on the device; alone (the ranks' agreement reads the host anyway),
-        # and only to skip: "stop" must stop before the next batch is trained on.
-        return (getattr(optimizer, "_step_supports_amp_scaling", False) and self.on_nonfinite == "skip"
-                and self.ranks.world == 1 and self._stepped_parameters()[1])
+    def _may_read_late(self) -> bool:
+        # Alone (the ranks' agreement reads the host anyway), plain parameters, and only to skip:
+        # "stop" must stop before the next batch is trained on.
+        return self.on_nonfinite == "skip" and self.ranks.world == 1 and self._stepped_parameters()[1]
+
+    @staticmethod
+    def _fused(optimizer: torch.optim.Optimizer) -> bool:
+        # An optimizer that skips its own update on the device when given found_inf (fused=True).
+        return getattr(optimizer, "_step_supports_amp_scaling", False)
 
     def _step_read_late(self, n_samples: int, clipping: bool) -> bool:
         """The optimizer step with its non-finite check left on the device (see `_LateRead`).

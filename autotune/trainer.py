@@ -415,7 +415,6 @@ class AutoTrainer:
         batches k together are its global batch k on any number of ranks: data/sampler.py)."""
         counters, world = self.counters, self.ranks.world
         counters.position = counters.position * saved_world // world  # a whole number of global batches
-        counters.world = world
         self.knobs.batch_size = batch_size
         self.knobs.micro_batch_size = min(self.knobs.micro_batch_size, batch_size)
         self.input.set_batch_size(batch_size)

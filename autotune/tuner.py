@@ -377,7 +377,10 @@ class Tuner:
         core = state["core"]
         self.ranks.load_model_state(self.model, self.core.optimizer, core["model"], core["optimizer"])
         self.core.load_state_dict(core)
-        self.counters.load_state_dict(state["progress"])  # of the job that saved it: a host re-splits them
+        self.counters.load_state_dict(state["progress"])
+        # The counters are this job's from here; a host whose data position is per rank re-splits it
+        # where the saving job had another number of ranks (AutoTrainer, from the state's own `world`).
+        self.counters.world = self.ranks.world
         set_rng_state(checkpoint_format.rank_rng(state, self.ranks.rank, self.ranks.world))
 
     def load_tuning_state(self, tuning: dict[str, Any]) -> None:

@@ -289,11 +289,12 @@ def test_a_batch_in_one_piece_returns_its_loss_with_no_op_and_pieces_combine_by_
     assert LossSum(cpu).mean() is None
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused, on_nonfinite", [(False, "skip"), (True, "skip"), (False, "stop")])
 def test_where_the_check_would_wait_a_fused_optimizer_reads_it_late_and_others_are_told_once(tmp_path, monkeypatch,
-                                                                                             fused):
+                                                                                             fused, on_nonfinite):
     # On CUDA (here: CPU standing in for it) a foreach optimizer's NaN/inf check is read at once, a
     # host-device wait each step: said once at INFO, naming the way out. A fused one needs no wait.
+    # on_nonfinite="stop" reads at once whatever the optimizer: nothing to tell.
     from loguru import logger
 
     from autotune import step as step_module
@@ -303,7 +304,8 @@ def test_where_the_check_would_wait_a_fused_optimizer_reads_it_late_and_others_a
     sink = logger.add(lambda message: said.append(message.record["message"]), level="INFO")
     logger.enable("autotune")
     try:
-        t, _ = trainer(tmp_path, plain, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, foreach=not fused, fused=fused))
+        t, _ = trainer(tmp_path, plain, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, foreach=not fused, fused=fused),
+                       on_nonfinite=on_nonfinite)
         with t:
             t.fit(epochs=2)
             late = t.tuner.core._late
@@ -312,5 +314,5 @@ def test_where_the_check_would_wait_a_fused_optimizer_reads_it_late_and_others_a
         logger.disable("autotune")
     hints = [m for m in said if "fused=True" in m]
     assert (late is not None) == fused
-    assert len(hints) == (0 if fused else 1), hints
+    assert len(hints) == (1 if not fused and on_nonfinite == "skip" else 0), hints
     assert not hints or "SGD step waits for cpu" in hints[0]

@@ -156,6 +156,21 @@ def test_state_dict_continues_a_custom_loop_exactly(tmp_path):
         torch.testing.assert_close(value, expected[key], rtol=1e-6, atol=1e-7)
 
 
+def test_a_tuner_that_loads_another_jobs_checkpoint_counts_as_its_own_job(tmp_path):
+    # A checkpoint of two ranks (issue 33) loaded by a Tuner alone: its counters, and so its next
+    # checkpoints, are of this job's one rank, or a later resume would re-split for a change never made.
+    model, data = _problem()
+    with _tuner(model, tmp_path, "two", micro_batch_size=8) as tuner:
+        tuner.step(next(iter(DataLoader(data, batch_size=16))))
+        state = tuner.state_dict()
+    state["progress"] = {**state["progress"], "world": 2, "epoch_world": 2}
+    model, _ = _problem()
+    with _tuner(model, tmp_path, "one", micro_batch_size=8) as tuner:
+        tuner.load_state_dict(state)
+        assert tuner.step_count == 1
+        assert tuner.state_dict()["progress"]["world"] == 1
+
+
 def test_accumulate_keeps_earlier_gradients_through_a_retry(tmp_path):
     # Two batches into one optimizer step, the second retried after (injected) OOMs: the
     # gradient is the sum of both batches' exactly once.
