@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -74,12 +75,14 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def torchrun(script: Path, args: list[str], results: list[Path], timeout: float = 240,
-             expect_success: bool = True, nodes: int = 1) -> subprocess.CompletedProcess:
+             expect_success: bool = True, nodes: int = 1,
+             folders: list[Path] | None = None) -> subprocess.CompletedProcess:
     """`script` under torchrun, two ranks on CPU (gloo), with a real malloc arena per process: two
     processes of one torchrun, or (`nodes=2`) two torchruns of one process each, as two machines
     would start them (a rendezvous on 127.0.0.1). Asserts it succeeded (`expect_success`);
-    `results` are the files each rank writes at its end. A job still running after `timeout`
-    seconds hung: it is killed, ranks and all, and the test fails."""
+    `results` are the files each rank writes at its end; `folders`, every folder the job writes in
+    (the results' folders if not given: a job of several cases names each case's). A job still
+    running after `timeout` seconds hung: it is killed, ranks and all, and the test fails."""
     env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run"]
     if nodes == 1:
@@ -91,35 +94,35 @@ def torchrun(script: Path, args: list[str], results: list[Path], timeout: float 
         commands = [[*launcher, "--nnodes", str(nodes), "--nproc-per-node", "1", "--node-rank", str(node),
                      "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), *args]
                     for node in range(nodes)]
-    journals = _journal_sizes(results)
-    proc = _run_job(commands, env, timeout)
-    if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr and all(path.exists() for path in results):
-        # Both ranks finished and wrote their results, then one aborted in C++ at interpreter exit
-        # (gloo's teardown; pytorch#179291 describes the mechanism): seen about once in 40 runs here.
-        # A known open bug, in the issue notes; the run is repeated once, afresh, and must then be clean.
-        for path in results:
-            path.unlink()
-        _restore_journals(results, journals)  # else the repeat's records follow the first run's
+    folders = sorted(set(folders or [path.parent for path in results]))
+    with tempfile.TemporaryDirectory() as before:
+        _copy_folders(folders, Path(before))
         proc = _run_job(commands, env, timeout)
+        if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr and all(path.exists() for path in results):
+            # Both ranks finished and wrote their results, then one aborted in C++ at interpreter exit
+            # (gloo's teardown; pytorch#179291 describes the mechanism): seen about once in 40 runs here.
+            # A known open bug, in the issue notes; the run is repeated once, afresh, and must then be
+            # clean. Afresh: every folder as it was before, or the repeat would resume from the first
+            # run's checkpoints and journal its records after the first run's.
+            _restore_folders(folders, Path(before))
+            proc = _run_job(commands, env, timeout)
     if expect_success:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
 
-def _journal_sizes(results: list[Path]) -> dict[Path, int]:
-    # The journals (*.jsonl) beside the results, and their sizes, before a job runs.
-    return {path: path.stat().st_size for folder in {r.parent for r in results} if folder.is_dir()
-            for path in folder.glob("*.jsonl")}
+def _copy_folders(folders: list[Path], into: Path) -> None:
+    for index, folder in enumerate(folders):
+        if folder.is_dir():
+            shutil.copytree(folder, into / str(index))
 
 
-def _restore_journals(results: list[Path], sizes: dict[Path, int]) -> None:
-    # The journals beside the results as they were before the first run: cut back, or gone.
-    for folder in {r.parent for r in results}:
-        for path in folder.glob("*.jsonl"):
-            if path in sizes:
-                os.truncate(path, sizes[path])
-            else:
-                path.unlink()
+def _restore_folders(folders: list[Path], copies: Path) -> None:
+    # Each folder as _copy_folders found it: the copy back, or gone where there was none.
+    for index, folder in enumerate(folders):
+        shutil.rmtree(folder, ignore_errors=True)
+        if (copies / str(index)).is_dir():
+            shutil.copytree(copies / str(index), folder)
 
 
 def free_port() -> int:
