@@ -7,6 +7,11 @@ agreement after each, OOM recovery between them, and the gradients a caller held
       agree (distributed.py), failed or not         no failure: reduce, add the held, step; done
       failure: recovery.py (clean up, record, decide), then the same batch again, smaller
 
+Under torchrun with a replicated model, a batch whose proposal is quiet on every rank (no OOM,
+signal, due checkpoint or relief; rank 0's size as agreed last) needs no agreement of its own:
+the gradients' all-reduce carries each rank's "I have news" and, where nobody has, it was the
+agreement (distributed.Ranks.reduce_with_news). Where anybody has, the full agreement follows.
+
 The steady path is the loop's first pass with nothing in it that cannot change the outcome:
 alone there is nobody to agree with, and a batch the cadence does not measure has no peak to
 read. An OOM in its attempt goes on in the loop exactly as an attempt there would.
@@ -70,6 +75,9 @@ class BatchRunner:
         self.holding = False  # gradients of earlier batches set aside during this one
         self._agreement: Agreement | None = None  # the steady path's, alone (see `_agreed_alone`)
         self._proposed: dict[str, Any] = {}  # what it was agreed from
+        # Under torchrun, the last agreement's quiet form: what a batch no rank has news for agrees
+        # (a replicated model's news rides in its gradients' all-reduce: distributed.py).
+        self._quiet: Agreement | None = None
         self.steady_path = True  # False: every batch through the full loop (what the tests compare it with)
 
     def run(self, batch: Any, n: int, *, optimizer_step: bool, proposal: Callable[[], dict[str, Any]] | None,
@@ -118,10 +126,17 @@ class BatchRunner:
             done = attempt.done
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
             # rank that ran out of memory.
-            agreed = self.ranks.agree(Agreement(
-                failed_micro_batch=attempt.failed_micro_batch, micro_batch_size=knobs.micro_batch_size,
-                relief=self.ranks.offer_relief(knobs), fatal=self.core.failure,
-                **(proposal() if proposal is not None else {})), self.core.device)
+            mine = Agreement(failed_micro_batch=attempt.failed_micro_batch, micro_batch_size=knobs.micro_batch_size,
+                             relief=self.ranks.offer_relief(knobs), fatal=self.core.failure,
+                             **(proposal() if proposal is not None else {}))
+            reduced = (optimizer_step and not held and self.steady_path and self._quiet is not None
+                       and self.ranks.news_rides_gradients)
+            if reduced and not self.core.reduce_gradients_with_news(attempt, not mine.is_quiet(self._quiet,
+                                                                                                self.ranks.is_main)):
+                agreed = self._quiet  # nobody had anything to say: the gradients are the batch's now
+            else:
+                agreed = self.ranks.agree(mine, self.core.device)
+                self._quiet = agreed.quiet()
             if agreed.failed_micro_batch is not None and (self.keep_effective_batch or additive):
                 # Another rank ran out of memory: this rank's whole attempt is retried with
                 # it, so its losses go too (kept, they were counted twice).
@@ -135,7 +150,7 @@ class BatchRunner:
             if agreed.fatal:
                 self.recovery.give_up_on_the_step(agreed.fatal, checkpoint)
             if agreed.failed_micro_batch is None:
-                self._complete(attempt, n, optimizer_step, held, checkpoint)
+                self._complete(attempt, n, optimizer_step, held, checkpoint, reduced)
                 break
             # Out of the `except` block now, so the exception and its frames are gone and
             # the tensors they pinned (activations, partial gradients) can be freed.
@@ -180,9 +195,13 @@ class BatchRunner:
         return self._agreement
 
     def _complete(self, attempt: Attempt, n: int, optimizer_step: bool,
-                  held: list[tuple[nn.Parameter, torch.Tensor]] | None, checkpoint: Callable[..., Any]) -> None:
-        # The attempt every rank agreed fit: its gradients reduced, the held ones added, the step.
-        if optimizer_step and self.keep_effective_batch:
+                  held: list[tuple[nn.Parameter, torch.Tensor]] | None, checkpoint: Callable[..., Any],
+                  reduced: bool = False) -> None:
+        # The attempt every rank agreed fit: its gradients reduced (`reduced`: already, with the
+        # news), the held ones added, the step.
+        if reduced:
+            self.core.optimizer_step(n)
+        elif optimizer_step and self.keep_effective_batch:
             if held and self.ranks.bucket is not None:
                 # The held gradients are views of the ranks' gradient buffers: added into them first
                 # (rank-alike already, so averaging leaves them as they are).

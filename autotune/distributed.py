@@ -15,7 +15,10 @@ fail. Each rank runs all micro-batches of its batch with DDP's gradient sync off
 anyone ran out of memory. Only if nobody did are gradients averaged and the optimizer
 stepped, on every rank; otherwise every rank drops its gradients and retries the same batch
 with the same new micro-batch size. A rank that failed in backward therefore never owes the
-others a gradient all-reduce.
+others a gradient all-reduce. In a steady run the agreement rides in that all-reduce instead
+(`Ranks.reduce_with_news`): every rank joins it, failed or not, with one number more saying
+whether it has anything to tell; only where one has do they agree in full, and a failure
+throws the reduced gradients away. One collective a steady step, not two.
 
 What the ranks agree on is rank 0's: its micro-batch size and the relief its policies asked
 for travel in the same all-reduce, so every rank changes at the same step. A rank whose
@@ -105,6 +108,25 @@ class Agreement:
                                                 if text) if value else None)
         return Agreement(**agreed)
 
+    def is_quiet(self, last: "Agreement", is_main: bool) -> bool:
+        """Whether this proposal says nothing that `last` (an agreement's quiet form, `quiet`) did
+        not: no failure, signal, due checkpoint, relief or fatal error, and (rank 0) the same size."""
+        for field in _FIELDS:
+            value = getattr(self, field.name)
+            if field.metadata["wire"] == "rank0":
+                if is_main and value != getattr(last, field.name):
+                    return False
+            elif value is not None and value != 0:
+                return False
+        return True
+
+    def quiet(self) -> "Agreement":
+        """What a batch that says nothing new agrees after this one: rank 0's size, nothing else."""
+        return Agreement(None, self.micro_batch_size)
+
+
+_FIELDS = dataclasses.fields(Agreement)
+
 
 class Solo:
     """A process training alone: every agreement is its own proposal; no collective, no wrapper."""
@@ -112,6 +134,7 @@ class Solo:
     rank, world, local_rank, is_main = 0, 1, 0, True
     alone = True  # no other process to agree with (batch.py's steady path)
     bucket = None  # alone, gradients are never all-reduced
+    news_rides_gradients = False  # alone, there is no agreement to fold into anything
 
     def device_for(self, device: str | torch.device | None, keep_effective_batch: bool) -> str | torch.device | None:
         return device
@@ -312,6 +335,23 @@ class Ranks:
     def reset_after_failure(self) -> None:
         self.strategy.reset_after_failure()
 
+    @property
+    def news_rides_gradients(self) -> bool:
+        """Whether `reduce_with_news` can stand in for a quiet batch's agreement: a replicated model
+        whose gradients autotune all-reduces itself (sharded, FSDP2 reduces them in backward)."""
+        return isinstance(self.strategy, Replicated) and self.strategy.bucket is not None
+
+    def reduce_with_news(self, news: bool, ref: Any, items: Any) -> bool:
+        """The attempt's gradients made the batch's (averaged, or divided by every rank's `items`)
+        with this rank's `news` (its proposal is not quiet: an OOM, a signal, a due checkpoint...)
+        summed in the same all-reduce: whether any rank has news. Every rank calls it where it
+        would agree, failed or not; where any has news, they all agree in full next (`agree`),
+        and a failure drops these gradients. A steady step makes one collective, not two."""
+        bucket = self.strategy.bucket
+        if items is None:
+            return bucket.average(self.world, news)
+        return bucket.sum_over_items(ref, items, news)
+
     def agree(self, mine: Agreement, device: torch.device) -> Agreement:
         """One small all-reduce (element-wise maximum) per attempt; every rank must call it."""
         values = torch.tensor(mine.to_wire(self.is_main), dtype=torch.int64, device=device)
@@ -487,19 +527,20 @@ class GradientBucket:
         groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
         for p in self.params:
             groups.setdefault((p.dtype, p.device), []).append(p)
-        # A batch's item count rides in the same all-reduce as the gradients: one slot more in the
-        # first buffer wide enough to count exactly (fp32 and up); else a buffer of its own.
+        # A batch's item count and the ranks' news (distributed.Ranks.reduce_with_news) ride in the
+        # same all-reduce as the gradients: two slots more in the first buffer wide enough to count
+        # exactly (fp32 and up); else a buffer of their own.
         counter = next((key for key in groups if key[0] in (torch.float32, torch.float64)), None)
-        self.groups = [(params, torch.zeros(sum(p.numel() for p in params) + (key == counter), dtype=key[0],
+        self.groups = [(params, torch.zeros(sum(p.numel() for p in params) + 2 * (key == counter), dtype=key[0],
                                             device=key[1]))
                        for key, params in groups.items()]
         if counter is None:
             device = self.params[0].device if self.params else torch.device("cpu")
-            self.groups.append(([], torch.zeros(1, dtype=torch.float64, device=device)))
+            self.groups.append(([], torch.zeros(2, dtype=torch.float64, device=device)))
             counter_at = len(self.groups) - 1
         else:
             counter_at = list(groups).index(counter)
-        self.count = self.groups[counter_at][1][-1:]
+        self.count, self.news = self.groups[counter_at][1][-2:-1], self.groups[counter_at][1][-1:]
         self.bind()
 
     def bind(self) -> None:
@@ -520,14 +561,27 @@ class GradientBucket:
         # Each buffer's gradient slots (the count slot left out).
         return [flat[:sum(p.numel() for p in params)] for params, flat in self.groups if params]
 
-    def average(self, world: int) -> None:
+    def average(self, world: int, news: bool | None = None) -> bool | None:
+        """The gradients summed over ranks and divided by `world`; with `news`, whether any rank had
+        some (summed in the same all-reduce)."""
         self.bind()
+        if news is not None:
+            self.news.fill_(int(news))
         for params, flat in self.groups:
-            if params:  # a buffer that only counts items has nothing to average
+            # A buffer that only counts has nothing to average, unless the news rides in it. With
+            # news, every buffer, as sum_over_items does: a rank whose attempt failed before its
+            # first micro-batch (no items) must make the same collectives as the others.
+            if params or news is not None:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        told = None if news is None else bool(self.news.item())
+        for params, flat in self.groups:
+            if params:
                 flat /= world
+        return told
 
-    def sum_over_items(self, ref: Any, items: Any) -> None:
+    def sum_over_items(self, ref: Any, items: Any, news: bool | None = None) -> bool | None:
+        """The gradients (weighted `ref`) summed over ranks and divided by every rank's `items`;
+        with `news`, whether any rank had some (summed in the same all-reduce)."""
         self.bind()
         grads = self._gradients()
         for grad in grads:
@@ -536,11 +590,13 @@ class GradientBucket:
             self.count.copy_(items.reshape(1))
         else:
             self.count.fill_(items)
+        self.news.fill_(int(bool(news)))
         for _, flat in self.groups:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         count = self.count.clamp_min(1)
         for grad in grads:
             grad.div_(count.to(grad.device))
+        return None if news is None else bool(self.news.item())
 
     def zero(self) -> None:
         for _, flat in self.groups:

@@ -693,6 +693,11 @@ class StepCore:
             grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
             self.ranks.divide_by_items(grads, attempt.ref, attempt.items)
 
+    def reduce_gradients_with_news(self, attempt: Attempt, news: bool) -> bool:
+        """`reduce_gradients`, with this rank's `news` in the same all-reduce (a replicated model
+        under torchrun: distributed.Ranks.reduce_with_news): whether any rank had news."""
+        return self.ranks.reduce_with_news(news, attempt.ref, attempt.items)
+
     def zero_grad(self) -> None:
         if self.optimizer is None:  # another trainer's optimizer: the gradients of the model's parameters
             self.drop_gradients()

@@ -24,6 +24,13 @@ rank = int(os.environ["RANK"])
 CASES = {"clean": ("forward", False), "forward": ("forward", True), "backward": ("backward", True),
          "two-nodes": ("forward", True)}  # name: (where Hog allocates, rank 1 capped)
 phase = "forward"
+agreements = 0  # the ranks' full agreements (an all-reduce of their maximum: distributed.Ranks.agree)
+all_reduce = torch.distributed.all_reduce
+def counted_all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, **kwargs):
+    global agreements
+    agreements += op == torch.distributed.ReduceOp.MAX
+    return all_reduce(tensor, op=op, **kwargs)
+torch.distributed.all_reduce = counted_all_reduce
 HOG = 2**20  # bytes per sample a "heavy" layer allocates: activations that grow with the micro-batch
 
 class Hog(torch.autograd.Function):
@@ -60,12 +67,14 @@ for name in names:  # the cases one after another in one job: its start-up is pa
     model.zero_grad(set_to_none=True)
     if capped and rank == 1:
         cap_address_space(40 * 2**20)  # 64 samples x 1 MiB cannot be had; 32 can
+    agreements = 0
     result = trainer.fit(epochs=2)
     lift_address_space_cap()
     if rank == 0:
         torch.save(model.state_dict(), os.path.join(run_dir, "final.pt"))
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen}, f)
+        json.dump({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen,
+                   "steps": result.steps, "agreements": agreements}, f)
 '''
 
 
@@ -74,7 +83,7 @@ def job(tmp_path, names, nodes=1):
     script = tmp_path / f"{names[0]}.py"
     script.write_text(SCRIPT)
     torchrun(script, [str(tmp_path), ",".join(names)], [tmp_path / names[-1] / f"rank{r}.json" for r in (0, 1)],
-             nodes=nodes)
+             nodes=nodes, folders=[tmp_path / name for name in names])
 
 
 def outcome(tmp_path, name):
@@ -108,6 +117,15 @@ def test_an_oom_on_one_rank_is_survived_by_both(runs, case):
         torch.testing.assert_close(weights[key], clean_weights[key], rtol=1e-5, atol=1e-6)
     records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert any(r["kind"] == "oom" for r in records)  # journaled once, by rank 0
+    assert ranks[0]["agreements"] > clean_ranks[0]["agreements"]  # the OOM's: agreed in full
+
+
+def test_a_steady_step_makes_one_collective_its_agreement_rides_in_the_gradients_all_reduce(runs):
+    # The clean run agrees in full at its first batch only (nothing agreed before it) and at the
+    # end's checkpoint; every other step's agreement was the gradients' all-reduce.
+    ranks, _, _ = runs["clean"]
+    assert ranks[0]["steps"] == 8
+    assert ranks[0]["agreements"] == ranks[1]["agreements"] <= 2, ranks
 
 
 STEP_OOM = r'''
@@ -160,7 +178,7 @@ def step_oom_job(tmp_path):
     script.write_text(STEP_OOM)
     last = tmp_path / "-".join(map(str, CASES[-1]))
     torchrun(script, [str(tmp_path), ",".join(f"{a}:{b}" for a, b in CASES)], [last / f"rank{r}.json" for r in (0, 1)],
-             timeout=180)
+             timeout=180, folders=[tmp_path])
 
 
 def test_an_oom_in_one_ranks_optimizer_step_stops_every_rank_with_the_same_error(runs):
