@@ -602,3 +602,19 @@ class GradientBucket:
         for _, flat in self.groups:
             flat.zero_()
         self.bind()
+        self._zeroed = [flat._version for _, flat in self.groups]
+
+    def untouched(self) -> bool:
+        """Whether the gradients are still the zeros `zero` left, in the buffers: nothing wrote into
+        them since (a view's in-place change counts in its buffer's version) and nothing replaced
+        a parameter's `.grad`. A step then has no gradients of the caller's to hold back."""
+        if getattr(self, "_zeroed", None) != [flat._version for _, flat in self.groups]:
+            return False
+        for params, flat in self.groups:
+            offset = 0
+            for p in params:
+                grad = p.grad
+                if grad is None or grad._base is not flat or grad.storage_offset() != offset:
+                    return False
+                offset += p.numel()
+        return True

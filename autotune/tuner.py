@@ -226,7 +226,10 @@ class Tuner:
         # back over several batches) is kept out of the attempts and added back before the
         # optimizer step: a failed attempt's gradients are dropped by the Tuner itself, never
         # through an optimizer wrapper's zero_grad (Accelerate's skips it between sync steps).
-        held = set_aside_gradients(core.parameters()) if self.keep_effective_batch else None
+        # Under DDP, the gradients zeroed at the last step and untouched since are nothing to hold.
+        bucket = self.ranks.bucket
+        held = (set_aside_gradients(core.parameters())
+                if self.keep_effective_batch and (bucket is None or not bucket.untouched()) else None)
         outcome = self.train_batch(batch, n, held=held)
         self._after_own_batch(n, outcome)
         return outcome.mean_loss()

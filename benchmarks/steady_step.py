@@ -377,7 +377,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # as in every worker (the results file names this process's threads)
-    pairs = args.pairs.split(",") + (["ddp", "fsdp"] if args.torchrun else [])
+    pairs = [pair for pair in args.pairs.split(",") if pair] + (["ddp", "fsdp"] if args.torchrun else [])
     lines = ["| pair | step | rounds | without (ms) | with autotune (ms) | ratio | ratio, middle half of the rounds | "
              "autotune's own (us a step) | of which the non-finite check (us) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

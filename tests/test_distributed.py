@@ -285,22 +285,37 @@ class Net(nn.Module):
 
 g = torch.Generator().manual_seed(rank)
 batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)) for _ in range(4)]
+g = torch.Generator().manual_seed(99)  # the same on every rank: gradients the ranks hold alike
+own = (torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g))
+OWN_AT = 2  # before this step, the loop backpropagates a batch of its own into the gradients (held back)
 loss = lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1])
+agreements = 0  # full agreements (an all-reduce of the ranks' maximum)
+all_reduce = torch.distributed.all_reduce
+def counted_all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, **kwargs):
+    global agreements
+    agreements += op == torch.distributed.ReduceOp.MAX
+    return all_reduce(tensor, op=op, **kwargs)
+torch.distributed.all_reduce = counted_all_reduce
 with Tuner(Net(), lambda p: torch.optim.SGD(p, lr=0.5), device="cpu", monitor=False,
            run_dir=os.path.join(out, "run")) as tuner:
-    for batch in batches:
+    for i, batch in enumerate(batches):
+        if i == OWN_AT:
+            loss(tuner.model, own).backward()
         tuner.step(batch, loss)
     tuned = dict(tuner.model.state_dict())
 plain = nn.parallel.DistributedDataParallel(Net())  # torch's own DDP, which buckets by dtype
 optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
-for x, y in batches:
+for i, (x, y) in enumerate(batches):
     optimizer.zero_grad()
+    if i == OWN_AT:
+        loss(plain, own).backward()  # alike on both ranks: averaged, as it was
     nn.functional.cross_entropy(plain(x), y).backward()  # DDP averages the gradients over the ranks
     optimizer.step()
 if rank == 0:
     torch.save({"tuned": tuned, "plain": plain.module.state_dict()},
                os.path.join(out, "weights.pt"))
-open(os.path.join(out, f"rank{rank}.done"), "w").close()
+with open(os.path.join(out, f"rank{rank}.done"), "w") as f:
+    f.write(str(agreements))
 '''
 
 
@@ -310,6 +325,9 @@ def test_a_model_with_bf16_and_fp32_parameters_trains_under_torchrun_as_plain_dd
     script = tmp_path / "mixed.py"
     script.write_text(MIXED_DTYPES)
     torchrun(script, [str(tmp_path)], [tmp_path / f"rank{r}.done" for r in (0, 1)])
+    # The steps' agreements: the first in full (nothing agreed before it), the step after the
+    # loop's own backward in full too (gradients held back), the others in the gradients' all-reduce.
+    assert [int((tmp_path / f"rank{r}.done").read_text()) for r in (0, 1)] == [2, 2]
     weights = torch.load(tmp_path / "weights.pt", weights_only=True)
     for name, plain in weights["plain"].items():
         # The whole batch in one micro-batch on both sides: the same sums, so the same weights (bf16 ones
