@@ -515,7 +515,7 @@ class StepDemand:
             self._gap = max(0, need - resident_need)
             if self._micro is not None:
                 self._exact_sizes.add(self._micro)
-        return StepMemory(self._micro, max(0, need), room, exact, kept_bytes=status.virtual - in_use)
+        return StepMemory(self._micro, max(0, need), room, exact, kept_bytes=status.virtual - in_use, kept_is_heap=True)
 
 
 def memory_text(device: torch.device, cap_bytes: int | None) -> str:

@@ -60,6 +60,9 @@ class StepMemory:
     # What the step left in use (in the same measure): code compiled for a new shape, lazily built
     # state. Part of `need_bytes`, but needed once: a later step at the size has it already.
     kept_bytes: int = 0
+    # Whether what it kept is the process's heap (CPU, virtual size), which later steps reuse out
+    # of sight of the measure: their needs then read low beside this step's.
+    kept_is_heap: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)  # slots: one is made every batch

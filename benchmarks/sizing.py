@@ -16,7 +16,13 @@ largest size, the final size over the largest, and the time to train the run's s
 (search included, imports and set-up not) against an AutoTrainer run that starts at the largest
 size. The largest size is found by bisection in fresh processes, on the same batches.
 
-    python benchmarks/sizing.py [--steps 12]
+Beside it, the reference a user compares with (issue 34): the largest micro-batch a plain
+hand-written loop fits under the same cap, doing what AutoTrainer does (the step's batch made
+under the cap, its micro-batches forwarded and accumulated into one optimizer step), probed
+the same way; and the scenario a new user tried: torchvision's resnet18 at 64x64, batch 512,
+SGD with momentum, the cap the warm virtual size + 320 MiB set before the trainer is built.
+
+    python benchmarks/sizing.py [--steps 12] [--only resnet18]
 """
 
 from __future__ import annotations
@@ -107,6 +113,118 @@ save({"micro": found, "ooms": ooms, "trials": trials, "seconds": time.perf_count
 """
 
 
+PLAIN = MODEL_SETUP + BATCHES + """
+from autotune.limits import cap_address_space
+cap_address_space(ROOM)
+try:
+    for step in range(STEPS):
+        batch = tuple(t.clone() for t in batch_at(step)) if MODEL == "cnn" else batch_at(step).clone()  # made under the cap
+        for a in range(0, BATCH, START):
+            b = min(a + START, BATCH)
+            (step_fn(model, slice_of(batch, a, b)) * ((b - a) / BATCH)).backward()
+        optimizer.step(); optimizer.zero_grad(set_to_none=True)
+    save({"fits": True})
+except Exception as exc:
+    if "can't allocate memory" not in str(exc) and not isinstance(exc, MemoryError):
+        raise
+    save({"fits": False})
+"""
+
+# resnet18 at 64x64 under 320 MiB (issue 34): a plain loop (mode "plain", micro-batch START) or
+# AutoTrainer with its default preset from micro-batch START; the cap before the trainer is built.
+RESNET18 = """
+import time, torch, torchvision
+from torch import nn
+from torch.utils.data import TensorDataset
+from autotune.limits import cap_address_space, fix_mmap_threshold, single_malloc_arena
+single_malloc_arena(); fix_mmap_threshold()
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(0)
+model = torchvision.models.resnet18(num_classes=10)
+images = torch.randint(0, 256, (BATCH * STEPS, 3, 64, 64), generator=g, dtype=torch.uint8)
+labels = torch.randint(0, 10, (BATCH * STEPS,), generator=g)
+def step_fn(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x.float() / 255), y)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+step_fn(model, (images[:2], labels[:2])).backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)  # warm up
+cap_address_space(320 * 2**20)
+try:
+    if MODE == "plain":
+        for step in range(STEPS):
+            x, y = images[step * BATCH:(step + 1) * BATCH].clone(), labels[step * BATCH:(step + 1) * BATCH].clone()
+            for a in range(0, BATCH, START):
+                b = min(a + START, BATCH)
+                (step_fn(model, (x[a:b], y[a:b])) * ((b - a) / BATCH)).backward()
+            optimizer.step(); optimizer.zero_grad(set_to_none=True)
+        save({"fits": True})
+    else:
+        from autotune import AutoTrainer
+        trainer = AutoTrainer(model, TensorDataset(images, labels), step_fn=step_fn, optimizer=optimizer,
+                              batch_size=BATCH, micro_batch_size=START, device="cpu", run_dir=RUN_DIR,
+                              progress=False, checkpoint_interval=None, shuffle=False)
+        result = trainer.fit(epochs=1)
+        import json
+        sizes = {r["step"]: r["micro_batch_size"] for r in map(json.loads, open(RUN_DIR + "/steps.jsonl"))}
+        save({"micro": result.micro_batch_size, "ooms": result.ooms, "sizes": sizes,
+              "oom_steps": [r["step"] for r in map(json.loads, open(RUN_DIR + "/events.jsonl")) if r["kind"] == "oom"]})
+except Exception as exc:
+    if MODE != "plain" or ("can't allocate memory" not in str(exc) and not isinstance(exc, MemoryError)):
+        raise
+    save({"fits": False})
+"""
+RESNET18_BATCH, RESNET18_STEPS = 512, 5
+
+
+def plain_fits(tmp: Path, model: str, size: int, batch: int, steps: int) -> bool:
+    """Whether the plain loop trains `steps` steps at micro-batch `size` in a fresh process under the cap."""
+    if model == "resnet18":
+        head = f"MODE='plain'\nSTART={size}\nBATCH={batch}\nSTEPS={steps}\n"
+        proc, result = run_python(head + RESNET18, tmp, timeout=600, env={"OMP_NUM_THREADS": "1"})
+    else:
+        head = f"MODEL={model!r}\nSTART={size}\nBATCH={batch}\nSTEPS={steps}\nROOM={room(tmp, model)}\n"
+        proc, result = run_python(head + PLAIN, tmp, timeout=600,
+                                  env={"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "OMP_NUM_THREADS": "1"})
+    if result is None:  # oneDNN may die of a signal where an allocation fails (see tests/test_sizing_e2e.py)
+        assert proc.returncode < 0, proc.stderr[-2000:]
+        return False
+    return result["fits"]
+
+
+def bisect_largest(fits, lo: int, hi: int) -> int:
+    """The largest size `fits(size)` says fits, to within 2%, between `lo` (fits) and `hi` (does not)."""
+    assert fits(lo) and not fits(hi), (lo, hi)
+    while hi - lo > max(1, lo // 50):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def largest_plain(tmp: Path, model: str, batch: int, steps: int, lo: int, hi: int) -> int:
+    """The plain loop's largest fitting micro-batch: what a user's own loop fits under the same cap."""
+    return bisect_largest(lambda size: plain_fits(fresh(tmp), model, size, batch, steps), lo, hi)
+
+
+def resnet18_rows(tmp: Path) -> list[str]:
+    """The resnet18 scenario: the plain loop's largest, then AutoTrainer from 8x below it and from the whole batch."""
+    batch, steps = RESNET18_BATCH, RESNET18_STEPS
+    plain = largest_plain(tmp, "resnet18", batch, steps, 32, 512)
+    rows = []
+    for direction, start in ((f"8x below ({plain // 8})", plain // 8), (f"the whole batch ({batch})", batch)):
+        run_dir = fresh(tmp)
+        head = f"MODE='auto'\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nRUN_DIR={str(run_dir / 'run')!r}\n"
+        proc, result = run_python(head + RESNET18, run_dir, timeout=900, env={"OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0 and result is not None, proc.stderr[-3000:]
+        sizes = {int(step): size for step, size in result["sizes"].items()}
+        at = settled_at(sizes, plain)
+        ooms_by = sum(1 for step in result["oom_steps"] if at is None or step < at)
+        rows.append(f"| resnet18 | {direction} | fit_micro_batch (default) | {plain} | "
+                    f"{' '.join(str(sizes[s]) for s in sorted(sizes))} | {at if at is not None else 'never'} | "
+                    f"{ooms_by} | {result['ooms']} | {result['micro'] / plain:.2f} |")
+        print(rows[-1], file=sys.stderr)
+    return rows
+
+
 def peer(tmp: Path, script: str, model: str, start: int, batch: int, steps: int, mode: str = "") -> dict:
     """One peer's run under the same cap (ACCELERATE or LIGHTNING); what it saved, or why it stopped."""
     head = (f"MODEL={model!r}\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nROOM={room(tmp, model)}\n"
@@ -149,15 +267,17 @@ def settled_at(sizes: dict[int, int], best: int) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--only", choices=("cnn", "lm", "resnet18"), help="one scenario (the results file then has its rows only)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="sizing-"))
     preset = tmp / "grow_back.toml"
     preset.write_text(GROW_BACK)
     rows = []
-    for model in ("cnn", "lm"):
+    for model in [m for m in ("cnn", "lm") if args.only in (None, m)]:
         for direction, start, batch in (("8x below", ABOUT[model] // 8, ABOUT[model] * 4),
                                         ("8x above", ABOUT[model] * 8, ABOUT[model] * 8)):
             best = largest(tmp, model, batch, args.steps)
+            plain = largest_plain(tmp, model, batch, args.steps, ABOUT[model] // 4, ABOUT[model] * 2)
             for _ in range(4):  # at the edge a size can fit one run and not the next: then 2% lower
                 reference_run, _, _ = run(fresh(tmp), model, start=best, batch=batch, steps=args.steps, policies=[])
                 if "out_of_memory" not in reference_run:
@@ -171,9 +291,10 @@ def main() -> None:
                                              steps=args.steps, policies=policies)
                 at = settled_at(sizes, best)
                 ooms_by = sum(1 for r in records if r["kind"] == "oom" and (at is None or r["step"] < at))
-                rows.append(f"| {model} | {direction} ({start}) | {name} | {best} | "
+                rows.append(f"| {model} | {direction} ({start}) | {name} | {plain} | {best} | "
                             f"{at if at is not None else 'never'} | {ooms_by} | {result['ooms']} | "
-                            f"{result['micro'] / best:.2f} | {result['seconds'] / reference:.2f} |")
+                            f"{result['micro'] / plain:.2f} | {result['micro'] / best:.2f} | "
+                            f"{result['seconds'] / reference:.2f} |")
                 print(rows[-1], file=sys.stderr)
             peers = [("Accelerate find_executable_batch_size (halving)", ACCELERATE, ""),
                      ("Lightning BatchSizeFinder (power)", LIGHTNING, "power"),
@@ -181,25 +302,37 @@ def main() -> None:
             for name, script, mode in peers:
                 result = peer(fresh(tmp), script, model, start, batch, args.steps, mode)
                 if "failed" in result:
-                    rows.append(f"| {model} | {direction} ({start}) | {name} | {best} | failed: {result['failed']} "
-                                "| | | | |")
+                    rows.append(f"| {model} | {direction} ({start}) | {name} | {plain} | {best} | "
+                                f"failed: {result['failed']} | | | | | |")
                 else:
                     # Each trains the whole run at the size its search ended on: within 10% from its first
                     # real step, or never; the search before it is restarts (Accelerate) or probe steps.
                     close = abs(result["micro"] - best) <= 0.1 * best
                     before = (f"after {result['ooms']} restarts" if "tried" in result
                               else f"after {result['trials']} probe steps")
-                    rows.append(f"| {model} | {direction} ({start}) | {name} | {best} | "
+                    rows.append(f"| {model} | {direction} ({start}) | {name} | {plain} | {best} | "
                                 f"{'0' if close else 'never'} ({before}) | {result['ooms']} | {result['ooms']} | "
-                                f"{result['micro'] / best:.2f} | {result['seconds'] / reference:.2f} |")
+                                f"{result['micro'] / plain:.2f} | {result['micro'] / best:.2f} | "
+                                f"{result['seconds'] / reference:.2f} |")
                 print(rows[-1], file=sys.stderr)
+    resnet = resnet18_rows(tmp) if args.only in (None, "resnet18") else []
     lines = [f"AutoTrainer, {args.steps} optimizer steps a run, batch 4x (from below) or 8x (from above) the "
              "largest micro-batch; the models and caps of tests/test_sizing_e2e.py (CNN: three convs at 64x64, "
              "100 MiB of room; LM: 2-layer transformer, 128 tokens, 230 MiB), one thread each, oneDNN's primitive "
              "cache off (see the test's docstring).", "",
-             "| model | start | sizing | largest that fits | settled at step | OOMs until then | OOMs in all | "
-             "final / largest | time / a run started at the largest |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+             "| model | start | sizing | plain loop's largest | AutoTrainer's largest | settled at step | "
+             "OOMs until then | OOMs in all | final / plain loop's | final / AutoTrainer's | "
+             "time / a run started at the largest |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+             "'Plain loop's largest': a hand-written loop under the same cap that does what AutoTrainer does (the "
+             "step's batch made under the cap, micro-batches accumulated into one optimizer step), bisected the "
+             "same way; 'settled' is against AutoTrainer's largest in this table.", "",
+             f"torchvision's resnet18 at 64x64, batch {RESNET18_BATCH}, SGD with momentum, {RESNET18_STEPS} steps, "
+             "the cap the warm virtual size + 320 MiB set before the trainer is built, AutoTrainer with its "
+             "defaults (monitor on), one thread:", "",
+             "| model | start | sizing | plain loop's largest | micro-batch of each step | within 10% of the plain "
+             "loop's from step | OOMs until then | OOMs in all | final / plain loop's |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *resnet, "",
              "'Settled at step': the first step from which every step is within 10% of the largest size (the "
              "micro-batch a step ran at is the one logged with it). 'Largest that fits': bisection of whole runs "
              "in fresh processes, then lowered 2% at a time until a second run at it fits too. Time: the "
