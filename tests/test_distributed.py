@@ -12,6 +12,18 @@ from tests.conftest import torchrun
 
 pytestmark = pytest.mark.slow
 
+# In a rank's script: `agreements` counts the ranks' full agreements (an all-reduce of their
+# maximum: distributed.Ranks.agree); a steady step's rides in the gradients' all-reduce instead.
+COUNT_AGREEMENTS = r'''
+agreements = 0
+all_reduce = torch.distributed.all_reduce
+def counted_all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, **kwargs):
+    global agreements
+    agreements += op == torch.distributed.ReduceOp.MAX
+    return all_reduce(tensor, op=op, **kwargs)
+torch.distributed.all_reduce = counted_all_reduce
+'''
+
 SCRIPT = r'''
 import json, os, sys, torch
 from torch import nn
@@ -24,13 +36,7 @@ rank = int(os.environ["RANK"])
 CASES = {"clean": ("forward", False), "forward": ("forward", True), "backward": ("backward", True),
          "two-nodes": ("forward", True)}  # name: (where Hog allocates, rank 1 capped)
 phase = "forward"
-agreements = 0  # the ranks' full agreements (an all-reduce of their maximum: distributed.Ranks.agree)
-all_reduce = torch.distributed.all_reduce
-def counted_all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, **kwargs):
-    global agreements
-    agreements += op == torch.distributed.ReduceOp.MAX
-    return all_reduce(tensor, op=op, **kwargs)
-torch.distributed.all_reduce = counted_all_reduce
+''' + COUNT_AGREEMENTS + r'''
 HOG = 2**20  # bytes per sample a "heavy" layer allocates: activations that grow with the micro-batch
 
 class Hog(torch.autograd.Function):
@@ -289,13 +295,7 @@ g = torch.Generator().manual_seed(99)  # the same on every rank: gradients the r
 own = (torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g))
 OWN_AT = 2  # before this step, the loop backpropagates a batch of its own into the gradients (held back)
 loss = lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1])
-agreements = 0  # full agreements (an all-reduce of the ranks' maximum)
-all_reduce = torch.distributed.all_reduce
-def counted_all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, **kwargs):
-    global agreements
-    agreements += op == torch.distributed.ReduceOp.MAX
-    return all_reduce(tensor, op=op, **kwargs)
-torch.distributed.all_reduce = counted_all_reduce
+''' + COUNT_AGREEMENTS + r'''
 with Tuner(Net(), lambda p: torch.optim.SGD(p, lr=0.5), device="cpu", monitor=False,
            run_dir=os.path.join(out, "run")) as tuner:
     for i, batch in enumerate(batches):
