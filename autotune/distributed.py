@@ -541,6 +541,7 @@ class GradientBucket:
         else:
             counter_at = list(groups).index(counter)
         self.count, self.news = self.groups[counter_at][1][-2:-1], self.groups[counter_at][1][-1:]
+        self._zeroed: list[int] | None = None  # the buffers' versions when `zero` last ran
         self.bind()
 
     def bind(self) -> None:
@@ -608,7 +609,7 @@ class GradientBucket:
         """Whether the gradients are still the zeros `zero` left, in the buffers: nothing wrote into
         them since (a view's in-place change counts in its buffer's version) and nothing replaced
         a parameter's `.grad`. A step then has no gradients of the caller's to hold back."""
-        if getattr(self, "_zeroed", None) != [flat._version for _, flat in self.groups]:
+        if self._zeroed != [flat._version for _, flat in self.groups]:
             return False
         for params, flat in self.groups:
             offset = 0

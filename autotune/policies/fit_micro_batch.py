@@ -129,7 +129,7 @@ class FitMicroBatch:
     def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
         if snap.reliefs != self.reliefs:  # the model changed: what it needed before says little now
             self.needs.clear()
-            self.raise_by, self.reliefs = 0, snap.reliefs
+            self.raise_by, self.reliefs, self.first = 0, snap.reliefs, None
         if event is Event.OOM:
             return self._after_oom(snap)
         memory = snap.step_memory
