@@ -335,11 +335,8 @@ class Ranks:
     def reset_after_failure(self) -> None:
         self.strategy.reset_after_failure()
 
-    @property
-    def news_rides_gradients(self) -> bool:
-        """Whether `reduce_with_news` can stand in for a quiet batch's agreement: a replicated model
-        whose gradients autotune all-reduces itself (sharded, FSDP2 reduces them in backward)."""
-        return isinstance(self.strategy, Replicated) and self.strategy.bucket is not None
+    news_rides_gradients = property(lambda self: self.strategy.news_rides_gradients,
+                                    doc="whether `reduce_with_news` can stand in for a quiet batch's agreement")
 
     def reduce_with_news(self, news: bool, ref: Any, items: Any) -> bool:
         """The attempt's gradients made the batch's (averaged, or divided by every rank's `items`)
@@ -347,10 +344,7 @@ class Ranks:
         summed in the same all-reduce: whether any rank has news. Every rank calls it where it
         would agree, failed or not; where any has news, they all agree in full next (`agree`),
         and a failure drops these gradients. A steady step makes one collective, not two."""
-        bucket = self.strategy.bucket
-        if items is None:
-            return bucket.average(self.world, news)
-        return bucket.sum_over_items(ref, items, news)
+        return self.strategy.reduce_with_news(news, ref, items, self.world)
 
     def agree(self, mine: Agreement, device: torch.device) -> Agreement:
         """One small all-reduce (element-wise maximum) per attempt; every rank must call it."""
@@ -459,6 +453,14 @@ class Replicated:
         # Each rank's gradient back to its raw sum over items, summed over ranks with the items
         # themselves in the same all-reduce, then divided by every rank's items together.
         self.bucket.sum_over_items(ref, items)
+
+    # A model whose gradients autotune all-reduces itself carries the ranks' news in that all-reduce.
+    news_rides_gradients = property(lambda self: self.bucket is not None)
+
+    def reduce_with_news(self, news: bool, ref: Any, items: Any, world: int) -> bool:
+        if items is None:
+            return self.bucket.average(world, news)
+        return self.bucket.sum_over_items(ref, items, news)
 
     model_state = staticmethod(lambda model, optimizer: _whole(model, optimizer))
     load_model_state = staticmethod(lambda model, optimizer, weights, state: _load_whole(model, optimizer, weights, state))

@@ -115,6 +115,7 @@ class Sharded:
     writes_shards = True  # a checkpoint is a folder every rank writes its shards to
     sums_in_backward = True  # gradients are reduce-scattered inside the last backward
     bucket = None  # FSDP2 reduce-scatters its own gradients: no all-reduce buffer
+    news_rides_gradients = False  # ... so the ranks' news has no all-reduce to ride in
     why_not_prunable = ("the model is sharded with FSDP2: its parameters are shards that pruning cannot trace or "
                         "cut (the cheaper reliefs, autocast and checkpointing, still apply)")
 

@@ -247,12 +247,7 @@ def fresh(tmp: Path) -> Path:
 def largest(tmp: Path, model: str, batch: int, steps: int) -> int:
     """The largest micro-batch that trains a whole run (`steps` steps) in a fresh process under the
     cap, to within 2% (one step is not enough: a size can pass the first and fail a later one)."""
-    lo, hi = ABOUT[model] // 2, ABOUT[model] * 2
-    assert fits(fresh(tmp), model, lo, batch, steps) and not fits(fresh(tmp), model, hi, batch, steps), (model, lo, hi)
-    while hi - lo > max(1, lo // 50):
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(fresh(tmp), model, mid, batch, steps) else (lo, mid)
-    return lo
+    return bisect_largest(lambda size: fits(fresh(tmp), model, size, batch, steps), ABOUT[model] // 2, ABOUT[model] * 2)
 
 
 def settled_at(sizes: dict[int, int], best: int) -> int | None:
