@@ -7,8 +7,9 @@ its own work. Six pairs, each in its own process, on one torch thread:
   check autotune makes (step.py's `all_finite`), vs the same loop without it: what no steady step
   that keeps that promise can skip, as a reference for the rows below
 - `loop`: `Tuner.step` in a hand-written loop vs the same loop calling backward and step itself
-- `interleaved`: the same two, stepped in turn batch by batch in one loop and timed step by step, so
-  both sides see the VM at the same moment (its rows: chunks of a round's steps, not rounds)
+- `interleaved`: the same two and the floor's checked hand loop, stepped in turn batch by batch in
+  one loop and timed step by step, so all three see the VM at the same moment (its rows: chunks of
+  a round's steps, not rounds; its last column: the floor's side over the plain one)
 - `autotrainer`: `AutoTrainer.fit` vs a hand loop over a DataLoader of the same data
 - `hf`: `AutoTuneTrainer` vs HF's `Trainer`
 - `lightning`: `AutoTuneStrategy` vs Lightning's own strategy
@@ -55,7 +56,7 @@ SIZES = {  # name: (tokens a sequence, sequences a batch, MLP width, steps a rou
 PAIRS = {
     "floor": "the floor: a hand loop that checks its gradients for NaN/inf as autotune does, vs backward + step",
     "loop": "your loop: `Tuner.step` vs backward + step",
-    "interleaved": "your loop, step by step: `Tuner.step` and backward + step taken in turn in one loop",
+    "interleaved": "your loop, step by step: `Tuner.step` and backward + step (and the floor's, checked) taken in turn in one loop",
     "autotrainer": "`AutoTrainer` vs a hand loop over a DataLoader",
     "hf": "HF: `AutoTuneTrainer` vs `Trainer`",
     "lightning": "Lightning: `AutoTuneStrategy` vs its own strategy",
@@ -280,33 +281,38 @@ def measure(pair: str, size: str, rounds: int, distributed: bool = False) -> dic
 
 
 def interleaved(size: str, steps: int) -> dict:
-    """`Tuner.step` and the plain loop's step taken in turn, batch by batch, in one loop: both sides
-    at the same moment of the VM's drift, so their medians compare to a few microseconds where
-    rounds of seconds each cannot (the 10 ms rows). Each side's step is timed around its call; a
-    side runs right after the other's, so both start with caches the other one filled."""
+    """`Tuner.step`, the plain loop's step, and the plain loop's step with autotune's check of the
+    gradients (the floor), taken in turn batch by batch in one loop: all three at the same moment
+    of the VM's drift, so their medians compare to a few microseconds where rounds of seconds each
+    cannot (the 10 ms rows). Each side's step is timed around its call; the order rotates, so each
+    side in turn starts with caches another one filled."""
     import torch
     from torch.utils.data import DataLoader
 
     from autotune import Tuner
+    from autotune.step import all_finite
 
     torch.set_num_threads(1)
     data, collate, TokenMLP, batch = parts(size)
-    plain_model, tuned_model = TokenMLP(), TokenMLP()
-    optimizer = torch.optim.SGD(plain_model.parameters(), lr=0.01)
-    times: dict[str, list[float]] = {"without": [], "with": []}
+    models = {side: TokenMLP() for side in ("without", "floor", "with")}
+    optimizers = {side: torch.optim.SGD(model.parameters(), lr=0.01) for side, model in models.items()}
+    times: dict[str, list[float]] = {side: [] for side in models}
     loss_of = lambda m, micro: m(**micro)["loss"]  # noqa: E731
-    with Tuner(tuned_model, torch.optim.SGD(tuned_model.parameters(), lr=0.01), device="cpu",
+    sides = list(models)
+    with Tuner(models["with"], optimizers["with"], device="cpu",
                run_dir=f"runs/bench-steady/interleaved-{size}") as tuner:
         done = 0
         while done < steps:
             for i, b in enumerate(DataLoader(data, batch_size=batch, collate_fn=collate)):
-                for side in ("without", "with") if i % 2 == 0 else ("with", "without"):
+                for side in sides[i % 3:] + sides[:i % 3]:
                     start = time.perf_counter()
                     if side == "with":
                         tuner.step(b, loss_of)
                     else:
-                        plain_model(**b)["loss"].backward()
-                        optimizer.step()
+                        model, optimizer = models[side], optimizers[side]
+                        model(**b)["loss"].backward()
+                        if side == "without" or all_finite([p.grad for p in model.parameters() if p.grad is not None]):
+                            optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
                     times[side].append(time.perf_counter() - start)
                 done += 1
@@ -349,8 +355,13 @@ def row(pair: str, size: str, figures: dict) -> str:
     ratios = sorted(w / wo for w, wo in zip(with_, without))
     own = statistics.median(w - wo for w, wo in zip(with_, without))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    check = (f"{statistics.median(w - u for w, u in zip(with_, figures['unchecked'])) * 1e6:+.0f}"
-             if "unchecked" in figures else NO_CHECK_COLUMN.get(pair, "- (not told apart)"))
+    if "unchecked" in figures:  # the autotune side again, its check answered without looking
+        check = f"{statistics.median(w - u for w, u in zip(with_, figures['unchecked'])) * 1e6:+.0f}"
+    elif "floor" in figures:  # the hand loop with the same check, stepped in turn with the others
+        check = (f"{statistics.median(f - wo for f, wo in zip(figures['floor'], without)) * 1e6:+.0f} (the hand loop "
+                 f"with it: {statistics.median(f / wo for f, wo in zip(figures['floor'], without)):.3f}x)")
+    else:
+        check = NO_CHECK_COLUMN.get(pair, "- (not told apart)")
     a, b = statistics.median(without), statistics.median(with_)
     return (f"| {PAIRS[pair]} | {size} | {len(ratios)} | {a * 1e3:.3f} | {b * 1e3:.3f} | "
             f"{statistics.median(ratios):.3f} | {quartiles[0]:.3f}-{quartiles[2]:.3f} | {own * 1e6:+.0f} | {check} |")
