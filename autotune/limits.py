@@ -156,20 +156,24 @@ def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, ma
     optimizer's state comes at its first step, after backward). Call it after the warm-up the run
     itself makes, and set the cap right after (`cap_address_space(result.headroom_bytes)`).
 
-    `quick`: the size that must fail is probed once, not bisected: the headroom is two margins
-    above what `fits` needs, and `fails` is checked not to run a margin above that (the demo's
-    whole batch of ResNet-18 takes seconds a probe, ten of them to bisect). Where it runs
-    there, both are bisected and the headroom is their middle, as without `quick`."""
+    `quick`: the size that must fail is probed once, not bisected: it is checked not to run four
+    margins above what `fits` needs; `fits` is measured again after that failure, and where it
+    needs at most a margin more, the headroom is two margins above that (so at least a margin
+    below where `fails` did not run). The demo's whole batch of ResNet-18 takes seconds a probe,
+    ten of them to bisect. Where `fails` runs there, or `fits` grew more, both are bisected and
+    the headroom is their middle, as without `quick`."""
     fails_extra = extra_bytes if fails_extra_bytes is None else fails_extra_bytes
     if quick:
         first = least_headroom(lambda: probe(fits), high_bytes)
         if first is not None:
-            above = first + extra_bytes + 3 * margin_bytes
+            above = first + extra_bytes + 4 * margin_bytes
             if not runs_under(above - fails_extra, lambda: probe(fails)):
                 # Measured again after the failure, as the run will need it after its first OOM
                 # (a failed probe leaves the heap otherwise: the demo's 128 then needed 24 MiB more).
+                # Two bisections of the same need end a step of their grid apart (2 MiB): a quick
+                # path that asked for no growth at all fell through to the slow one half the time.
                 need_fits = least_headroom(lambda: probe(fits), above)
-                if need_fits is not None and need_fits + extra_bytes + 3 * margin_bytes <= above:
+                if need_fits is not None and need_fits <= first + margin_bytes:
                     need_fits += extra_bytes
                     headroom = need_fits + 2 * margin_bytes
                     return Calibration(headroom, need_fits, None, f"micro-batch {fits} needs {need_fits / MiB:.0f} "
