@@ -39,6 +39,8 @@ def run_python(script: str, tmp_path: Path, timeout: float = 120,
     out = tmp_path / "result.json"
     preamble = textwrap.dedent(f"""
         import faulthandler, json, sys
+        # A native crash shows its Python stack (not after a Lightning fit: its teardown sets SIGSEGV's handler back to the default).
+        faulthandler.enable()
         faulthandler.dump_traceback_later({timeout - 10}, exit=True)  # a hang shows where it is
         OUT = {str(out)!r}
         def save(obj):

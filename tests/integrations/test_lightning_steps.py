@@ -143,6 +143,7 @@ need = least_headroom(lambda: fit("auto"), 256 * 2**20, resolution_bytes=2**20) 
 if need is None:
     save({"uncalibrated": "plain Lightning did not run under 256 MiB of headroom"})
     raise SystemExit(0)
+save({"need": need})  # calibrated: a crash from here on is the tuned run's
 cap_address_space(need + MARGIN)  # autotune's Tuner is built under the cap, at the first training_step
 strategy = AutoTuneStrategy("cpu", tuner_options={"monitor": False})
 tuned = fit(strategy)
@@ -162,6 +163,13 @@ def test_a_bf16_lightning_run_fits_where_plain_lightning_does(tmp_path):
     # autotune's own memory goes under a cap is issue 34's to measure and cut.
     settings = f"OUT_DIR={str(tmp_path / 'out')!r}\nMARGIN={8 * 2**20}\n"
     proc, result = run_python(settings + BF16_SCRIPT, tmp_path, timeout=240)
+    if proc.returncode < 0 and not (result and "need" in result):
+        # Plain Lightning died of a signal while its need was bisected, before autotune ran: torch
+        # 2.14's oneDNN writes through the null pointer a refused allocation returns (a bf16 matmul's
+        # primitive descriptor, 252 KiB, copied at every kernel-cache miss: `matmul_pd_t`'s
+        # constructor, a core dump shows). About 1 run in 20 on a 2-core AMD EPYC with AVX512_BF16,
+        # always at the probe nearest the need. The measurement is taken again, once.
+        proc, result = run_python(settings + BF16_SCRIPT, tmp_path, timeout=240)
     assert proc.returncode == 0 and result is not None, proc.stderr[-3000:]
     if "uncalibrated" in result:
         pytest.skip(result["uncalibrated"])
