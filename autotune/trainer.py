@@ -216,6 +216,7 @@ class AutoTrainer:
             # On the record before it propagates, so a crashed run's journal says why it ended.
             saved = self._in_hand.save_before_raising(exc, self.step, self.checkpoint_now) \
                 if isinstance(exc, Exception) else None
+            self.input.stop_workers()  # now, not when the exception is collected
             self.journal.write("fit_failed", self.step, self.epoch, error=f"{type(exc).__name__}: {exc}"[:500],
                                samples_seen=self.samples_seen, **({"checkpoint": str(saved)} if saved else {}))
             self.tuner.end(failed=True)

@@ -2,6 +2,7 @@
 that turn non-finite, a corrupt image file, bad inputs. Real faults: a real NaN in the data, a real
 truncated JPEG read by torchvision's ImageFolder."""
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -248,8 +249,13 @@ def test_a_dataloader_workers_error_checkpoints_first_too(tmp_path):
             return torch.full((8,), i / N), torch.ones(1)
 
     t = trainer(tmp_path, model(), Broken(), num_workers=2)
+    before = {child.pid for child in psutil.Process().children()}
     with pytest.raises(ValueError, match="sample 170: unreadable") as caught:
         t.fit(epochs=1)
+    # The error holds the loader's iterator in its traceback; its workers are stopped all the same
+    # (they lived as long as `caught`, and its collection in a garbage cycle cost 10 s).
+    left = [c for c in psutil.Process().children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [c.cmdline() for c in left]
     t.close()
     assert "samples [160, " in "\n".join(caught.value.__notes__)
     (path,) = kept_checkpoints(tmp_path)

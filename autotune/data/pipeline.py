@@ -56,6 +56,7 @@ class InputPipeline:
         self.cache: SampleCache | None = None
         self._skip_next = False  # the first batch of a new loader waits on its workers starting
         self.built_for = 0  # the knobs' loader_version this loader was built for (knobs.py bumps it)
+        self._handed_out: weakref.ref | None = None  # the iterator of the epoch's batches, once built here
         if isinstance(dataset, DataLoader):
             if dataset.batch_size is None:
                 raise ValueError("the DataLoader must have a batch_size (it is the batch of one optimizer step)")
@@ -112,7 +113,20 @@ class InputPipeline:
             self.loader.sampler.set_epoch(epoch)  # e.g. a user's DistributedSampler
         if self.sampler is None:
             return self.user_position.batches(batches_done)
-        return iter(self.loader)
+        iterator = iter(self.loader)
+        self._handed_out = weakref.ref(iterator)  # weak: an epoch's end or a rebuild still frees it
+        return iterator
+
+    def stop_workers(self) -> None:
+        """Stop the worker processes of the epoch's batches now (the loader built here; a caller's
+        DataLoader is theirs to stop). An error that ends `fit` carries that iterator in its traceback:
+        its workers would live as long as the exception, and where a garbage cycle holds it, torch's
+        shutdown at collection finds the workers' queues finalized first and waits its 5 s timeout
+        for each worker before killing it (a user's later gc.collect() took 10 s with two)."""
+        iterator = self._handed_out() if self._handed_out is not None else None
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's own (private): where absent, gc does it
+        if shutdown is not None:
+            shutdown()
 
     def set_batch_size(self, batch_size: int) -> None:
         """Each rank's batch from now on (a resume on another number of ranks keeps the job's):
