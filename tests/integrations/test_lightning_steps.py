@@ -167,8 +167,8 @@ def test_a_bf16_lightning_run_fits_where_plain_lightning_does(tmp_path):
         # Plain Lightning died of a signal while its need was bisected, before autotune ran: torch
         # 2.14's oneDNN writes through the null pointer a refused allocation returns (a bf16 matmul's
         # primitive descriptor, 252 KiB, copied at every kernel-cache miss: `matmul_pd_t`'s
-        # constructor, a core dump shows). About 1 run in 20 on a 2-core AMD EPYC with AVX512_BF16,
-        # always at the probe nearest the need. The measurement is taken again, once.
+        # constructor, a core dump shows). 1 run in 24 on a 2-core AMD EPYC with AVX512_BF16 (and CI),
+        # both times at its 16 MiB probe, the nearest the need. The measurement is taken again, once.
         proc, result = run_python(settings + BF16_SCRIPT, tmp_path, timeout=240)
     assert proc.returncode == 0 and result is not None, proc.stderr[-3000:]
     if "uncalibrated" in result:
