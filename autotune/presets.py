@@ -78,6 +78,8 @@ def resolve_policy(use: str) -> type:
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise PresetError(f"cannot load policy {use!r}: {exc}") from exc
+    if use in BUILTIN_POLICIES:  # built-ins win over plug-ins of the same name: no need to scan the
+        return BUILTIN_POLICIES[use]  # installed packages' entry points (~7 ms a scan, 9 in the default preset)
     known = installed_policies()
     if use not in known:
         raise PresetError(f"unknown policy {use!r}; choices: {', '.join(sorted(known))} (or 'package.module:Class')")

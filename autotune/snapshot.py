@@ -106,6 +106,7 @@ class InputState:
     loader_owned: bool  # built by the trainer, so it can be rebuilt (not the caller's DataLoader)
     cache_active: bool = False
     profile: InputProfile | None = None  # measured once, when the loop first looked input-bound
+    gathered: bool = False  # a batch is one gather from tensors in memory (data/tensors.py): workers cannot help
 
 
 @dataclasses.dataclass(frozen=True)

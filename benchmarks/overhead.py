@@ -6,6 +6,7 @@ and their ratio (target <= 1.03).
 
     python benchmarks/overhead.py [--rounds 9] [--epochs 2]
     python benchmarks/overhead.py --tiny [--rounds 9]   # autotune's own work per step, tiny model
+    python benchmarks/overhead.py --short [--rounds 9]  # a short run of 2-5 ms steps, default preset (issue 45)
 
 With tensorboard installed, also AutoTrainer(tensorboard=True), which in runs this short
 writes every step (the first 200 steps of any run are; then at most one a second).
@@ -204,6 +205,90 @@ def tiny(rounds: int) -> None:
     write_results("overhead_tiny", "Overhead per step on a tiny model: autotune's own work (CPU)", lines)
 
 
+SHORT_WIDTH = 512
+
+
+def short_run(loop: str, data: TensorDataset, run_dir: Path) -> tuple[float, float, nn.Module, list[dict]]:
+    """One 2-epoch run of `loop` ("hand loop" or "AutoTrainer, default"): wall time, median step
+    interval, the final model, and AutoTrainer's journal (the decisions its policies made)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, SHORT_WIDTH), nn.ReLU(), nn.Linear(SHORT_WIDTH, SHORT_WIDTH), nn.ReLU(),
+                          nn.Linear(SHORT_WIDTH, CLASSES))
+    stamps: list[float] = []
+    start = time.perf_counter()
+    if loop.startswith("hand loop"):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sampler = EpochSampler(len(data), shuffle=True, seed=0)
+        loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
+        if "gathered" in loop:  # the batch as one gather per tensor, what AutoTrainer's loader does
+            loader = DataLoader(range(len(data)), batch_size=BATCH, sampler=sampler,
+                                collate_fn=lambda rows: [t[torch.tensor(rows)] for t in data.tensors])
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                stamps.append(time.perf_counter())
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start, steady(stamps), model, []
+
+    class Stamp(Callback):
+        def on_step_end(self, trainer):
+            stamps.append(time.perf_counter())
+
+    trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy,
+                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), batch_size=BATCH, device="cpu",
+                          policies="default", progress=False, run_dir=run_dir, callbacks=[Stamp()])
+    trainer.fit(epochs=2)
+    wall = time.perf_counter() - start
+    trainer.close()
+    from autotune.checkpoint import wait_for_writes
+    from autotune.journal import read_journal
+
+    wait_for_writes()
+    return wall, steady(stamps), model, list(read_journal(run_dir / "events.jsonl"))
+
+
+def short(rounds: int) -> None:
+    """Issue 45: what the default preset costs a short run where nothing is wrong (an in-memory
+    dataset, 2-5 ms steps, 2 epochs), side by side with a hand loop over the same DataLoader order."""
+    data = make_data()
+    loops = ["hand loop", "hand loop, gathered batches", "AutoTrainer, default"]
+    for loop in loops:  # warm-up: first-touch allocations, thread pools, torch._dynamo's import
+        short_run(loop, data, Path("runs/bench-overhead-short") / f"warm-{loop[0]}")
+    walls = {name: [] for name in loops}
+    steps = {name: [] for name in loops}
+    decisions: list[str] = []
+    for r in range(rounds):
+        for name in loops[r % 3:] + loops[:r % 3]:
+            wall, step, model, records = short_run(name, data, Path("runs/bench-overhead-short") / f"{r}-{len(name)}")
+            walls[name].append(wall)
+            steps[name].append(step)
+            decisions += [f"{x['policy']}: {x['reason']}" for x in records if x["kind"] == "action"]
+            decisions += [f"loader rebuilt: {x['num_workers']} workers" for x in records if x["kind"] == "loader_rebuilt"]
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in walls.items()), file=sys.stderr)
+    hand, auto = short_run("hand loop", data, Path("unused"))[2], short_run(loops[-1], data,
+                                                                          Path("runs/bench-overhead-short/check"))[2]
+    same = all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(hand.parameters(), auto.parameters()))
+    base, base_step = median(walls["hand loop"]), median(steps["hand loop"])
+    lines = [f"MLP {FEATURES}-{SHORT_WIDTH}-{SHORT_WIDTH}-{CLASSES}, AdamW, a TensorDataset of {SAMPLES} samples in "
+             f"memory, batch {BATCH}, 2 epochs ({2 * SAMPLES // BATCH} steps) a run, {rounds} rounds alternating; "
+             f"AutoTrainer with the default preset (monitor, journal, end-of-fit checkpoint on) against a hand loop "
+             f"over a DataLoader in the same order. Same final weights: {same}.", "",
+             "| loop | median run (s) | ratio | median step (ms) | ratio |", "| --- | --- | --- | --- | --- |"]
+    for name in loops:
+        lines.append(f"| {name} | {median(walls[name]):.3f} | {median(walls[name]) / base:.3f} | "
+                     f"{median(steps[name]) * 1e3:.2f} | {median(steps[name]) / base_step:.3f} |")
+    gathered = median(walls["hand loop, gathered batches"])
+    lines += ["", "Per-round run ratios to the hand loop: " + ", ".join(
+                  f"{a / h:.3f}" for a, h in zip(walls[loops[-1]], walls["hand loop"])),
+              "", f"AutoTrainer's own cost, against the hand loop that gathers its batches as AutoTrainer's loader "
+                  f"does (a TensorDataset: data/tensors.py): {median(walls[loops[-1]]) / gathered:.3f}.",
+              "", f"The policies' decisions over all rounds: {len(decisions)}"
+              + ("" if not decisions else " (" + "; ".join(sorted(set(decisions))) + ")") + "."]
+    write_results("overhead_short", "Overhead of a short run: AutoTrainer's default preset vs a hand loop (CPU)", lines)
+
+
 def finite_check_cost(model: nn.Module) -> float:
     """Seconds per call of the non-finite check over `model`'s gradients (StepCore's own)."""
     from autotune.distributed import Solo
@@ -231,9 +316,13 @@ def main() -> None:
     parser.add_argument("--compare-with", default=None, help="a checkout of an earlier autotune (its root folder)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tiny", action="store_true", help="only autotune's own per-step cost on a tiny model")
+    parser.add_argument("--short", action="store_true", help="only a short run of 2-5 ms steps (issue 45)")
     args = parser.parse_args()
     if args.tiny:
         tiny(args.rounds)
+        return
+    if args.short:
+        short(args.rounds)
         return
     data = make_data()
     run_dir = Path("runs/bench-overhead")

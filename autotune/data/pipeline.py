@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from autotune.actions import CacheSamples
 from autotune.data.cache import CachedDataset, NotCacheable, SampleCache, cache_budget, profile_input, split_for_caching
 from autotune.data.sampler import EpochSampler
+from autotune.data.tensors import batched_view, take_batch
 from autotune.data.user_loader import UserLoaderPosition
 from autotune.detectors import InputDetector
 from autotune.distributed import Ranks, Solo
@@ -75,6 +76,8 @@ class InputPipeline:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         self.dataset = dataset
+        # Tensors in memory, default collate: a batch is one gather per tensor (data/tensors.py).
+        self._gathered = batched_view(dataset) if collate_fn is None else None
         self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed,
                                     rank=ranks.rank, world=ranks.world, batch_size=batch_size)
         self._batch_size, self._collate_fn = batch_size, collate_fn
@@ -86,10 +89,19 @@ class InputPipeline:
         """Built here (so it can be rebuilt), not the caller's DataLoader."""
         return self.sampler is not None
 
+    @property
+    def gathered(self) -> bool:
+        """Whether a batch is fetched by one gather per tensor in memory (a TensorDataset): a loader
+        worker could only make the same gather and send the batch back."""
+        return self.owned and self._gathered is not None
+
     def _build(self, dataset: Dataset, num_workers: int) -> DataLoader:
+        collate_fn = self._collate_fn
+        if dataset is self.dataset and self._gathered is not None:
+            dataset, collate_fn = self._gathered, take_batch
         return DataLoader(
             dataset, batch_size=self._batch_size, sampler=self.sampler, num_workers=num_workers,
-            collate_fn=self._collate_fn, pin_memory=self.device.type == "cuda",
+            collate_fn=collate_fn, pin_memory=self.device.type == "cuda",
             generator=torch.Generator().manual_seed(self.seed),  # worker seeds follow `seed`
         )
 
@@ -182,7 +194,7 @@ class InputPipeline:
         wait, rate, steps = self.detector.summary()
         return InputState(data_wait_fraction=wait, samples_per_second=rate, steps=steps, num_workers=self.num_workers,
                           cpu_cores=cpu_cores(), loader_owned=self.owned, cache_active=self.cache is not None,
-                          profile=self.profile)
+                          profile=self.profile, gathered=self.gathered)
 
     def _profile(self) -> InputProfile:
         if not self.owned:

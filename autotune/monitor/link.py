@@ -22,6 +22,11 @@ from autotune.monitor.process import MonitorProcess
 from autotune.notices import warn
 from autotune.snapshot import AllocatorStats, DeviceSample
 
+# The monitor process starts once a run has trained this long. Its start-up (an interpreter and
+# its imports) takes ~0.1 s of a core, which on two busy cores is a fifth of a 0.5 s run; a run
+# that short has its memory read in-process at its measured steps and never needed the monitor.
+START_AFTER_S = 1.0
+
 
 class MonitorLink:
     """The monitor process of one trainer (none on ranks other than 0, or with `enabled=False`)."""
@@ -36,10 +41,18 @@ class MonitorLink:
         self.window: collections.deque[DeviceSample] = collections.deque(maxlen=20)
         self._own: tuple[float, DeviceSample] | None = None  # (monotonic time, an in-process reading)
         self._heard_at = 0.0  # monotonic time of its last sample, or of the last look at whether it lives
+        self._start_at: float | None = None  # monotonic time the process is due to start (`start`)
 
     def start(self, step: int, epoch: int) -> None:
-        if not self.enabled or self.process is not None:
-            return
+        """At a run's start: the process starts at the first batch `START_AFTER_S` later (`watch`)."""
+        if self.enabled and self.process is None and self._start_at is None:
+            self._start_at = time.monotonic() + START_AFTER_S
+
+    def _due(self) -> bool:
+        return self._start_at is not None and time.monotonic() >= self._start_at
+
+    def _launch(self, step: int, epoch: int) -> None:
+        self._start_at = None
         self.process = MonitorProcess(self.run_dir, interval=self.interval, gpu_uuid=cuda_uuid(self.device),
                                       cap_bytes=self.cap_bytes)
         self.process.start()
@@ -47,6 +60,7 @@ class MonitorLink:
 
     def stop(self, wait: bool = True) -> None:
         """Stop the monitor; `wait=False` does not wait for its exit (see MonitorProcess.stop)."""
+        self._start_at = None
         if self.process is not None:
             self.process.stop(wait=wait)
             self.process = None
@@ -57,7 +71,9 @@ class MonitorLink:
         is one read of the board's sequence number; whether the process lives is asked (a
         waitpid) only when no sample came for an interval."""
         events = []
-        if self.process is not None:
+        if self.process is None and self._due():
+            self._launch(step, epoch)
+        elif self.process is not None:
             got = self.process.latest()
             if got is not None:
                 self._heard_at = time.monotonic()
@@ -77,9 +93,12 @@ class MonitorLink:
 
     def news(self) -> bool:
         """Whether `watch` may have something to say without allocator figures: a sample came,
-        or none came for an interval (is the process alive?). Most steps: no."""
+        or none came for an interval (is the process alive?), or the process is due to start.
+        Most steps: no."""
         process = self.process
-        return process is not None and (process.board.changed() or self._silent())
+        if process is None:
+            return self._due()
+        return process.board.changed() or self._silent()
 
     def _silent(self) -> bool:
         # No sample for an interval: whether the process lives is worth a look (a waitpid).

@@ -127,20 +127,24 @@ time.sleep(60)
     assert wait_for(lambda: gone(monitor_pid), 2.0), "monitor outlived its parent by more than 2 s"
 
 
-def test_training_survives_a_killed_monitor_and_restarts_it(tmp_path):
+def test_training_survives_a_killed_monitor_and_restarts_it(tmp_path, monkeypatch):
     import torch
     from torch import nn
     from torch.utils.data import TensorDataset
 
     from autotune import AutoTrainer
+    from autotune.monitor import link
     from tests.conftest import journal
+
+    monkeypatch.setattr(link, "START_AFTER_S", 0.1)
 
     state = {}
 
     def step(model, batch):
         x, y = batch
-        if state["trainer"].step == 2 and not state.get("killed"):
-            state["killed"] = state["trainer"].monitor.pid
+        monitor = state["trainer"].monitor  # started once the run has trained START_AFTER_S
+        if monitor is not None and not state.get("killed"):
+            state["killed"] = monitor.pid
             os.kill(state["killed"], signal.SIGKILL)
         time.sleep(0.05)
         return nn.functional.cross_entropy(model(x), y)
@@ -217,3 +221,32 @@ def test_the_timeline_has_a_size_bound(tmp_path):
 def test_interval_limits():
     with pytest.raises(ValueError, match="between 0.05 and 10"):
         MonitorConfig(pid=1, board="x", samples_path=None, interval=0.01)
+
+
+def test_the_monitor_starts_once_a_run_has_trained_a_while(tmp_path, monkeypatch):
+    # Its start-up (~0.1 s of a core) is a fifth of a 0.5 s run on two busy cores: a run shorter
+    # than START_AFTER_S never starts it; a longer one does, at its first batch past that.
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from autotune import AutoTrainer
+    from autotune.monitor import link
+    from tests.conftest import journal
+
+    def fit(run_dir, seconds_per_step=0.0):
+        def step(model, batch):
+            time.sleep(seconds_per_step)
+            return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+        data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+        with AutoTrainer(nn.Linear(4, 2), data, step_fn=step, batch_size=4, device="cpu", progress=False,
+                         run_dir=run_dir, monitor_interval=0.05) as trainer:
+            trainer.fit()
+        return [r for r in journal(run_dir) if r["kind"] == "monitor_start"]
+
+    monkeypatch.setattr(link, "START_AFTER_S", 60.0)
+    assert fit(tmp_path / "short") == []
+    monkeypatch.setattr(link, "START_AFTER_S", 0.2)
+    (started,) = fit(tmp_path / "long", seconds_per_step=0.05)  # 16 steps of 50 ms
+    assert 2 <= started["step"] <= 8, started

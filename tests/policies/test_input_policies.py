@@ -1,3 +1,5 @@
+import dataclasses
+
 from autotune.actions import CacheSamples, SetLoaderWorkers
 from autotune.events import Event
 from autotune.policies import CacheWhenIOBound, TuneWorkers
@@ -66,3 +68,12 @@ def test_goes_back_when_a_change_did_not_help_and_never_tries_it_again():
     fresh = TuneWorkers()
     fresh.load_state_dict(policy.state_dict())  # a resumed run remembers it
     assert fresh.decide(Event.IO_BOUND, snap(step=200, workers=2, cores=8)) == []
+
+
+def test_no_worker_trial_over_tensors_in_memory():
+    # A batch gathered from tensors in memory: a worker would make the same gather and send it back.
+    state = snap(workers=0, cores=16).input
+    gathered = Snapshot(step=100, epoch=0, batch_size=32, micro_batch_size=32, device="cpu",
+                        input=dataclasses.replace(state, gathered=True))
+    assert TuneWorkers().decide(Event.IO_BOUND, gathered) == []
+    assert TuneWorkers().decide(Event.IO_BOUND, snap(workers=0, cores=16)) != []
