@@ -131,22 +131,50 @@ def cuda_uuid(device: torch.device) -> str | None:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+# The caching allocator's figures autotune reads, by the names `torch.cuda.memory_stats()` gives them.
+ALLOCATOR_KEYS = {
+    "allocated_bytes": "allocated_bytes.all.current",
+    "reserved_bytes": "reserved_bytes.all.current",
+    "peak_bytes": "allocated_bytes.all.peak",
+    "reserved_peak_bytes": "reserved_bytes.all.peak",
+    "num_alloc_retries": "num_alloc_retries",
+    "num_ooms": "num_ooms",
+    "inactive_split_bytes": "inactive_split_bytes.all.current",
+}
+
+
 def allocator_stats(device: torch.device, reset_peak: bool = True) -> AllocatorStats | None:
-    """The CUDA caching allocator's figures since the last reset; None on other devices."""
+    """The CUDA caching allocator's figures since the last reset; None on other devices. Before
+    CUDA allocates anything `memory_stats()` is empty: every figure is 0 then. A key it lacks
+    otherwise (renamed by a torch release, or another allocator plugged in) is an error that
+    names it: read as 0, it would turn sizing and pressure blind without a word."""
     if device.type != "cuda":
         return None
     stats = torch.cuda.memory_stats(device)
     if reset_peak:
         torch.cuda.reset_peak_memory_stats(device)
-    return AllocatorStats(
-        allocated_bytes=stats.get("allocated_bytes.all.current", 0),
-        reserved_bytes=stats.get("reserved_bytes.all.current", 0),
-        peak_bytes=stats.get("allocated_bytes.all.peak", 0),
-        reserved_peak_bytes=stats.get("reserved_bytes.all.peak", 0),
-        num_alloc_retries=stats.get("num_alloc_retries", 0),
-        num_ooms=stats.get("num_ooms", 0),
-        inactive_split_bytes=stats.get("inactive_split_bytes.all.current", 0),
-    )
+    if not stats:
+        return AllocatorStats(**dict.fromkeys(ALLOCATOR_KEYS, 0))
+    missing = [key for key in ALLOCATOR_KEYS.values() if key not in stats]
+    if missing:
+        raise RuntimeError(f"torch.cuda.memory_stats() on {device} has no {', '.join(map(repr, missing))} (torch "
+                           f"{torch.__version__}; {len(stats)} keys, e.g. {', '.join(sorted(stats)[:4])}): autotune "
+                           "sizes micro-batches and sees allocator pressure from these figures")
+    return AllocatorStats(**{field: stats[key] for field, key in ALLOCATOR_KEYS.items()})
+
+
+def cuda_reserved_cap(device: torch.device, soft_cap_bytes: int | None = None) -> tuple[int, int]:
+    """(cap, outside): the most this process's caching allocator may reserve on `device`, and
+    what the device holds outside it now (the CUDA context, other processes). The allocator is
+    refused past a per-process fraction of the total (`set_per_process_memory_fraction`, which
+    `memory_cap` sets) counted in its own reserved bytes alone, and the device past what is free;
+    the cap is the smaller. Where torch cannot say the fraction (before 2.5), `soft_cap_bytes`
+    (the memory_cap that set it) stands in."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    by_fraction = int(fraction(device) * total) if fraction is not None else soft_cap_bytes or total
+    return min(by_fraction, reserved + free), max(0, total - free - reserved)
 
 
 def describe_memory(device: torch.device) -> str:
@@ -339,8 +367,10 @@ class StepDemand:
     """What a step needs: its peak memory above what was in use when it began, against the room
     the cap left then, in the measure the cap binds. Near 1: the step barely fits.
 
-    - CUDA: the allocator's peak of allocated bytes; the room is the cap less what others hold
-      on the device and what is allocated now.
+    - CUDA: in the caching allocator's reserved bytes, what a cap binds (`cuda_reserved_cap`: the
+      per-process fraction, or what the device has free beside the context and other processes):
+      the peak of live tensors plus what the allocator wasted reserving them (`cuda_need`), against
+      the cap less what is allocated now.
     - CPU under RLIMIT_AS: the virtual size (what the limit counts). Its peak is the process's
       lifetime peak, so it measures a step exactly only when the step set a new one; the first
       step at a size that did not is sampled on a thread, and other steps are estimated from
@@ -368,6 +398,7 @@ class StepDemand:
         self._sampler = virtual_peak_sampler() if device.type == "cpu" and self.peak.available else None
         self._sampling = False
         self._micro: int | None = None
+        self._reserved_start = 0  # CUDA: the allocator's reserved bytes when the step began
         self.at_failure: tuple[int | None, int, int | None] | None = None  # see note_failure
 
     def measure_room(self) -> None:
@@ -380,9 +411,7 @@ class StepDemand:
             self._in_use = None
             return
         if self.device.type == "cuda":
-            reserved = torch.cuda.memory_reserved(self.device)
-            self._others = max(0, sample.used_bytes - reserved)
-            self._cap = sample.cap_bytes
+            self._cap, self._others = cuda_reserved_cap(self.device, self.cap_bytes)
             self._in_use = torch.cuda.memory_allocated(self.device)
             return
         status = self.peak.status()
@@ -427,10 +456,8 @@ class StepDemand:
 
     @property
     def binding_cap(self) -> int | None:
-        """The cap in the same measure: on CUDA less what others hold on the device."""
-        if self.device.type == "cuda":
-            return None if self._cap is None else self._cap - self._others
-        if self._virtual:
+        """The cap in the same measure: on CUDA on this process's reserved bytes (cuda_reserved_cap)."""
+        if self.device.type == "cuda" or self._virtual:
             return self._cap
         return None if self._room_at is None else self._room_at[0] + self._room_at[1]
 
@@ -466,6 +493,8 @@ class StepDemand:
         the last measured one, so what is in use now is read afresh."""
         if rebase:
             self._rebase()
+        if self.device.type == "cuda":
+            self._reserved_start = torch.cuda.memory_reserved(self.device)
         self.peak.start()
         self._micro = micro_batch_size
         self._sampling = (self._virtual and self._sampler is not None and micro_batch_size is not None
@@ -482,12 +511,12 @@ class StepDemand:
 
     def _measure(self) -> "StepMemory | None":
         if self.device.type == "cuda":
-            self.allocator = allocator_stats(self.device, reset_peak=False)
-            in_use, self._in_use = self._in_use, self.allocator.allocated_bytes
+            stats = self.allocator = allocator_stats(self.device, reset_peak=False)
+            in_use, self._in_use = self._in_use, stats.allocated_bytes
             if in_use is None or self._cap is None:
                 return None
-            return StepMemory(self._micro, self.allocator.peak_bytes - in_use, self._cap - self._others - in_use, True,
-                              kept_bytes=self.allocator.allocated_bytes - in_use)
+            return StepMemory(self._micro, cuda_need(in_use, self._reserved_start, stats), self._cap - in_use, True,
+                              kept_bytes=stats.allocated_bytes - in_use)
         sampled = self._sampler.end() if self._sampling else None
         self._sampling = False
         status = self.peak.status()
@@ -516,6 +545,15 @@ class StepDemand:
             if self._micro is not None:
                 self._exact_sizes.add(self._micro)
         return StepMemory(self._micro, max(0, need), room, exact, kept_bytes=status.virtual - in_use, kept_is_heap=True)
+
+
+def cuda_need(allocated_start: int, reserved_start: int, stats: AllocatorStats) -> int:
+    """A CUDA step's need in the unit the cap binds, this process's reserved bytes: its peak of
+    live tensors above those it began with, plus what the allocator reserved beyond that peak
+    and beyond what it held already (rounding, and fragments no request could use). Blocks
+    cached from earlier, larger steps are not charged: the step reused them."""
+    wasted = max(0, stats.reserved_peak_bytes - max(reserved_start, stats.peak_bytes))
+    return max(0, stats.peak_bytes - allocated_start) + wasted
 
 
 def memory_text(device: torch.device, cap_bytes: int | None) -> str:

@@ -106,3 +106,56 @@ def test_autotunes_own_threads_take_little_of_an_address_space_cap(tmp_path):
     result = json.loads(out.read_text())
     added = result["added_mib"]
     assert added < 24, f"AutoTrainer added {added:.0f} MiB of address space: {result}"
+
+
+# CUDA sizing in the unit a cap binds (issue 45), on a scripted allocator (tests/fake_cuda.py).
+CUDA = torch.device("cuda", 0)
+
+
+def test_under_a_per_process_fraction_the_room_is_the_fraction_of_reserved_bytes(monkeypatch):
+    from tests.fake_cuda import MiB, FakeAllocator
+
+    # memory_cap / set_per_process_memory_fraction: the allocator is refused past 2 GiB of its own
+    # reserved bytes; the CUDA context and other processes' 500 MiB do not count against that.
+    gpu = FakeAllocator(total=80 * 1024 * MiB, fraction=2 * 1024 / (80 * 1024), allocated=100 * MiB,
+                        reserved=100 * MiB).install(monkeypatch)
+    demand = StepDemand(CUDA, cap_bytes=2048 * MiB)
+    demand.measure_room()
+    assert demand.binding_cap == 2048 * MiB and demand.others_bytes == 500 * MiB
+    demand.start(64)
+    gpu.step(peak_live=1100 * MiB, reserved_peak=1100 * MiB)
+    demand.finish()
+    assert demand.last_memory.room_bytes == 1948 * MiB and demand.last_memory.need_bytes == 1000 * MiB
+    # Without a fraction the device binds: what is free beside the context and the others.
+    gpu.fraction = 1.0
+    demand.measure_room()
+    assert demand.binding_cap == 80 * 1024 * MiB - 500 * MiB
+
+
+def test_a_steps_cuda_need_counts_what_the_allocator_wasted_not_what_it_had_cached(monkeypatch):
+    from tests.fake_cuda import MiB, FakeAllocator
+
+    gpu = FakeAllocator(allocated=100 * MiB, reserved=100 * MiB).install(monkeypatch)
+    demand = StepDemand(CUDA, cap_bytes=None)
+    demand.measure_room()
+    demand.start(64)
+    gpu.step(peak_live=600 * MiB, reserved_peak=700 * MiB)  # 100 MiB of fragments beside 500 live
+    demand.finish()
+    assert demand.last_memory.need_bytes == 600 * MiB
+    # A smaller size next, in the cache the larger one left (700 MiB reserved): it reserves nothing
+    # new, and its need is its live peak, not the cache's size.
+    demand.start(32)
+    gpu.step(peak_live=350 * MiB, reserved_peak=700 * MiB)
+    demand.finish()
+    assert demand.last_memory.need_bytes == 250 * MiB
+
+
+def test_an_allocator_figure_torch_does_not_give_is_an_error_that_names_it(monkeypatch):
+    from autotune.memory import allocator_stats
+    from tests.fake_cuda import FakeAllocator
+
+    gpu = FakeAllocator(empty=True).install(monkeypatch)
+    assert allocator_stats(CUDA).num_ooms == 0  # nothing allocated yet: every figure is 0
+    gpu.empty, gpu.missing = False, ("num_alloc_retries",)
+    with pytest.raises(RuntimeError, match="has no 'num_alloc_retries'"):
+        allocator_stats(CUDA)

@@ -19,9 +19,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 from loguru import logger
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from autotune.actions import CacheSamples
+from autotune.batching import map_tensors
 from autotune.data.cache import CachedDataset, NotCacheable, SampleCache, cache_budget, profile_input, split_for_caching
 from autotune.data.sampler import EpochSampler
 from autotune.data.tensors import batched_view, take_batch
@@ -42,6 +43,14 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def batches_on_host(batch: Any) -> bool:
+    """Whether every tensor of `batch` is in host memory, so a CUDA run pins it (the loader's
+    pinning raises "cannot pin 'torch.cuda.FloatTensor'" on a tensor already on the device)."""
+    devices: set[str] = set()
+    map_tensors(lambda tensor: devices.add(tensor.device.type), batch)
+    return devices <= {"cpu"}
 
 
 class InputPipeline:
@@ -81,6 +90,7 @@ class InputPipeline:
         self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed,
                                     rank=ranks.rank, world=ranks.world, batch_size=batch_size)
         self._batch_size, self._collate_fn = batch_size, collate_fn
+        self._pin = device.type == "cuda" and batches_on_host(self._probe_batch())
         self.num_workers = num_workers
         self.loader = self._build(dataset, num_workers)
 
@@ -101,9 +111,21 @@ class InputPipeline:
             dataset, collate_fn = self._gathered, take_batch
         return DataLoader(
             dataset, batch_size=self._batch_size, sampler=self.sampler, num_workers=num_workers,
-            collate_fn=collate_fn, pin_memory=self.device.type == "cuda",
+            collate_fn=collate_fn, pin_memory=self._pin,
             generator=torch.Generator().manual_seed(self.seed),  # worker seeds follow `seed`
         )
+
+    def _probe_batch(self) -> Any:
+        # A batch of the first sample, as the loader will make it: on CUDA, whether to pin depends on
+        # where the dataset (or the collate) puts its tensors. A sample that cannot be read is the
+        # first batch's error to raise, where the loop checkpoints and names the batch.
+        try:
+            if self._gathered is not None:
+                return self._gathered.__getitems__([0])
+            return (self._collate_fn or default_collate)([self.dataset[0]])
+        except Exception as exc:  # noqa: BLE001 - any error of the user's dataset: see above
+            logger.debug(f"batches pinned on CUDA: the first sample could not be read ({type(exc).__name__}: {exc})")
+            return None
 
     def planned_batches(self, progress: Any, epochs: int, max_steps: int | None, keep_effective_batch: bool) -> int | None:
         """Batches left until `epochs` (or `max_steps`) are done, for a progress bar; None if unknown."""

@@ -189,8 +189,10 @@ class NVML:
         handle = self.handle(uuid)
         return None if handle is None else self._memory_of(handle)
 
-    def processes(self, uuid: str) -> dict[int, int] | None:
-        """GPU memory used by each compute process on the device, {pid: bytes}; None if unknown."""
+    def processes(self, uuid: str) -> dict[int, int | None] | None:
+        """GPU memory used by each compute process on the device, {pid: bytes}; None if unknown.
+        PIDs are as NVML sees them: in a container, the host's (not this namespace's). A process
+        whose bytes NVML cannot say (no permission, some containers) maps to None, not 0."""
         handle = self.handle(uuid)
         if handle is None:
             return None
@@ -203,10 +205,18 @@ class NVML:
             except Exception:
                 continue  # newest first; an older driver lacks the newer calls
             self._process_calls = [fn]  # remember what works
-            return {int(p.pid): int(p.usedGpuMemory or 0) for p in procs}
+            return {int(p.pid): _bytes_or_none(p.usedGpuMemory) for p in procs}
         self._process_calls = None
         self._log_once("processes", "NVML per-process GPU memory not available")
         return None
+
+
+# What NVML puts where it cannot say a process's bytes (NVML_VALUE_NOT_AVAILABLE, an unsigned -1).
+_NOT_AVAILABLE = (1 << 64) - 1
+
+
+def _bytes_or_none(value: Any) -> int | None:
+    return None if value is None or int(value) == _NOT_AVAILABLE else int(value)
 
 
 _session: NVML | None = None

@@ -94,6 +94,7 @@ class Sampler:
         self.nvml = nvml_session() if config.gpu_uuid else None
         self.process_bytes: int | None = None
         self.samples_taken = 0
+        self._unlisted_said = False  # NVML did not list the trainer's PID: said once (monitor.log)
 
     def read(self) -> DeviceSample:
         config = self.config
@@ -109,7 +110,14 @@ class Sampler:
     def read_process(self) -> int | None:
         if self.nvml is not None:
             per_process = self.nvml.processes(self.config.gpu_uuid)
-            self.process_bytes = None if per_process is None else per_process.get(self.config.pid, 0)
+            self.process_bytes = None if per_process is None else per_process.get(self.config.pid)
+            if per_process is not None and self.config.pid not in per_process and not self._unlisted_said:
+                # Not 0: in a container NVML lists the host's PIDs, which this namespace cannot see.
+                self._unlisted_said = True
+                print(f"NVML lists no process {self.config.pid} on {self.config.gpu_uuid} ({len(per_process)} "
+                      "listed; in a container NVML gives the host's PIDs): the trainer's own bytes are not known "
+                      "here; its journal has the allocator's reserved bytes of every measured step instead",
+                      file=sys.stderr, flush=True)
         else:
             self.process_bytes = host.rss_bytes(self.config.pid, exclude=os.getpid())
         return self.process_bytes

@@ -59,3 +59,24 @@ def test_a_fast_loop_over_tensors_in_memory_starts_no_loader_worker_trial(tmp_pa
     records = journal(tmp_path / "run")
     assert [r for r in records if r["kind"] == "loader_rebuilt"] == []
     assert [r for r in records if r["kind"] == "action" and r.get("policy") == "tune_workers"] == []
+
+
+def test_on_cuda_batches_already_on_a_device_are_not_pinned():
+    # torch's pinning raises "cannot pin 'torch.cuda.FloatTensor'" on a tensor already on the device;
+    # "meta" tensors stand in for CUDA ones here (neither is in host memory).
+    from autotune.data.pipeline import InputPipeline, batches_on_host
+    from autotune.distributed import Solo
+
+    assert batches_on_host({"x": [torch.zeros(2)], "y": (torch.zeros(1), 3)})
+    assert not batches_on_host([torch.zeros(2), {"y": torch.zeros(1, device="meta")}])
+
+    def pins(dataset, collate_fn=None):
+        return InputPipeline(dataset, batch_size=4, shuffle=False, seed=0, num_workers=0, collate_fn=collate_fn,
+                             device=torch.device("cuda", 0), ranks=Solo()).loader.pin_memory
+
+    on_host = tensors(8)
+    assert pins(on_host)
+    assert not pins(TensorDataset(torch.zeros(8, 2, device="meta")))
+    assert not pins(on_host, collate_fn=lambda rows: [torch.zeros(4, device="meta")])  # a collate that moves them
+    assert not InputPipeline(on_host, batch_size=4, shuffle=False, seed=0, num_workers=0, collate_fn=None,
+                             device=torch.device("cpu"), ranks=Solo()).loader.pin_memory

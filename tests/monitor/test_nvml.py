@@ -104,3 +104,21 @@ def test_unknown_uuid_is_none(monkeypatch):
 
 def test_uuid_spellings_compare_equal():
     assert normalize_uuid("GPU-ABCD") == normalize_uuid("abcd") == normalize_uuid("MIG-abcd")
+
+
+def test_in_a_container_the_trainers_pid_is_not_listed_and_its_bytes_are_unknown_not_zero(monkeypatch, capsys):
+    # NVML lists the host's PIDs; inside a container the trainer's own PID is not among them, and
+    # some drivers give NVML_VALUE_NOT_AVAILABLE for a process's bytes.
+    from autotune.monitor import nvml as nvml_module
+    from autotune.monitor.process import MonitorConfig, Sampler
+
+    host_pids = {48213: 3 * 2**30, 48999: (1 << 64) - 1}
+    module = fake_nvml.make([FakeGpu(A, processes=host_pids)])
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.setattr(nvml_module, "_session", None)
+    assert nvml_module.session().processes(A) == {48213: 3 * 2**30, 48999: None}
+    sampler = Sampler(MonitorConfig(pid=17, board="unused", samples_path=None, gpu_uuid=A))
+    assert sampler.read_process() is None and sampler.read_process() is None
+    said = capsys.readouterr().err
+    assert said.count("NVML lists no process 17") == 1 and "host's PIDs" in said
+    nvml_module.session().shutdown()
