@@ -5,6 +5,9 @@
     clean up: the partial gradients dropped, the memory freed (outside the `except` block)
     record:   where the memory went (breakdown.py), the allocator's history (memory_history.py),
               the `oom` record and the one line a user sees
+    CUDA, the batch's first OOM: the same size once more (`oom_retry`), the cache emptied after a
+              synchronize: a block that would fit may still wait on another stream (pytorch #189504),
+              and halving on that throws half the throughput away
     decide:   OOM -> the policies; every rank takes rank 0's size and relief; a smaller size first
               (a pending relief is dropped, and said so); at the smallest, the relief (checkpoint
               first); else the `out_of_memory` record, a checkpoint of the progress, OutOfMemory
@@ -50,6 +53,10 @@ class OOMRecovery:
         self.journal, self.counters, self.run_dir = journal, counters, run_dir
         self.knobs, self.dispatcher, self.cadence, self.reliefs_allowed = knobs, dispatcher, cadence, reliefs_allowed
         self.device, self.ranks = core.device, core.ranks
+        # The batch's first OOM retried once at the same size (CUDA; the module docstring says why).
+        # The ranks agree on it without a collective: every rank has the same agreed failures.
+        self.retries_same_size = self.device.type == "cuda"
+        self.same_size_retries = 0  # how many were retried so, this run
         self.last_snapshot: dict[str, Any] | None = None  # the allocator's state at the last OOM: path, sites
         self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
 
@@ -57,8 +64,14 @@ class OOMRecovery:
                 fire: Callable[..., None], carry_out: Callable[[Relief], bool], checkpoint: Checkpoint) -> None:
         """Clean up and record the failed attempt, ask the policies (`fire`), and go on with what
         rank 0 decided: a smaller micro-batch, or at the smallest a relief; else give up."""
-        self.clean_up(failed_micro_batch, attempt, holding)
+        same_size = self.retries_same_size and len(tried) == 1 and not attempt.injected
+        self.clean_up(failed_micro_batch, attempt, holding, same_size)
         self.cadence.changed()
+        if same_size:
+            self.same_size_retries += 1
+            self.journal.write("oom_retry", self.counters.step, self.counters.epoch,
+                               micro_batch_size=failed_micro_batch, retries=self.same_size_retries)
+            return
         fire(Event.OOM, failed_micro_batch=failed_micro_batch, force=True)
         # Every rank's next move is rank 0's: the size to retry at, and any relief first.
         micro, relief = self.ranks.follow_rank0(self.knobs.micro_batch_size, self.ranks.offer_relief(self.knobs),
@@ -91,15 +104,18 @@ class OOMRecovery:
             self.dispatcher.relief_dropped(mine, "rank 0's policies decide the reliefs", self.counters.step,
                                            self.counters.epoch)
 
-    def clean_up(self, failed_micro_batch: int, attempt: Attempt, holding: bool) -> None:
+    def clean_up(self, failed_micro_batch: int, attempt: Attempt, holding: bool, same_size: bool = False) -> None:
         """Free what the failed attempt held and record it (`oom`). `holding`: gradients of
-        earlier batches are set aside, so only the attempt's are on the parameters."""
+        earlier batches are set aside, so only the attempt's are on the parameters. `same_size`:
+        the batch is tried again at the same size (said so)."""
         self.core.ranks.reset_after_failure()  # sharded: FSDP2's state as before the attempt
         # Partial gradients of the failed batch must not leak into the retry.
         if holding:
             self.core.drop_gradients()
         else:
             self.core.zero_grad()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # what other streams still use is freed before the cache empties
         free_memory(self.device)
         held, gradients, cached = self.demand.take_failure()
         self.last_breakdown = None if attempt.injected else oom_breakdown(
@@ -115,8 +131,9 @@ class OOMRecovery:
                            lost_seconds=round(lost, 4), ooms=self.counters.ooms, breakdown=self.last_breakdown,
                            **({"memory_snapshot": self.last_snapshot} if self.last_snapshot else {}))
         # One line per size that failed (the journal has every OOM): a user sees it was survived.
-        warn(f"out of memory at micro-batch {failed_micro_batch} on {self.device}; retrying the same batch at a "
-             "smaller micro-batch (every OOM is in the run's journal)", key=f"oom {failed_micro_batch} {self.run_dir}")
+        warn(f"out of memory at micro-batch {failed_micro_batch} on {self.device}; retrying the same batch at "
+             f"{'the same micro-batch once, the cache emptied' if same_size else 'a smaller micro-batch'} (every OOM "
+             "is in the run's journal)", key=f"oom {failed_micro_batch} {same_size} {self.run_dir}")
 
     def give_up(self, failed_micro_batch: int, tried: list[int], attempt: Attempt, checkpoint: Checkpoint) -> NoReturn:
         """Nothing is left to try at the smallest size: record it, checkpoint the progress so far, raise."""

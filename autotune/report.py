@@ -43,6 +43,12 @@ def _read_run(run_dir: Path) -> _Run:
     return _Run(records, unreadable, read_lines(run_dir / "samples.jsonl")[0], read_lines(run_dir / "steps.jsonl")[0])
 
 
+def _failed_again(retry: dict[str, Any], ooms: list[dict[str, Any]]) -> bool:
+    # The retried batch ran out of memory again: an `oom` after the retry, at the same step and epoch.
+    return any(o["time"] >= retry["time"] and o["step"] == retry["step"] and o["epoch"] == retry["epoch"]
+               for o in ooms)
+
+
 def throughput_over_time(steps: list[dict[str, Any]], windows: int = 8) -> list[dict[str, Any]]:
     """Samples per second in up to `windows` equal stretches of the run, from the cumulative
     `samples_seen` of steps.jsonl (thinned lines are fine: only differences are used). A
@@ -147,6 +153,10 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                                   if all("lost_seconds" in o for o in ooms) else None),
                  "by_micro_batch": {str(k): v for k, v in collections.Counter(o["micro_batch_size"] for o in ooms).items()},
                  "gave_up": len(by_kind["out_of_memory"]),
+                 # CUDA: a batch's first OOM retried once at the same size (oom_retry); it fit unless the
+                 # same batch failed again
+                 "same_size_retries": len(by_kind["oom_retry"]),
+                 "same_size_fit": sum(1 for r in by_kind["oom_retry"] if not _failed_again(r, ooms)),
                  # where the memory went at the last OOM that measured it (journals since issue 16)
                  "last_breakdown": next((o["breakdown"] for o in reversed(ooms) if o.get("breakdown")), None),
                  # memory_snapshot=True (CUDA): the allocator's state at the last OOM, and its largest sites
@@ -230,6 +240,9 @@ def render(summary: dict[str, Any]) -> str:
                        if ooms["seconds_lost"] is not None else ")")
                     if ooms["survived"] else "")
                  + (f"; gave up {ooms['gave_up']} time(s)" if ooms["gave_up"] else ""))
+    if ooms.get("same_size_retries"):
+        lines.append(f"  retried at the same micro-batch first (the cache emptied): {ooms['same_size_retries']}, "
+                     f"of which {ooms['same_size_fit']} fit without a smaller one")
     if ooms.get("last_breakdown"):
         lines.append(f"  at the last OOM: {describe_breakdown(ooms['last_breakdown'])}")
     if ooms.get("last_snapshot"):

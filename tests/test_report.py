@@ -34,7 +34,8 @@ def test_a_normal_run(tmp_path, capsys):
     result = trainer.fit(epochs=2)
     summary = summarize(tmp_path / "run")
     assert summary["status"] == "finished" and summary["samples_seen"] == 1024 and summary["steps"] == result.steps
-    assert summary["ooms"] == {"survived": 0, "seconds_lost": 0, "by_micro_batch": {}, "gave_up": 0, "last_breakdown": None,
+    assert summary["ooms"] == {"survived": 0, "seconds_lost": 0, "by_micro_batch": {}, "gave_up": 0, "same_size_retries": 0,
+                              "same_size_fit": 0, "last_breakdown": None,
                               "last_snapshot": None}
     assert summary["micro_batch_size"] == {"start": 32, "end": 32}
     windows = summary["throughput_over_time"]
