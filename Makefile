@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 # the package itself accepts any torch >= 2.3.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install demo test docs docs-serve wheel-check bench gpu-check clean
+.PHONY: install demo test docs docs-serve wheel-check bench gpu-check gpu-wheels clean
 
 $(VENV)/.installed: pyproject.toml examples/custom_policy/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,10 +51,19 @@ bench: install
 	$(PY) benchmarks/relief_ladder.py
 	$(PY) benchmarks/integrations.py
 
-# On a CUDA machine: the gpu-marked tests plus a short GPU timing. Runs with the
-# machine's own python (GPU machines bring torch with CUDA), not the venv.
+# On a CUDA machine: the GPU check (benchmarks/gpu_check.py: each step in its own interpreter, results
+# in $$OUT or benchmarks/results/gpu_check.md). Runs with the machine's own python (GPU machines bring
+# torch with CUDA), not the venv; what that python lacks comes from .whl/ (make gpu-wheels).
 gpu-check:
-	bash benchmarks/gpu_check.sh
+	$(PYTHON) benchmarks/gpu_check.py
+
+# Here, where the package registry is reachable: the pure-Python wheels a lent GPU machine lacks, at the
+# versions the venv tests with, into .whl/ (ignored; carry it to the GPU machine).
+gpu-wheels: install
+	rm -rf .whl
+	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation py --abi none \
+		--platform any -d .whl $$($(PY) benchmarks/gpu_check.py --wheel-specs)
+	ls .whl
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache site dist build
+	rm -rf $(VENV) runs .pytest_cache site dist build .whl
