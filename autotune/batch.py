@@ -156,7 +156,8 @@ class BatchRunner:
             # the tensors they pinned (activations, partial gradients) can be freed.
             tried.append(agreed.failed_micro_batch)
             self.recovery.recover(agreed.failed_micro_batch, tried, attempt, holding=self.holding, fire=fire,
-                                  carry_out=carry_out, checkpoint=checkpoint)
+                                  carry_out=carry_out, checkpoint=checkpoint,
+                                  last_good_micro_batch=self.last_good_micro)
             attempt = None
             measured = self.measured = True  # the retry is measured, whatever the cadence said
             rebase = False  # the room was measured after the clean-up

@@ -5,9 +5,11 @@
     clean up: the partial gradients dropped, the memory freed (outside the `except` block)
     record:   where the memory went (breakdown.py), the allocator's history (memory_history.py),
               the `oom` record and the one line a user sees
-    CUDA, the batch's first OOM: the same size once more (`oom_retry`), the cache emptied after a
-              synchronize: a block that would fit may still wait on another stream (pytorch #189504),
-              and halving on that throws half the throughput away
+    CUDA, the batch's first OOM at a size the last batch completed at: the same size once more
+              (`oom_retry`), the cache emptied after a synchronize: a block that would fit may still
+              wait on another stream (pytorch #189504), and halving on that throws half the throughput
+              away. A size that never completed a batch (the start, a probe upward) is not retried:
+              it is too large, and a retry would only be one more OOM
     decide:   OOM -> the policies; every rank takes rank 0's size and relief; a smaller size first
               (a pending relief is dropped, and said so); at the smallest, the relief (checkpoint
               first); else the `out_of_memory` record, a checkpoint of the progress, OutOfMemory
@@ -61,10 +63,13 @@ class OOMRecovery:
         self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
 
     def recover(self, failed_micro_batch: int, tried: list[int], attempt: Attempt, *, holding: bool,
-                fire: Callable[..., None], carry_out: Callable[[Relief], bool], checkpoint: Checkpoint) -> None:
+                fire: Callable[..., None], carry_out: Callable[[Relief], bool], checkpoint: Checkpoint,
+                last_good_micro_batch: int | None = None) -> None:
         """Clean up and record the failed attempt, ask the policies (`fire`), and go on with what
-        rank 0 decided: a smaller micro-batch, or at the smallest a relief; else give up."""
-        same_size = self.retries_same_size and len(tried) == 1 and not attempt.injected
+        rank 0 decided: a smaller micro-batch, or at the smallest a relief; else give up.
+        `last_good_micro_batch`: the size the last batch completed at (every rank's alike)."""
+        same_size = (self.retries_same_size and len(tried) == 1 and not attempt.injected
+                     and last_good_micro_batch == failed_micro_batch)
         self.clean_up(failed_micro_batch, attempt, holding, same_size)
         self.cadence.changed()
         if same_size:

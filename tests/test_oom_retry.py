@@ -1,6 +1,7 @@
-"""A batch's first OOM retried once at the same size (CUDA's default, issue 45): a transient
-spike, a real OOM under RLIMIT_AS in a subprocess, fits on the retry; nothing is halved, the
-weights are those of a run without the spike, and the journal and `autotune report` say so."""
+"""A batch's first OOM at the size the last batch completed at is retried once at that size
+(CUDA's default, issue 45): a transient spike, a real OOM under RLIMIT_AS in a subprocess, fits on
+the retry; nothing is halved, the weights are those of a run without the spike, and the journal
+and `autotune report` say so. At a size that never completed a batch there is no retry."""
 
 import pytest
 
@@ -18,11 +19,12 @@ from autotune.limits import cap_address_space, lift_address_space_cap
 g = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
 HEADROOM = 512 * 2**20
-spikes = []
+spikes, calls = [], []
 
 def step(model, batch):
-    if len(spikes) < SPIKES:  # the first SPIKES attempts: something transient needs twice the headroom
-        spikes.append(1)
+    calls.append(1)
+    if len(calls) >= FROM and len(spikes) < SPIKES:  # from the FROM-th attempt, SPIKES attempts in a row:
+        spikes.append(1)                             # something transient needs twice the headroom
         torch.empty(2 * HEADROOM, dtype=torch.uint8).fill_(1)
     return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
@@ -40,12 +42,14 @@ def fit(run_dir, retries_same_size):
     trainer.close()
     return result, [p.detach().clone() for p in model.parameters()]
 
-SPIKES = 0
+SPIKES, FROM = 0, 1
 _, reference = fit("reference", False)
 out = {}
-for name, retry, spikes_wanted in (("retried", True, 1), ("halved", False, 1), ("twice", True, 2)):
+# At the third batch (its size completed two), or at the first (a size that never completed one).
+for name, retry, SPIKES, FROM in (("retried", True, 1, 3), ("halved", False, 1, 3), ("twice", True, 2, 3),
+                                  ("first", True, 1, 1)):
     spikes.clear()
-    SPIKES = spikes_wanted
+    calls.clear()
     result, weights = fit(name, retry)
     out[name] = {"ooms": result.ooms, "micro": result.micro_batch_size, "samples": result.samples_seen,
                  "same": all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(weights, reference))}
@@ -69,6 +73,10 @@ def test_a_transient_oom_fits_on_a_same_size_retry_and_the_report_says_so(tmp_pa
     assert [r["kind"] for r in twice][:4] == ["oom", "oom_retry", "oom", "action"], twice
     assert twice[3]["policy"] == "halve_on_oom" and "oom_retry" not in [r["kind"] for r in twice[4:]]
     assert out["twice"]["same"] and out["twice"]["samples"] == 64
+    # A size that never completed a batch is too large, not unlucky: no retry, the policies at once.
+    assert out["first"]["ooms"] == 1 and out["first"]["same"]
+    assert [r["kind"] for r in journal(tmp_path / "first") if r["kind"] in ("oom", "oom_retry", "action")][:2] == [
+        "oom", "action"]
 
     from autotune.report import summarize, render
 

@@ -164,3 +164,58 @@ def test_steady_steps_of_a_fused_optimizer_make_no_host_device_synchronisation(t
     assert tuner.scheduler.last_epoch == 161
     skipped = [r for r in journal(tmp_path / "run") if r["kind"] == "nonfinite"]
     assert [r["at_step"] for r in skipped] == [161]
+
+
+# Issue 45's fixes, on the card (their CPU tests use scripted figures: tests/fake_cuda.py).
+def test_a_dataset_of_cuda_tensors_trains_unpinned_and_cpu_batches_are_pinned(tmp_path):
+    device = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(128, 8, generator=g), torch.randint(0, 3, (128,), generator=g)
+    for name, data, pinned in (("device", TensorDataset(x.to(device), y.to(device)), False),
+                               ("host", TensorDataset(x, y), True)):
+        trainer = AutoTrainer(nn.Linear(8, 3), data, loss_fn=nn.functional.cross_entropy, batch_size=32,
+                              device=device, progress=False, run_dir=tmp_path / name)
+        assert trainer.input.loader.pin_memory is pinned
+        assert trainer.fit(epochs=1).samples_seen == 128  # torch's pinning raised on device tensors
+        trainer.close()
+
+
+def test_under_a_memory_cap_the_room_is_counted_in_reserved_bytes_of_the_cap(tmp_path):
+    from autotune import Tuner
+    from autotune.memory import allocator_stats
+
+    device = torch.device("cuda", 0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = 2 * 2**30
+    with Tuner(nn.Linear(256, 256), loss_fn=nn.functional.mse_loss, device=device, memory_cap=cap,
+               run_dir=tmp_path / "run", monitor=False) as tuner:
+        x = torch.randn(512, 256, device=device)
+        tuner.step((x, x))
+        # The fraction counts this process's reserved bytes alone: the context is not taken off it.
+        assert abs(tuner.demand.binding_cap - cap) <= total * 1e-6 + 2**20
+        memory = tuner.demand.last_memory
+        assert memory is not None and 0 < memory.need_bytes < memory.room_bytes <= cap
+    stats = allocator_stats(device)  # every figure autotune reads is there in this torch
+    assert stats.reserved_bytes >= stats.allocated_bytes >= 0
+
+
+def test_a_spurious_first_oom_is_retried_at_the_same_size(tmp_path):
+    device = torch.device("cuda", 0)
+    data, model = wide(1024)
+    spiked, calls = [], []
+
+    def step(m, batch):
+        calls.append(1)
+        if len(calls) == 2 and not spiked:  # the second batch, once: a request larger than the card, a real
+            spiked.append(1)                # CUDA OOM at a size that completed a batch, which the retry does not repeat
+            torch.empty(2 * torch.cuda.get_device_properties(device).total_memory, dtype=torch.uint8, device=device)
+        return nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    before = torch.cuda.memory_stats(device).get("num_ooms", 0)
+    trainer = AutoTrainer(model, data, step_fn=step, batch_size=256, device=device, progress=False,
+                          run_dir=tmp_path / "run")
+    result = trainer.fit(epochs=1)
+    assert result.ooms == 1 == torch.cuda.memory_stats(device)["num_ooms"] - before
+    assert result.micro_batch_size == 256 and result.samples_seen == 1024
+    kinds = [r["kind"] for r in journal(tmp_path / "run")]
+    assert kinds.count("oom_retry") == 1 and "action" not in kinds

@@ -58,3 +58,19 @@ def test_the_monitor_sees_an_allocation_and_empty_cache(tmp_path):
         assert cached - after >= 1.8 * GIB
     finally:
         monitor.stop()
+
+
+def test_this_processs_bytes_are_known_or_unknown_never_zero():
+    # In a container NVML lists the host's PIDs: the trainer's own is then unknown (None), not 0.
+    import os
+
+    from autotune.monitor.process import MonitorConfig, Sampler
+
+    device = torch.device("cuda:0")
+    block = torch.empty(GIB, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize()
+    time.sleep(0.2)
+    sampler = Sampler(MonitorConfig(pid=os.getpid(), board="unused", samples_path=None, gpu_uuid=cuda_uuid(device)))
+    mine = sampler.read_process()
+    assert mine is None or mine >= GIB, mine
+    del block
