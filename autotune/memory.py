@@ -404,15 +404,15 @@ class StepDemand:
     def measure_room(self) -> None:
         """Find the binding cap and what is in use: at the start of a fit, after an OOM, and after
         a relief changed what stays resident. Later steps are measured against it cheaply."""
-        sample = device_sample(self.device, self.cap_bytes)
         self._exact_sizes.clear()
         self._cap = self._room_at = None
-        if sample.cap_bytes is None or sample.used_bytes is None or not self.peak.available:
-            self._in_use = None
-            return
         if self.device.type == "cuda":
             self._cap, self._others = cuda_reserved_cap(self.device, self.cap_bytes)
             self._in_use = torch.cuda.memory_allocated(self.device)
+            return
+        sample = device_sample(self.device, self.cap_bytes)
+        if sample.cap_bytes is None or sample.used_bytes is None or not self.peak.available:
+            self._in_use = None
             return
         status = self.peak.status()
         if status is None:

@@ -52,10 +52,22 @@ class MonitorLink:
         return self._start_at is not None and time.monotonic() >= self._start_at
 
     def _launch(self, step: int, epoch: int) -> None:
+        # Mid-run, maybe near a memory cap: a start that fails (a refused fork, its shared board) leaves
+        # training to go on without samples, said so, as when the monitor's restarts are spent.
         self._start_at = None
-        self.process = MonitorProcess(self.run_dir, interval=self.interval, gpu_uuid=cuda_uuid(self.device),
-                                      cap_bytes=self.cap_bytes)
-        self.process.start()
+        process = None
+        try:
+            process = MonitorProcess(self.run_dir, interval=self.interval, gpu_uuid=cuda_uuid(self.device),
+                                     cap_bytes=self.cap_bytes)
+            process.start()
+        except (OSError, MemoryError) as exc:
+            if process is not None:
+                process.board.close(unlink=True)
+            self.journal.write("monitor_gave_up", step, epoch, returncode=None, restarts=0, pid=None)
+            warn(f"the monitor process could not start ({type(exc).__name__}: {exc}); training goes on without "
+                 "memory samples", error=True)
+            return
+        self.process = process
         self.journal.write("monitor_start", step, epoch, pid=self.process.pid, interval=self.interval)
 
     def stop(self, wait: bool = True) -> None:

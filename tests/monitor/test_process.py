@@ -250,3 +250,32 @@ def test_the_monitor_starts_once_a_run_has_trained_a_while(tmp_path, monkeypatch
     monkeypatch.setattr(link, "START_AFTER_S", 0.2)
     (started,) = fit(tmp_path / "long", seconds_per_step=0.05)  # 16 steps of 50 ms
     assert 2 <= started["step"] <= 8, started
+
+
+def test_a_monitor_that_cannot_start_mid_run_leaves_training_going_and_says_so(tmp_path, monkeypatch, capsys):
+    # It starts mid-run, maybe near a memory cap: a refused fork must not end the run.
+    import errno
+
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from autotune import AutoTrainer
+    from autotune.monitor import link, process
+    from tests.conftest import journal
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(link, "START_AFTER_S", 0.0)
+    monkeypatch.setattr(process.subprocess, "Popen", refused)
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    with AutoTrainer(nn.Linear(4, 2), data, loss_fn=nn.functional.cross_entropy, batch_size=4, device="cpu",
+                     progress=False, run_dir=tmp_path / "run") as trainer:
+        assert trainer.fit().samples_seen == 32 and trainer.monitor is None
+    (gave_up,) = [r for r in journal(tmp_path / "run") if r["kind"] == "monitor_gave_up"]
+    assert gave_up["restarts"] == 0 and "could not start (OSError" in capsys.readouterr().err
+    assert not [r for r in journal(tmp_path / "run") if r["kind"] == "monitor_start"]
+    from autotune.monitor.board import default_path
+
+    assert not list(default_path().parent.glob(f"autotune-{os.getpid()}-*.board"))  # its board went with it
