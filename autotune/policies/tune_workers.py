@@ -5,9 +5,11 @@ When: `Event.IO_BOUND` to add workers; `Event.BATCH_MEASURED` to judge the chang
 What: `SetLoaderWorkers` to twice the current count (at least `step_workers`), up to the
 cores this process may use less one for the training loop (or `max_workers`). The loader
 is rebuilt at the next batch with the same sample order (and pinned memory on CUDA).
-After `judge_steps` steps with the new count, samples per second are compared with the
+After `judge_steps` steps with the new count (judged at the first measured batch past them:
+at most `judge_steps` + 32 steps, cadence.py), samples per second are compared with the
 figure before: under `min_gain` better, it returns to the old count and never tries more
-than that again in this run (the cores were not idle after all, or the disk is the limit).
+than that again in this run (the cores were not idle after all, or the disk is the limit);
+its reason says what the trial cost (seconds lost against the rate before it).
 Only for loaders the trainer built (a caller's DataLoader is left as it is), and never over
 tensors in memory (a TensorDataset, whose batch the loader makes with one gather per tensor:
 data/tensors.py): a worker would make the same gather and send the batch back through shared
@@ -85,8 +87,12 @@ class TuneWorkers(PolicyBase):
         if after >= before * (1 + self.min_gain):
             return []
         self.ceiling = trial["from"]
+        # What the trial cost: its steps' samples at the rate it gave, beside the rate before it.
+        trained = (snap.step - trial["step"]) * snap.batch_size
+        lost = trained / after - trained / before if after > 0 and before > 0 else None
+        cost = f"; the trial cost ~{lost:.2f} s over {snap.step - trial['step']} steps" if lost is not None else ""
         return [SetLoaderWorkers(trial["from"], reason=f"{trial['to']} workers gave {after:.1f} samples/s vs "
-                                                       f"{before:.1f} with {trial['from']}: going back")]
+                                                       f"{before:.1f} with {trial['from']}: going back{cost}")]
 
     def action_suppressed(self, action: Action, why: str) -> None:
         if isinstance(action, SetLoaderWorkers) and self.trial is not None and action.num_workers == self.trial["to"]:

@@ -64,6 +64,11 @@ def test_goes_back_when_a_change_did_not_help_and_never_tries_it_again():
     policy.decide(Event.IO_BOUND, snap(workers=2, cores=8, rate=100.0))
     (back,) = policy.decide(Event.BATCH_MEASURED, snap(step=130, workers=4, rate=105.0, steps=20))
     assert back.num_workers == 2 and "going back" in back.reason
+    # A trial that made it slower says what it cost: 30 steps of 32 samples at 80/s instead of 100/s.
+    policy = TuneWorkers(judge_steps=20, min_gain=0.1)
+    policy.decide(Event.IO_BOUND, snap(step=100, workers=2, cores=8, rate=100.0))
+    (back,) = policy.decide(Event.BATCH_MEASURED, snap(step=130, workers=4, rate=80.0, steps=20))
+    assert "the trial cost ~2.40 s over 30 steps" in back.reason  # 960 / 80 - 960 / 100
     assert policy.decide(Event.IO_BOUND, snap(step=200, workers=2, cores=8)) == []  # 4 did not help: 2 is the most
     fresh = TuneWorkers()
     fresh.load_state_dict(policy.state_dict())  # a resumed run remembers it
