@@ -22,3 +22,15 @@ def test_a_relief_survives_the_trip_through_integers(relief):
 def test_codes_follow_the_ladder_cheapest_first():
     codes = [relief_to_ints(r)[0] for r in (UseAutocast(), CheckpointActivations(), PruneChannels(ratio=0.1))]
     assert codes == [1, 2, 3] and relief_to_ints(None) == [0, 0]
+
+
+def test_a_micro_batch_asked_for_is_clamped_between_1_and_the_batch():
+    # issue 46: removing either clamp passed every quick test
+    import torch
+
+    from autotune.knobs import Knobs, apply
+
+    knobs = Knobs(batch_size=32, micro_batch_size=8, device=torch.device("cpu"))
+    assert apply(SetMicroBatch(1000), knobs).applied and knobs.micro_batch_size == 32
+    assert not apply(SetMicroBatch(64), knobs).applied and knobs.micro_batch_size == 32  # already the batch
+    assert apply(SetMicroBatch(0), knobs).applied and knobs.micro_batch_size == 1

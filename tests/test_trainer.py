@@ -71,6 +71,20 @@ def test_without_keep_effective_batch_each_micro_batch_is_a_step(tmp_path):
     result = t.fit(epochs=1)
     # batches of 20, 20, 10 -> chunks of 8, 8, 4, 8, 8, 4, 8, 2
     assert result.steps == 8 and result.samples_seen == 50 and result.batch_size == 8
+    # ... with the weights of a hand loop that steps every chunk on its own mean loss (issue 46: a
+    # mutation zeroing the gradients of those steps passed every test before)
+    data, hand = make_data(n=50), make_model()
+    optimizer = sgd(hand.parameters())
+    for x, y in DataLoader(data, batch_size=20, shuffle=False):
+        for a in range(0, len(y), 8):
+            nn.functional.cross_entropy(hand(x[a:a + 8]), y[a:a + 8]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    t = trainer(tmp_path / "unshuffled", data=data, batch_size=20, micro_batch_size=8, keep_effective_batch=False,
+                policies=[], shuffle=False)
+    t.fit(epochs=1)
+    for a, b in zip(t.model.parameters(), hand.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_shuffled_order_depends_only_on_seed_and_epoch(tmp_path):
