@@ -24,6 +24,7 @@ batch of it, with FIT_START at their first batch and FIT_END at `Tuner.end`)::
               a NaN/inf gradient: skip the step (journaled, said once) or stop (on_nonfinite);
               unscale, clip; optimizer.step(); zero_grad()
             failure (recovery.py): clean up outside `except`: zero_grad(set_to_none), gc, empty_cache
+              CUDA, the batch's first OOM at the size the last batch completed at: that size once more
                                                     OOM -> policies -> e.g. SetMicroBatch(n // 2)
               at the smallest size, a relief if a policy asked (checkpoint first), else
               raise autotune.OutOfMemory with the figures (checkpoint first); the retry is measured
