@@ -36,7 +36,8 @@ from autotune.distributed import Agreement, Ranks, Solo
 from autotune.knobs import Knobs
 from autotune.memory import StepDemand
 from autotune.recovery import OOMRecovery
-from autotune.step import Attempt, Losses, StepCore
+from autotune.losses import Losses
+from autotune.step import Attempt, StepCore
 
 
 @dataclasses.dataclass(slots=True)

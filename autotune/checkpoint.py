@@ -43,6 +43,7 @@ import torch
 from loguru import logger
 
 from autotune.batching import tensor_bytes
+from autotune.finite import nonfinite
 from autotune.memory import start_with_small_stack
 from autotune.notices import info, warn
 from autotune.preemption import Preempted
@@ -79,9 +80,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def nonfinite_weights(weights: dict[str, Any]) -> list[str]:
     """The names of the floating-point tensors in `weights` (a state dict; a sharded model's:
-    this rank's shards) holding a NaN or an inf (`step.nonfinite`: one read a device)."""
-    from autotune.step import nonfinite  # step.py imports much of torch's distributed side: only when saving
-
+    this rank's shards) holding a NaN or an inf (`finite.nonfinite`: one read a device)."""
     named = [(name, t.to_local() if hasattr(t, "to_local") else t) for name, t in weights.items()
              if isinstance(t, torch.Tensor) and t.is_floating_point()]
     named = [(name, t) for name, t in named if t.numel()]

@@ -43,7 +43,8 @@ from autotune.memory import describe_memory, free_memory
 from autotune.notices import warn
 from autotune.oom import OutOfMemory, is_oom, oom_message
 from autotune.sharded import PeerFailed
-from autotune.step import StepCore, loss_and_items, to_device
+from autotune.losses import loss_and_items
+from autotune.step import StepCore, to_device
 
 Metric = Callable[[Any, Any], Any]
 

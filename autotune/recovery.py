@@ -40,7 +40,8 @@ from autotune.memory_history import AllocationHistory
 from autotune.notices import warn
 from autotune.oom import OutOfMemory
 from autotune.progress import Progress
-from autotune.step import Attempt, Losses, StepCore
+from autotune.losses import Losses
+from autotune.step import Attempt, StepCore
 
 Checkpoint = Callable[..., Any]  # (reason, report_failure=True) -> Path | None
 

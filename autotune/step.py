@@ -20,14 +20,14 @@ scaled to the whole batch, so the weights stay near samples' and a batch in one 
 weighted exactly 1), and the accumulated gradient is then multiplied by ref/total items.
 
 Owns: forward and backward, the loss weights, precision (autocast, gradient scaler), gradient
-clipping, fault injection, the optimizer and the LR scheduler. May touch: the model's
+clipping, fault injection, the optimizer and the LR scheduler. Its rooms: losses.py (the loss
+records it fills) and finite.py (the non-finite check it asks before a step). May touch: the model's
 gradients, `Progress.step` and `Progress.samples_seen`. Does not decide anything: the
 micro-batch size comes in, what failed goes out; OOM recovery is the trainer's.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import random
 import sys
@@ -38,8 +38,10 @@ import torch
 from loguru import logger
 from torch import nn
 
+from autotune import finite
 from autotune.batching import SplitFn, map_tensors, micro_batches
 from autotune.distributed import Ranks, Solo
+from autotune.losses import Losses, loss_and_items
 from autotune.oom import NonFiniteStep, is_oom, maybe_not_memory, oom_message
 from autotune.progress import Progress
 from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
@@ -67,29 +69,6 @@ def _flat_and_there(obj: Any, device: torch.device) -> bool:
     return True
 
 
-def loss_and_items(out: Any, source: str = "step_fn") -> tuple[torch.Tensor, Any]:
-    """A step's result as `(mean loss, n_items or None)`; a clear error naming `source` (the
-    function the user passed: "loss_fn" or "step_fn") for anything else."""
-    if isinstance(out, torch.Tensor):
-        return _scalar(out, source), None
-    if source == "step_fn" and isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor):
-        items = out[1]
-        if isinstance(items, bool) or not isinstance(items, (int, torch.Tensor)):
-            raise TypeError(f"step_fn returned (loss, {type(items).__name__}): n_items must be an int or a "
-                            "0-d tensor (the number of items the loss is the mean over)")
-        return _scalar(out[0], source), items
-    what = "a loss tensor or (loss, n_items)" if source == "step_fn" else "a loss tensor"
-    raise TypeError(f"{source} must return {what}, got {type(out).__name__}"
-                    + (": return the tensor, not .item()" if isinstance(out, (float, int)) else ""))
-
-
-def _scalar(loss: torch.Tensor, source: str) -> torch.Tensor:
-    if loss.ndim != 0:
-        raise ValueError(f"{source} returned a loss of shape {tuple(loss.shape)}: it must be a 0-d tensor, the mean "
-                         "over the micro-batch (reduction='mean', or .mean() it)")
-    return loss
-
-
 @dataclasses.dataclass(slots=True)  # slots: made every batch, and read on the steady path
 class Attempt:
     """What one attempt at a batch did."""
@@ -111,219 +90,6 @@ class Attempt:
         """The attempt failed: its accumulated losses and items count for nothing."""
         self.losses.parts.clear()
         self.items, self.ref = None, None
-
-
-@dataclasses.dataclass(slots=True)
-class Losses:
-    """The mean losses of a batch's kept micro-batches with their weights (samples, or items),
-    combined only when read: a tiny model's step pays for every tensor op, and a batch in one
-    piece needs none (its mean is its one micro-batch's loss)."""
-
-    parts: list[tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=list)  # (mean loss, weight)
-    additive: bool = False  # the parts add up to the batch's loss as they are (a trainer's own scaling)
-
-    @property
-    def weight(self) -> Any:
-        """What the sum is over: samples or items (an int or a tensor); 1 for additive parts; 0: none kept."""
-        if self.additive:
-            return 1 if self.parts else 0
-        total: Any = 0
-        for _, weight in self.parts:
-            total = total + weight
-        return total
-
-    def total(self, device: torch.device) -> torch.Tensor:
-        """The summed (not mean) loss over `weight`; a zero on `device` when nothing was kept."""
-        total: torch.Tensor | None = None
-        for loss, weight in self.parts:
-            term = loss if self.additive else loss * weight
-            total = term if total is None else total + term
-        return total if total is not None else torch.zeros((), device=device)
-
-    def mean(self, device: torch.device) -> torch.Tensor:
-        """The batch's mean loss (0-d, on the device)."""
-        if len(self.parts) == 1:
-            return self.parts[0][0]
-        weight = self.weight
-        total = self.total(device)
-        return total if is_zero(weight) else total / weight
-
-
-class LossSum:
-    """An epoch's summed loss over its weight, on the device: batches' parts are gathered and folded
-    every `fold_every` of them, a few ops for the lot instead of one or two a batch."""
-
-    def __init__(self, device: torch.device, fold_every: int = 32):
-        self.device, self.fold_every = device, fold_every
-        self.total = torch.zeros((), device=device)
-        self.weight: Any = 0  # samples, or items where the step reports them
-        self._pending: list[tuple[torch.Tensor, Any]] = []  # (loss, weight it is multiplied by)
-
-    def add(self, losses: Losses) -> None:
-        """A batch's losses (kept by reference until the next fold)."""
-        self._pending += [(loss, 1) for loss, _ in losses.parts] if losses.additive else losses.parts
-        self.weight = self.weight + losses.weight
-        if len(self._pending) >= self.fold_every:
-            self._fold()
-
-    def mean(self) -> float | None:
-        """The epoch's mean loss so far (read off the device: a synchronisation); None before any weight."""
-        self._fold()
-        return None if is_zero(self.weight) else float(self.total / self.weight)
-
-    def _fold(self) -> None:
-        if not self._pending:
-            return
-        by_count: dict[int, list[torch.Tensor]] = {}  # plain weights: most batches share one (the batch size)
-        weighted: list[torch.Tensor] = []
-        for loss, weight in self._pending:
-            if isinstance(weight, torch.Tensor):
-                weighted.append(loss * weight)
-            else:
-                by_count.setdefault(weight, []).append(loss)
-        for count, values in by_count.items():
-            self.total += torch.stack(values).sum() * count
-        if weighted:
-            self.total += torch.stack(weighted).sum()
-        self._pending.clear()
-
-
-def nonfinite(tensors: list[torch.Tensor]) -> list[int]:
-    """The positions of the tensors holding a NaN or an inf. Each tensor's L2 norm, accumulated in
-    float32 (one fused kernel on CUDA, ~0.2 ms for 7 MiB on one CPU core; a max-abs is 40 times
-    slower there, a per-tensor isfinite() 20 times and one byte an element), is read once; a
-    norm that is not finite is then confirmed exactly, since squares of finite values beyond
-    1.8e19 overflow too."""
-    tensors = [t for t in tensors if t.numel()]  # an empty shard has nothing to say
-    bad: list[int] = []
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    for positions in by_device.values():
-        norms = torch._foreach_norm([tensors[i] for i in positions], 2, dtype=torch.float32)
-        finite = torch.isfinite(torch.stack(norms))
-        if bool(finite.all()):
-            continue
-        bad += [i for i, ok in zip(positions, finite.tolist()) if not ok and not bool(torch.isfinite(tensors[i]).all())]
-    return bad
-
-
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite, read once: one fused op per device (the
-    gradient scaler's own check, with a scale of 1, which leaves every value as it is), exact at
-    any magnitude. In the middle of a training step each torch op costs a ~1 ms step 10-25 us
-    (cold caches), so one op, not the four a norm and its reduction take."""
-    if not tensors:
-        return True
-    try:
-        return _finite_on(_flag_for(tensors[0].device), tensors)  # one device: the common case
-    except (NotImplementedError, RuntimeError):
-        pass
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
-    for device, group in by_device.items():
-        try:
-            if not _finite_on(_flag_for(device), group):
-                return False
-        except (NotImplementedError, RuntimeError):  # sparse or complex tensors: one by one
-            if not all(bool(torch.isfinite(t.coalesce().values() if t.is_sparse else t).all()) for t in group):
-                return False
-    return True
-
-
-def _finite_on(flag: "_FoundFlag", tensors: list[torch.Tensor]) -> bool:
-    """The fused check of `tensors`, all on `flag`'s device (else it raises, the flag cleared)."""
-    try:
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag.tensor, flag.one)
-    except (NotImplementedError, RuntimeError):
-        flag.clear()  # what it looked at before it refused may have set it
-        raise
-    if not flag.found():
-        return True
-    flag.clear()  # the check only ever sets it: cleared after a find, not before each check
-    return False
-
-
-class _FoundFlag:
-    """The fused check's found-inf flag and its scale of 1 on one device, made once. On CPU the
-    flag is read through a ctypes view of its memory: no torch op, no sync to wait for. 0-d, as
-    the gradient scaler's: a fused optimizer takes it as `found_inf` (see `_LateRead`)."""
-
-    def __init__(self, device: torch.device):
-        self.tensor, self.one = torch.zeros((), device=device), torch.ones((), device=device)
-        self.cell = ctypes.c_float.from_address(self.tensor.data_ptr()) if device.type == "cpu" else None
-
-    def clear(self) -> None:
-        self.tensor.zero_()
-
-    def found(self) -> bool:
-        return bool(self.cell.value) if self.cell is not None else bool(self.tensor.item())
-
-
-_FLAGS: dict[torch.device, _FoundFlag] = {}
-
-# Devices where the non-finite check of a fused optimizer's step is read a step late (see
-# `_LateRead`). On CPU reading the flag costs nothing, so it is read at once; tests add "cpu"
-# to drive the late path for real.
-READ_LATE_ON = frozenset({"cuda"})
-
-
-class _LateRead:
-    """The non-finite check of an optimizer step, taken without the host waiting for it.
-
-    Reading the check's flag right away is a host-device sync: on CUDA the host then waits for
-    the backward to finish and the device idles while the host enqueues the optimizer step and
-    the next forward (measured on an H200: +21% on a 2 ms step, +3.7% on a 20 ms one). A fused
-    optimizer (`fused=True`: Adam, AdamW, SGD, Adagrad) takes the flag as the gradient scaler
-    passes it, `found_inf`, and skips its update on the device (weights, moments and step count
-    stay as they were). So the step is enqueued with the flag, the flag is copied to the host
-    behind it, and the host reads it when it next needs to know (the next optimizer step, a
-    checkpoint, the end): long done by then. Until that read the step counts as taken and the
-    scheduler's step for it is held back; a skipped step is uncounted then, as if read at once.
-    One per StepCore, made at its first such step; its flag is its own (all_finite's is shared)."""
-
-    __slots__ = ("flag", "host", "event", "pending", "step", "samples", "scheduler_owed")
-
-    def __init__(self, device: torch.device):
-        self.flag = _FoundFlag(device)
-        on_cpu = self.flag.cell is not None  # the flag's own memory is the host's copy
-        self.host = None if on_cpu else torch.empty((), pin_memory=True)
-        self.event = None if on_cpu else torch.cuda.Event()
-        self.pending, self.step, self.samples, self.scheduler_owed = False, 0, 0, False
-
-    def taken(self, step: int, samples: int, scheduler_owed: bool) -> None:
-        """The step was enqueued with `flag` as its found_inf: copy the flag behind it."""
-        if self.host is not None:
-            self.host.copy_(self.flag.tensor, non_blocking=True)
-            self.event.record()
-        self.pending, self.step, self.samples, self.scheduler_owed = True, step, samples, scheduler_owed
-
-    def found(self) -> bool:
-        """Whether the pending step's gradients were not finite (it is then no longer pending).
-        The check only ever sets the flag: it is cleared here after a find, not before each step
-        (one kernel launch fewer a step, where launches are the step's cost)."""
-        self.pending = False
-        if self.host is None:
-            found = self.flag.found()
-        else:
-            self.event.synchronize()  # recorded a step ago: done, unless the host runs far ahead of the device
-            found = bool(self.host)
-        if found:
-            self.flag.clear()
-        return found
-
-
-def _flag_for(device: torch.device) -> _FoundFlag:
-    if device not in _FLAGS:
-        _FLAGS[device] = _FoundFlag(device)
-    return _FLAGS[device]
-
-
-def is_zero(weight: Any) -> bool:
-    """Whether a loss weight (samples or items) is a plain zero."""
-    # Only a plain count can be told zero without reading the device; a tensor never is (items >= 1 by then).
-    return not isinstance(weight, torch.Tensor) and weight == 0
 
 
 class StepCore:
@@ -365,8 +131,8 @@ class StepCore:
         self.on_failure: Callable[[], None] | None = None
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
         self._parameters: tuple[nn.Parameter, ...] | None = None  # the model's, walked once (see `parameters`)
-        self._flag = _flag_for(device)  # the non-finite check's, for the model's device (all_finite)
-        self._late: _LateRead | None = None  # fused optimizers' checks, read a step late (see `settle`)
+        self._flag = finite.flag_for(device)  # the non-finite check's, for the model's device (all_finite)
+        self._late: finite.LateRead | None = None  # fused optimizers' checks, read a step late (see `settle`)
         self._told_fused = False  # the hint that a fused optimizer avoids the check's wait, given once
         self._stepped: tuple[Any, int, tuple[nn.Parameter, ...], bool] | None = None  # see `_stepped_parameters`
 
@@ -534,7 +300,7 @@ class StepCore:
         clipping = self.clip_grad_norm is not None or self.clip_grad_value is not None
         if self._late is not None and self._late.pending:
             self.settle()  # the last step's check first: its scheduler step sets this step's LR
-        if scaler is None and self.device.type in READ_LATE_ON and self._may_read_late():
+        if scaler is None and self.device.type in finite.READ_LATE_ON and self._may_read_late():
             if self._fused(optimizer):
                 if self._step_read_late(n_samples, clipping):
                     return
@@ -587,11 +353,11 @@ class StepCore:
         return getattr(optimizer, "_step_supports_amp_scaling", False)
 
     def _step_read_late(self, n_samples: int, clipping: bool) -> bool:
-        """The optimizer step with its non-finite check left on the device (see `_LateRead`).
+        """The optimizer step with its non-finite check left on the device (see `finite.LateRead`).
         False, nothing done: the fused check refused these gradients (sparse, complex): the
         caller checks and steps as everywhere else."""
         if self._late is None:
-            self._late = _LateRead(self.device)
+            self._late = finite.LateRead(self.device)
         optimizer, flag = self.optimizer, self._late.flag
         params, _ = self._stepped_parameters()
         grads = [g for p in params if (g := p.grad) is not None]
@@ -625,7 +391,7 @@ class StepCore:
 
     def settle(self) -> None:
         """Read the last step's non-finite check if it was left on the device (a fused
-        optimizer's step, `_LateRead`): a skipped step is uncounted and joins `skipped`; a
+        optimizer's step, `finite.LateRead`): a skipped step is uncounted and joins `skipped`; a
         taken one gets its scheduler step. Before anything reads the counters as final."""
         late = self._late
         if late is None or not late.pending:
@@ -638,16 +404,16 @@ class StepCore:
             self.scheduler.step()
 
     def _gradients_finite(self) -> bool:
-        """Whether every gradient is finite (see `all_finite`), read once: the only host sync this
+        """Whether every gradient is finite (see `finite.all_finite`), read once: the only host sync this
         check adds to a step. Sharded, every rank looks at its own shards and they agree."""
         params, plain = self._stepped_parameters()
         local = ([g for p in params if (g := p.grad) is not None] if plain else
                  [g.to_local() if hasattr(g, "to_local") else g for p in params if (g := p.grad) is not None])
         try:  # every gradient on the model's device: the one fused check, without looking up the device
-            finite = _finite_on(self._flag, local)
+            ok = finite.finite_on(self._flag, local)
         except (NotImplementedError, RuntimeError):  # several devices, sparse or complex gradients
-            finite = all_finite(local)
-        return self.ranks.finite_everywhere(finite, self.device)
+            ok = finite.all_finite(local)
+        return self.ranks.finite_everywhere(ok, self.device)
 
     def _stepped_parameters(self) -> tuple[tuple[nn.Parameter, ...], bool]:
         # The optimizer's parameters, walked again only when it changed (pruning rebuilds it; a

@@ -46,7 +46,8 @@ from autotune.policy import Policy
 from autotune.preemption import StopRequests
 from autotune.progress import FitResult, Progress
 from autotune.snapshot import InputState, StepTiming
-from autotune.step import LossFn, LossSum, StepFn, compile_count
+from autotune.losses import LossSum
+from autotune.step import LossFn, StepFn, compile_count
 from autotune.tuner import Tuner
 from autotune.validate import check_int
 

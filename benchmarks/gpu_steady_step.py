@@ -12,7 +12,7 @@ model and optimizer, built once and warmed up, then timed in alternating rounds 
 - `tuner`: `Tuner.step` with its defaults (default preset, the monitor process on)
 - `unchecked`: `Tuner.step` with the gradient check answered without looking (measurement only)
 - `plain fused` and `tuner fused`: the plain step and `Tuner.step` with `AdamW(fused=True)`, whose
-  check autotune hands to the optimizer's kernel and reads a step late (step.py's `_LateRead`):
+  check autotune hands to the optimizer's kernel and reads a step late (finite.py's `LateRead`):
   no host sync
 
 Sizes: `launch` (the CPU benchmark's token MLP: launch-bound on a GPU), `1ms` and `10ms` (MLPs
@@ -62,7 +62,8 @@ def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 
 def main() -> None:
     from autotune import Tuner
-    from autotune.step import StepCore, all_finite
+    from autotune.finite import all_finite
+    from autotune.step import StepCore
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=9)

@@ -76,15 +76,15 @@ def test_a_nan_batch_is_skipped_not_trained_and_no_checkpoint_is_nonfinite(tmp_p
 @pytest.mark.parametrize("read_late", [False, True], ids=["read-at-once", "read-a-step-late"])
 def test_a_fused_optimizers_nan_step_is_skipped_on_the_device_and_counted_as_read_at_once(tmp_path, capfd,
                                                                                           monkeypatch, read_late):
-    # On CUDA a fused optimizer's check is read a step late (no host sync: step.py's _LateRead); CPU
+    # On CUDA a fused optimizer's check is read a step late (no host sync: finite.py's LateRead); CPU
     # reads at once. Both here, on CPU: the weights, the momentum, the LR schedule (no scheduler step
     # for the skipped step), the counts, the journal and the checkpoint after the NaN step are the
     # same as a hand loop's that leaves the NaN batch out.
-    from autotune import step as step_module
+    from autotune import finite as finite_module
     from autotune.checkpoint import nonfinite_weights
 
     if read_late:
-        monkeypatch.setattr(step_module, "READ_LATE_ON", frozenset({"cpu", "cuda"}))
+        monkeypatch.setattr(finite_module, "READ_LATE_ON", frozenset({"cpu", "cuda"}))
     data = nan_data()
 
     def sgd(params):

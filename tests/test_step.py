@@ -268,7 +268,7 @@ def test_a_step_that_returns_something_else_is_a_clear_error(tmp_path):
 
 
 def test_a_batch_in_one_piece_returns_its_loss_with_no_op_and_pieces_combine_by_weight():
-    from autotune.step import Losses, LossSum
+    from autotune.losses import Losses, LossSum
 
     cpu = torch.device("cpu")
     whole = torch.tensor(2.0)
@@ -297,9 +297,9 @@ def test_where_the_check_would_wait_a_fused_optimizer_reads_it_late_and_others_a
     # on_nonfinite="stop" reads at once whatever the optimizer: nothing to tell.
     from loguru import logger
 
-    from autotune import step as step_module
+    from autotune import finite as finite_module
 
-    monkeypatch.setattr(step_module, "READ_LATE_ON", frozenset({"cpu"}))
+    monkeypatch.setattr(finite_module, "READ_LATE_ON", frozenset({"cpu"}))
     said: list[str] = []
     sink = logger.add(lambda message: said.append(message.record["message"]), level="INFO")
     logger.enable("autotune")

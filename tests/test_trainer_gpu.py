@@ -136,7 +136,7 @@ def test_an_oom_writes_the_allocator_snapshot_and_its_largest_sites(tmp_path):
 @pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
 def test_steady_steps_of_a_fused_optimizer_make_no_host_device_synchronisation(tmp_path, optimizer):
     # The NaN/inf check's flag goes to the fused optimizer as found_inf and is read a step late
-    # (step.py's _LateRead); a foreach optimizer's check is read at once, one sync a step.
+    # (finite.py's LateRead); a foreach optimizer's check is read at once, one sync a step.
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
