@@ -114,6 +114,19 @@ def check(kind: str, fields: Mapping[str, object], strict: bool) -> None:
             raise ValueError(f"journal record {kind!r} has fields {unknown} that records.py does not list")
 
 
+class RecordsByKind(dict):
+    """Journal records grouped by kind, for a reader: a kind with no record reads as [], a kind the
+    registry does not have is a KeyError naming it (a reader's typo would read as no records)."""
+
+    def __missing__(self, kind: str) -> list:
+        if kind not in KINDS:
+            raise KeyError(f"journal record kind {kind!r} is not in autotune/records.py's registry")
+        return []
+
+    def add(self, record: Mapping[str, object]) -> None:
+        self.setdefault(str(record.get("kind", "?")), []).append(record)
+
+
 def markdown() -> str:
     """The documented list of the kinds (docs/observability.md's)."""
     lines = []

@@ -17,6 +17,7 @@ from typing import Any
 
 from autotune.breakdown import describe_breakdown
 from autotune.journal import read_lines
+from autotune.records import RecordsByKind
 from autotune.units import format_bytes
 
 
@@ -89,9 +90,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     run = _read_run(run_dir)
     records, bad_lines, samples, steps = run.records, run.unreadable, run.samples, run.steps
-    by_kind: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    by_kind = RecordsByKind()  # a kind misspelt here is a KeyError, not an empty list
     for record in records:
-        by_kind[record.get("kind", "?")].append(record)
+        by_kind.add(record)
 
     first = records[0]["time"] if records else None
     # A background checkpoint's line comes when it is on disk, after the training it saved.
