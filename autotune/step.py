@@ -291,7 +291,9 @@ class StepCore:
     # ------------------------------------------------------------------------- the step
     def optimizer_step(self, n_samples: int) -> None:
         """Step the optimizer on the accumulated gradients of `n_samples` samples (per rank):
-        unscaled (fp16) and clipped first, as one batch's gradient.
+        unscaled (fp16) and clipped first, as one batch's gradient. Non-finite gradients are never
+        trained on: checked before the step, or, with a fused optimizer on CUDA, by the step itself
+        on the device and read a step late (`finite.LateRead`, `settle`).
 
         An OOM inside optimizer.step() may leave some parameters updated and others not, and
         a smaller micro-batch cannot help it: it is not retried. It is kept in `failure` for
@@ -300,93 +302,80 @@ class StepCore:
         clipping = self.clip_grad_norm is not None or self.clip_grad_value is not None
         if self._late is not None and self._late.pending:
             self.settle()  # the last step's check first: its scheduler step sets this step's LR
-        if scaler is None and self.device.type in finite.READ_LATE_ON and self._may_read_late():
-            if self._fused(optimizer):
-                if self._step_read_late(n_samples, clipping):
-                    return
-            elif not self._told_fused:  # only where a fused optimizer would have spared the wait
-                self._told_fused = True
-                logger.info(f"the NaN/inf check of each {type(optimizer).__name__} step waits for {self.device}: "
-                            "an optimizer made with fused=True (Adam, AdamW, SGD, Adagrad) lets autotune leave it on "
-                            "the device (on an H200, a ~2 ms step: Tuner.step 1.21x the plain step, 1.08x fused)")
+        late = (scaler is None and self.device.type in finite.READ_LATE_ON and self._may_read_late()
+                and self._check_late(optimizer))
+        if scaler is None and not late and not self._gradients_finite():
+            # Never trained on: the weights stay those of the last finite step.
+            if self.on_nonfinite == "stop":
+                raise NonFiniteStep(f"non-finite gradients (NaN or inf) at step {self.counters.step + 1}: "
+                                    "stopped before the optimizer step (on_nonfinite='stop')")
+            self._skip("non-finite gradients (NaN or inf)", "autotune")
+            return
         try:
-            if scaler is None and not self._gradients_finite():
-                # Never trained on: the weights stay those of the last finite step.
-                if self.on_nonfinite == "stop":
-                    raise NonFiniteStep(f"non-finite gradients (NaN or inf) at step {self.counters.step + 1}: "
-                                        "stopped before the optimizer step (on_nonfinite='stop')")
-                self._skip("non-finite gradients (NaN or inf)", "autotune")
-                return
             if scaler is not None and clipping:
                 scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
             if clipping:
-                self._clip()
+                self._clip()  # late: NaN in, NaN out, and the step is skipped either way
             if scaler is not None:
-                scale = self.scaler.get_scale()
-                self.scaler.step(self.optimizer)  # skips the step on inf/nan gradients
-                self.scaler.update()
-                if self.scaler.get_scale() < scale:  # it backs off only when it found inf/nan, and skipped
+                scale = scaler.get_scale()
+                scaler.step(optimizer)  # skips the step on inf/nan gradients
+                scaler.update()
+                if scaler.get_scale() < scale:  # it backs off only when it found inf/nan, and skipped
                     self._skip(f"inf/NaN gradients at loss scale {scale:g} (fp16)", "the gradient scaler")
                     return
+            elif late:  # the fused optimizer skips its own update where the flag says so
+                optimizer.grad_scale, optimizer.found_inf = None, self._late.flag.tensor
+                try:
+                    optimizer.step()
+                finally:
+                    del optimizer.grad_scale, optimizer.found_inf
             else:
                 optimizer.step()
         except Exception as exc:
+            if late:
+                self._late.flag.clear()  # no step to read it for; the next check needs it clear
             if not is_oom(exc):
                 raise
             self.failure = f"out of memory in optimizer.step() at step {self.counters.step}: {oom_message(exc)}"
             return
-        self.zero_grad()
-        if self.scheduler is not None and self.scheduler_interval == "step" and not self.plateau:
-            self.scheduler.step()
-        counters = self.counters
-        counters.step += 1
-        counters.samples_seen += n_samples * self.ranks.world
-
-    def _may_read_late(self) -> bool:
-        # Alone (the ranks' agreement reads the host anyway), plain parameters, and only to skip:
-        # "stop" must stop before the next batch is trained on.
-        return self.on_nonfinite == "skip" and self.ranks.world == 1 and self._stepped_parameters()[1]
-
-    @staticmethod
-    def _fused(optimizer: torch.optim.Optimizer) -> bool:
-        # An optimizer that skips its own update on the device when given found_inf (fused=True).
-        return getattr(optimizer, "_step_supports_amp_scaling", False)
-
-    def _step_read_late(self, n_samples: int, clipping: bool) -> bool:
-        """The optimizer step with its non-finite check left on the device (see `finite.LateRead`).
-        False, nothing done: the fused check refused these gradients (sparse, complex): the
-        caller checks and steps as everywhere else."""
-        if self._late is None:
-            self._late = finite.LateRead(self.device)
-        optimizer, flag = self.optimizer, self._late.flag
-        params, _ = self._stepped_parameters()
-        grads = [g for p in params if (g := p.grad) is not None]
-        try:  # into a clear flag: the last step's was read (settle) and cleared if it was set
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag.tensor, flag.one)
-        except (NotImplementedError, RuntimeError):
-            flag.clear()  # what it looked at before it refused may have set it
-            return False
-        try:
-            if clipping:
-                self._clip()  # NaN in, NaN out: the step is skipped either way
-            optimizer.grad_scale, optimizer.found_inf = None, flag.tensor
-            try:
-                optimizer.step()
-            finally:
-                del optimizer.grad_scale, optimizer.found_inf
-        except Exception as exc:
-            flag.clear()  # no step to read it for; the next check needs it clear
-            if not is_oom(exc):
-                raise
-            self.failure = f"out of memory in optimizer.step() at step {self.counters.step}: {oom_message(exc)}"
-            return True
         self.zero_grad()
         counters = self.counters
         counters.step += 1
         samples = n_samples * self.ranks.world
         counters.samples_seen += samples
         owed = self.scheduler is not None and self.scheduler_interval == "step" and not self.plateau
-        self._late.taken(counters.step, samples, owed)
+        if late:
+            self._late.taken(counters.step, samples, owed)  # its scheduler step once the check is read
+        elif owed:
+            self.scheduler.step()
+
+    def _may_read_late(self) -> bool:
+        # Alone (the ranks' agreement reads the host anyway), plain parameters, and only to skip:
+        # "stop" must stop before the next batch is trained on.
+        return self.on_nonfinite == "skip" and self.ranks.world == 1 and self._stepped_parameters()[1]
+
+    def _check_late(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether this step's non-finite check is left on the device (`finite.LateRead`): the
+        check went into the late flag, for a fused optimizer to skip its update on. False where
+        the optimizer is not fused (said once, where it would have spared the wait) or the fused
+        check refused these gradients (sparse, complex): the step checks at once then."""
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):  # fused=True skips on found_inf
+            if not self._told_fused:
+                self._told_fused = True
+                logger.info(f"the NaN/inf check of each {type(optimizer).__name__} step waits for {self.device}: "
+                            "an optimizer made with fused=True (Adam, AdamW, SGD, Adagrad) lets autotune leave it on "
+                            "the device (on an H200, a ~2 ms step: Tuner.step 1.21x the plain step, 1.08x fused)")
+            return False
+        if self._late is None:
+            self._late = finite.LateRead(self.device)
+        flag = self._late.flag
+        params, _ = self._stepped_parameters()
+        try:  # into a clear flag: the last step's was read (settle) and cleared if it was set
+            torch._amp_foreach_non_finite_check_and_unscale_([g for p in params if (g := p.grad) is not None],
+                                                             flag.tensor, flag.one)
+        except (NotImplementedError, RuntimeError):
+            flag.clear()  # what it looked at before it refused may have set it
+            return False
         return True
 
     def settle(self) -> None:
