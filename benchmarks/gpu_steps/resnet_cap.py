@@ -24,6 +24,7 @@ import torchvision  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 from autotune import AutoTrainer  # noqa: E402
+from autotune.oom import is_oom  # noqa: E402
 
 BATCH, IMAGE, CLASSES, SAMPLES, STEPS = 256, 128, 100, 2048, 50
 
@@ -77,7 +78,9 @@ def run(report: Report, device) -> None:
         try:
             plain_steps(micro, 2)
             return True
-        except torch.OutOfMemoryError:
+        except Exception as exc:  # cuDNN and cuBLAS say it their own ways: what autotune counts as an OOM
+            if not is_oom(exc):
+                raise
             return False
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
