@@ -34,9 +34,9 @@ from autotune.actions import Relief
 from autotune.cadence import MeasureCadence
 from autotune.distributed import Agreement, Ranks, Solo
 from autotune.knobs import Knobs
+from autotune.losses import Losses
 from autotune.memory import StepDemand
 from autotune.recovery import OOMRecovery
-from autotune.losses import Losses
 from autotune.step import Attempt, StepCore
 
 

@@ -168,7 +168,7 @@ def cuda_reserved_cap(device: torch.device, soft_cap_bytes: int | None = None) -
     what the device holds outside it now (the CUDA context, other processes). The allocator is
     refused past a per-process fraction of the total (`set_per_process_memory_fraction`, which
     `memory_cap` sets) counted in its own reserved bytes alone, and the device past what is free;
-    the cap is the smaller. Where torch cannot say the fraction (before 2.5), `soft_cap_bytes`
+    the cap is the smaller. Where torch cannot say the fraction (an older release), `soft_cap_bytes`
     (the memory_cap that set it) stands in."""
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)

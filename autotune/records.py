@@ -41,8 +41,8 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
           "micro_batch_size:int device:str message:str injected:bool lost_seconds:float ooms:int breakdown:dict|None "
           "memory_snapshot:dict", shown=True),
     _kind("oom_retry", "a batch's first out-of-memory error on CUDA at the size the last batch completed at, retried "
-          "once at that size after a synchronize and an emptied cache (a block that would fit may wait on another stream); a second OOM "
-          "goes to the policies", "micro_batch_size:int retries:int", shown=True),
+          "once at that size after a synchronize and an emptied cache (a block that would fit may wait on another "
+          "stream); a second OOM goes to the policies", "micro_batch_size:int retries:int", shown=True),
     _kind("out_of_memory", "an out-of-memory error that could not be survived (raised after a checkpoint)",
           "micro_batch_size:int device:str tried:list memory:str breakdown:dict|None phase:str error:str", shown=True),
     _kind("action", "a policy's action, applied or not", "event:str policy:str action:str params:dict reason:str "

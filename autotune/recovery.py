@@ -35,12 +35,12 @@ from autotune.cadence import MeasureCadence
 from autotune.dispatch import Dispatcher
 from autotune.events import Event
 from autotune.knobs import Knobs
+from autotune.losses import Losses
 from autotune.memory import StepDemand, describe_memory, free_memory
 from autotune.memory_history import AllocationHistory
 from autotune.notices import warn
 from autotune.oom import OutOfMemory
 from autotune.progress import Progress
-from autotune.losses import Losses
 from autotune.step import Attempt, StepCore
 
 Checkpoint = Callable[..., Any]  # (reason, report_failure=True) -> Path | None

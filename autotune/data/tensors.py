@@ -54,4 +54,3 @@ def batched_view(dataset: Any) -> Dataset | None:
         inner = batched_view(dataset.dataset)
         return None if inner is None else Subset(inner, dataset.indices)
     return None
-
