@@ -1,20 +1,18 @@
 """One batch until every sample of it is in a completed optimizer step: the attempts, the ranks'
 agreement after each, OOM recovery between them, and the gradients a caller held back.
 
-    steady (alone, not measured): the attempt; it fit: add the held, step; done
     while the batch is not done:       (events.py has the whole picture)
-      measured: the step's peak from here           attempt (step.py), unless the steady one failed
-      agree (distributed.py), failed or not         no failure: reduce, add the held, step; done
+      measured: the step's peak from here
+      attempt (step.py): forward and backward, micro-batch by micro-batch
+      agree (distributed.py), failed or not
+      nobody failed: reduce, add the held, step; done
       failure: recovery.py (clean up, record, decide), then the same batch again, smaller
 
-Under torchrun with a replicated model, a batch whose proposal is quiet on every rank (no OOM,
-signal, due checkpoint or relief; rank 0's size as agreed last) needs no agreement of its own:
-the gradients' all-reduce carries each rank's "I have news" and, where nobody has, it was the
-agreement (distributed.Ranks.reduce_with_news). Where anybody has, the full agreement follows.
-
-The steady path is the loop's first pass with nothing in it that cannot change the outcome:
-alone there is nobody to agree with, and a batch the cadence does not measure has no peak to
-read. An OOM in its attempt goes on in the loop exactly as an attempt there would.
+There is one path. Alone, the agreement is this process's own proposal. Under torchrun with a
+replicated model, an attempt whose proposal is quiet on every rank (no OOM, signal, due
+checkpoint or relief; rank 0's size as agreed last) needs no agreement of its own: the gradients'
+all-reduce carries each rank's "I have news" and, where nobody has, it was the agreement
+(distributed.Ranks.agree, given the attempt). Where anybody has, the full agreement follows.
 
 Owns: whether the last batch was measured, the last good micro-batch, whether earlier gradients
 are held. Touches: the step core (attempts, the optimizer step), the knobs (rank 0's size), the
@@ -36,6 +34,7 @@ from autotune.distributed import Agreement, Ranks, Solo
 from autotune.knobs import Knobs
 from autotune.losses import Losses
 from autotune.memory import StepDemand
+from autotune.optimizer_step import OptimizerStep
 from autotune.recovery import OOMRecovery
 from autotune.step import Attempt, StepCore
 
@@ -67,19 +66,13 @@ class BatchOutcome:
 class BatchRunner:
     """Runs batches on one Tuner's step core (see the module docstring)."""
 
-    def __init__(self, core: StepCore, knobs: Knobs, ranks: Solo | Ranks, cadence: MeasureCadence,
+    def __init__(self, core: StepCore, stepper: OptimizerStep, knobs: Knobs, ranks: Solo | Ranks, cadence: MeasureCadence,
                  demand: StepDemand, recovery: OOMRecovery, keep_effective_batch: bool):
-        self.core, self.knobs, self.ranks, self.cadence = core, knobs, ranks, cadence
+        self.core, self.stepper, self.knobs, self.ranks, self.cadence = core, stepper, knobs, ranks, cadence
         self.demand, self.recovery, self.keep_effective_batch = demand, recovery, keep_effective_batch
         self.measured = False  # whether the last batch was measured (its demand read, BATCH_MEASURED fired)
         self.last_good_micro: int | None = None  # the micro-batch of the last batch that completed
         self.holding = False  # gradients of earlier batches set aside during this one
-        self._agreement: Agreement | None = None  # the steady path's, alone (see `_agreed_alone`)
-        self._proposed: dict[str, Any] = {}  # what it was agreed from
-        # Under torchrun, the last agreement's quiet form: what a batch no rank has news for agrees
-        # (a replicated model's news rides in its gradients' all-reduce: distributed.py).
-        self._quiet: Agreement | None = None
-        self.steady_path = True  # False: every batch through the full loop (what the tests compare it with)
 
     def run(self, batch: Any, n: int, *, optimizer_step: bool, proposal: Callable[[], dict[str, Any]] | None,
             held: list[tuple[nn.Parameter, torch.Tensor]] | None, fire: Callable[..., None],
@@ -91,53 +84,30 @@ class BatchRunner:
         OOM recovery of this batch (recovery.py)."""
         self.holding = held is not None
         additive = not optimizer_step
-        cadence, knobs = self.cadence, self.knobs
+        core, stepper, knobs, ranks, cadence = self.core, self.stepper, self.knobs, self.ranks, self.cadence
         measured = self.measured = cadence.due(knobs.micro_batch_size)
-        attempt: Attempt | None = None
-        if not measured and self.steady_path and self.ranks.alone and self.core.failure is None:
-            # The steady path: nothing to measure and nobody to agree with, so the attempt and
-            # the step are all there is to do. An OOM goes on below, as any attempt's would.
-            if n <= knobs.micro_batch_size and self._whole_batches and not additive:
-                whole = self._whole(batch, n, held, proposal, checkpoint)
-                if type(whole) is BatchOutcome:  # the common case: a plain loss, no failure
-                    return whole
-                attempt = whole
-            else:
-                attempt = self.core.attempt(batch, n, 0, knobs.micro_batch_size, additive=additive)
-            if attempt.failed_micro_batch is None:
-                agreed = self._agreed_alone(proposal)  # before the step: a checkpoint is due by the step it ends at
-                self._complete(attempt, n, optimizer_step, held, checkpoint)
-                return self._outcome(attempt.losses, 0, agreed, False, additive)
-        done = 0  # samples whose optimizer step has completed
+        rebase = not cadence.last_measured
+        done = 0  # samples whose optimizer step has completed (keep_effective_batch=False)
         tried: list[int] = []
         losses: Losses | None = None
-        rebase = not cadence.last_measured
-        while done < n:
-            if attempt is None:
-                if measured:
-                    self.demand.start(knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
-                    rebase = False
-                knobs.follow(self.ranks.same_size(knobs.micro_batch_size, n, self.core.counters.step))
-                attempt = self.core.attempt(batch, n, done, knobs.micro_batch_size, additive=additive)
+        while True:
+            if measured:
+                self.demand.start(knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
+                rebase = False
+            knobs.follow(ranks.same_size(knobs.micro_batch_size, n, stepper.counters.step))
+            attempt = core.attempt(batch, n, done, knobs.micro_batch_size, additive=additive)
             # Sharded, a rank that cannot go on (its optimizer step failed) ran no exchange: it says
             # "failed" at the others' first check, and the agreement then stops every rank.
-            if self.ranks.end_attempt(attempt.failed_micro_batch is not None or self.core.failure is not None,
-                                      attempt.peer_failed):
+            if ranks.end_attempt(attempt.failed_micro_batch is not None or stepper.failure is not None,
+                                 attempt.peer_failed):
                 attempt.discard()  # sharded: another rank failed, during this attempt or after it
             done = attempt.done
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
-            # rank that ran out of memory.
-            mine = Agreement(failed_micro_batch=attempt.failed_micro_batch, micro_batch_size=knobs.micro_batch_size,
-                             relief=self.ranks.offer_relief(knobs), fatal=self.core.failure,
-                             **(proposal() if proposal is not None else {}))
-            reduced = (optimizer_step and not held and self.steady_path and self._quiet is not None
-                       and self.ranks.news_rides_gradients)
-            if reduced and not self.core.reduce_gradients_with_news(attempt, not mine.is_quiet(self._quiet,
-                                                                                                self.ranks.is_main)):
-                agreed = self._quiet  # nobody had anything to say: the gradients are the batch's now
-            else:
-                agreed = self.ranks.agree(mine, self.core.device)
-                self._quiet = agreed.quiet()
+            # rank that ran out of memory. Before the step: a checkpoint is due by the step it ends at.
+            mine = Agreement(attempt.failed_micro_batch, knobs.micro_batch_size, relief=ranks.offer_relief(knobs),
+                             fatal=stepper.failure, **(proposal() if proposal is not None else _NOTHING_PROPOSED))
+            # Where nothing else is added to them, the gradients may carry the agreement (see above).
+            agreed, reduced = ranks.agree(mine, attempt if optimizer_step and not held else None)
             if agreed.failed_micro_batch is not None and (self.keep_effective_batch or additive):
                 # Another rank ran out of memory: this rank's whole attempt is retried with
                 # it, so its losses go too (kept, they were counted twice).
@@ -152,83 +122,43 @@ class BatchRunner:
                 self.recovery.give_up_on_the_step(agreed.fatal, checkpoint)
             if agreed.failed_micro_batch is None:
                 self._complete(attempt, n, optimizer_step, held, checkpoint, reduced)
-                break
+                return self._outcome(losses, len(tried), agreed, measured)
             # Out of the `except` block now, so the exception and its frames are gone and
             # the tensors they pinned (activations, partial gradients) can be freed.
             tried.append(agreed.failed_micro_batch)
             self.recovery.recover(agreed.failed_micro_batch, tried, attempt, holding=self.holding, fire=fire,
                                   carry_out=carry_out, checkpoint=checkpoint,
                                   last_good_micro_batch=self.last_good_micro)
-            attempt = None
             measured = self.measured = True  # the retry is measured, whatever the cadence said
-            rebase = False  # the room was measured after the clean-up
-        return self._outcome(losses, len(tried), agreed, measured, additive)
-
-    def _whole(self, batch: Any, n: int, held: list[tuple[nn.Parameter, torch.Tensor]] | None,
-               proposal: Callable[[], dict[str, Any]] | None, checkpoint: Callable[..., Any]) -> BatchOutcome | Attempt:
-        # The steady path's common batch: whole, in one piece, a plain loss (step.py's
-        # `whole_batch`), then the step, with as few moves as the loop's own bookkeeping allows
-        # (a ~1 ms step pays for each). Anything else comes back as an `Attempt` to go on with.
-        core = self.core
-        loss = core.whole_batch(batch, n)
-        if type(loss) is Attempt:
-            return loss
-        agreed = self._agreed_alone(proposal)  # before the step, as the loop's agreement is
-        if held:
-            add_gradients(held)
-        core.optimizer_step(n)  # alone, weighted by samples: nothing to reduce
-        self._complete_failure(checkpoint)
-        return self._outcome(Losses([(loss, n)]), 0, agreed, False, False)
-
-    @property
-    def _whole_batches(self) -> bool:
-        # Whether the steady path may use the step core's whole-batch attempt (step.py): the
-        # effective batch kept, no split_fn, no injected faults.
-        core = self.core
-        return self.keep_effective_batch and core.split_fn is None and not core.inject_oom
-
-    def _agreed_alone(self, proposal: Callable[[], dict[str, Any]] | None) -> Agreement:
-        # Alone, what this process proposes is agreed. Most batches propose what the last one did
-        # (no signal, no checkpoint due): one record for them, not one a batch.
-        size = self.knobs.micro_batch_size
-        proposed = proposal() if proposal is not None else _NOTHING_PROPOSED
-        if self._agreement is None or self._agreement.micro_batch_size != size or proposed != self._proposed:
-            self._agreement, self._proposed = Agreement(None, size, **proposed), proposed
-        return self._agreement
 
     def _complete(self, attempt: Attempt, n: int, optimizer_step: bool,
                   held: list[tuple[nn.Parameter, torch.Tensor]] | None, checkpoint: Callable[..., Any],
-                  reduced: bool = False) -> None:
+                  reduced: bool) -> None:
         # The attempt every rank agreed fit: its gradients reduced (`reduced`: already, with the
         # news), the held ones added, the step.
         if reduced:
-            self.core.optimizer_step(n)
+            self.stepper.step(n)
         elif optimizer_step and self.keep_effective_batch:
             if held and self.ranks.bucket is not None:
                 # The held gradients are views of the ranks' gradient buffers: added into them first
                 # (rank-alike already, so averaging leaves them as they are).
                 add_gradients(held)
                 held = None
-            self.core.reduce_gradients(attempt)
+            self.stepper.reduce_gradients(attempt.ref, attempt.items)
             if held:
                 add_gradients(held)
-            self.core.optimizer_step(n)
-        self._complete_failure(checkpoint)
-
-    def _complete_failure(self, checkpoint: Callable[..., Any]) -> None:
+            self.stepper.step(n)
         # The optimizer step ran out of memory, here or (known to every rank now) on another rank.
-        failure = self.ranks.known_to_all(self.core.failure)
+        failure = self.ranks.known_to_all(self.stepper.failure)
         if failure:
             self.recovery.give_up_on_the_step(failure, checkpoint)
 
-    def _outcome(self, losses: Losses | None, retries: int, agreed: Agreement, measured: bool,
-                 additive: bool) -> BatchOutcome:
-        if self.core.skipped:
+    def _outcome(self, losses: Losses, retries: int, agreed: Agreement, measured: bool) -> BatchOutcome:
+        if self.stepper.skipped:
             self.recovery.report_skipped(losses, self.keep_effective_batch)
         self.last_good_micro = self.knobs.micro_batch_size
         self.cadence.done(measured, self.demand.finish() if measured else None)
-        return BatchOutcome(retries, losses if losses is not None else Losses(additive=additive),
-                            self.core.device, agreed)
+        return BatchOutcome(retries, losses, self.core.device, agreed)
 
 
 _NOTHING_PROPOSED: dict[str, Any] = {}

@@ -132,7 +132,6 @@ class Solo:
     """A process training alone: every agreement is its own proposal; no collective, no wrapper."""
 
     rank, world, local_rank, is_main = 0, 1, 0, True
-    alone = True  # no other process to agree with (batch.py's steady path)
     bucket = None  # alone, gradients are never all-reduced
     news_rides_gradients = False  # alone, there is no agreement to fold into anything
 
@@ -182,8 +181,11 @@ class Solo:
     def reset_after_failure(self) -> None:
         """After a failed attempt, before its gradients are dropped (alone: nothing to reset)."""
 
-    def agree(self, mine: Agreement, device: torch.device) -> Agreement:
-        return mine
+    def agree(self, mine: Agreement, attempt: Any = None) -> tuple[Agreement, bool]:
+        """What every process agrees after an attempt, given this one's proposal, and whether the
+        `attempt`'s gradients (given where nothing else is added to them) are reduced already.
+        Alone: the proposal, and nothing to reduce."""
+        return mine, False
 
     def follow_rank0(self, micro_batch_size: int, relief: Relief | None, device: torch.device) -> tuple[int, Relief | None]:
         """After an OOM: the size to retry at and the relief to try first (alone: this process's own)."""
@@ -237,8 +239,6 @@ class Solo:
 class Ranks:
     """This process's place in a torchrun job, and the collectives that keep the ranks one model."""
 
-    alone = False
-
     def __init__(self, rank: int, world: int, local_rank: int):
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.is_main = rank == 0
@@ -247,6 +247,8 @@ class Ranks:
         # What depends on how the model is spread over the ranks: replicated until wrap() finds
         # it sharded with FSDP2.
         self.strategy: Replicated | Sharded = Replicated(self.device)
+        # The last agreement's quiet form: what a batch no rank has news for agrees (`agree`).
+        self._quiet: Agreement | None = None
 
     def __repr__(self) -> str:
         return f"Ranks(rank={self.rank}, world={self.world}, local_rank={self.local_rank})"
@@ -346,11 +348,22 @@ class Ranks:
         and a failure drops these gradients. A steady step makes one collective, not two."""
         return self.strategy.reduce_with_news(news, ref, items, self.world)
 
-    def agree(self, mine: Agreement, device: torch.device) -> Agreement:
-        """One small all-reduce (element-wise maximum) per attempt; every rank must call it."""
-        values = torch.tensor(mine.to_wire(self.is_main), dtype=torch.int64, device=device)
+    def agree(self, mine: Agreement, attempt: Any = None) -> tuple[Agreement, bool]:
+        """One small all-reduce (element-wise maximum) per attempt; every rank must call it. The
+        quiet shortcut (the module docstring): given the `attempt` and a replicated model, the
+        gradients are reduced first with this rank's news, and where nobody has any, the last
+        agreement's quiet form is this one. Returns the agreement and whether the gradients are
+        reduced already."""
+        reduced = False
+        if attempt is not None and self._quiet is not None and self.news_rides_gradients:
+            reduced = True
+            if not self.reduce_with_news(not mine.is_quiet(self._quiet, self.is_main), attempt.ref, attempt.items):
+                return self._quiet, True  # nobody had anything to say: the gradients are the batch's now
+        values = torch.tensor(mine.to_wire(self.is_main), dtype=torch.int64, device=self.device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        return mine.from_wire(values.tolist(), self.is_main, self.gather)
+        agreed = mine.from_wire(values.tolist(), self.is_main, self.gather)
+        self._quiet = agreed.quiet()
+        return agreed, reduced
 
     def follow_rank0(self, micro_batch_size: int, relief: Relief | None, device: torch.device) -> tuple[int, Relief | None]:
         values = torch.tensor([micro_batch_size, *relief_to_ints(relief)], dtype=torch.int64, device=device)

@@ -27,7 +27,7 @@ ReduceLROnPlateau scheduler steps on.
 
 Owns: the evaluation's micro-batch and its OOM state (saved in checkpoints), the evaluation
 schedule. Touches: the model (eval mode and back, under no_grad), the journal, the job's
-collectives, the scheduler (stepped through StepCore.step_scheduler).
+collectives, the scheduler (stepped through OptimizerStep.step_scheduler).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from autotune.batching import batch_len, micro_batches
 from autotune.memory import describe_memory, free_memory
 from autotune.notices import warn
 from autotune.oom import OutOfMemory, is_oom, oom_message
+from autotune.optimizer_step import OptimizerStep
 from autotune.sharded import PeerFailed
 from autotune.losses import loss_and_items
 from autotune.step import StepCore, to_device
@@ -54,9 +55,9 @@ class EvaluationPlan:
     figure (`scheduler_metric`, default "loss"), or, without an eval_dataset, the epoch's
     training loss ("train_loss")."""
 
-    def __init__(self, core: StepCore, dataset: Dataset | DataLoader | None, every: int | str | None,
+    def __init__(self, stepper: OptimizerStep, dataset: Dataset | DataLoader | None, every: int | str | None,
                  scheduler_metric: str | None):
-        self.core, self.dataset = core, dataset
+        self.stepper, self.dataset = stepper, dataset
         self.every = every if every is not None or dataset is None else "epoch"
         self.scheduler_metric = scheduler_metric or ("loss" if dataset is not None else "train_loss")
 
@@ -73,16 +74,16 @@ class EvaluationPlan:
 
     def evaluated(self, metrics: dict[str, float]) -> None:
         """After an evaluation: a plateau scheduler that watches one of its figures steps on it."""
-        if self.core.plateau and self.scheduler_metric != "train_loss":
-            self.core.step_scheduler(metrics[self.scheduler_metric])
+        if self.stepper.plateau and self.scheduler_metric != "train_loss":
+            self.stepper.step_scheduler(metrics[self.scheduler_metric])
 
     def epoch_ended(self, epoch_loss: float | None) -> None:
         """After an epoch (and its evaluation): an epoch-interval scheduler steps, and a plateau
         scheduler that watches the training loss steps on it."""
-        if self.core.scheduler_interval == "epoch" and not self.core.plateau:
-            self.core.step_scheduler(None)
-        elif self.core.plateau and self.scheduler_metric == "train_loss":
-            self.core.step_scheduler(epoch_loss)
+        if self.stepper.scheduler_interval == "epoch" and not self.stepper.plateau:
+            self.stepper.step_scheduler(None)
+        elif self.stepper.plateau and self.scheduler_metric == "train_loss":
+            self.stepper.step_scheduler(epoch_loss)
 
 
 class Evaluator:

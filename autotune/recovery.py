@@ -41,7 +41,8 @@ from autotune.memory_history import AllocationHistory
 from autotune.notices import warn
 from autotune.oom import OutOfMemory
 from autotune.progress import Progress
-from autotune.step import Attempt, StepCore
+from autotune.optimizer_step import OptimizerStep
+from autotune.step import Attempt
 
 Checkpoint = Callable[..., Any]  # (reason, report_failure=True) -> Path | None
 
@@ -49,13 +50,13 @@ Checkpoint = Callable[..., Any]  # (reason, report_failure=True) -> Path | None
 class OOMRecovery:
     """What a failed attempt leaves to clean up and to record, for one Tuner's model."""
 
-    def __init__(self, model: nn.Module, core: StepCore, demand: StepDemand, history: AllocationHistory | None,
+    def __init__(self, model: nn.Module, stepper: OptimizerStep, demand: StepDemand, history: AllocationHistory | None,
                  journal: Any, counters: Progress, run_dir: Path, *, knobs: Knobs, dispatcher: Dispatcher,
                  cadence: MeasureCadence, reliefs_allowed: bool):
-        self.model, self.core, self.demand, self.history = model, core, demand, history
+        self.model, self.stepper, self.demand, self.history = model, stepper, demand, history
         self.journal, self.counters, self.run_dir = journal, counters, run_dir
         self.knobs, self.dispatcher, self.cadence, self.reliefs_allowed = knobs, dispatcher, cadence, reliefs_allowed
-        self.device, self.ranks = core.device, core.ranks
+        self.device, self.ranks = stepper.device, stepper.ranks
         # The batch's first OOM retried once at the same size (CUDA; the module docstring says why).
         # The ranks agree on it without a collective: every rank has the same agreed failures.
         self.retries_same_size = self.device.type == "cuda"
@@ -114,18 +115,18 @@ class OOMRecovery:
         """Free what the failed attempt held and record it (`oom`). `holding`: gradients of
         earlier batches are set aside, so only the attempt's are on the parameters. `same_size`:
         the batch is tried again at the same size (said so)."""
-        self.core.ranks.reset_after_failure()  # sharded: FSDP2's state as before the attempt
+        self.ranks.reset_after_failure()  # sharded: FSDP2's state as before the attempt
         # Partial gradients of the failed batch must not leak into the retry.
         if holding:
-            self.core.drop_gradients()
+            self.stepper.drop_gradients()
         else:
-            self.core.zero_grad()
+            self.stepper.zero_grad()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # what other streams still use is freed before the cache empties
         free_memory(self.device)
         held, gradients, cached = self.demand.take_failure()
         self.last_breakdown = None if attempt.injected else oom_breakdown(
-            self.model, self.core.optimizer, self.device, held_at_start=self.demand.held_at_start,
+            self.model, self.stepper.optimizer, self.device, held_at_start=self.demand.held_at_start,
             held_at_failure=held, gradients_at_failure=gradients, cap=self.demand.binding_cap,
             measure=self.demand.measure, allocator_cache=cached, outside_torch=self.demand.others_bytes)
         self.last_snapshot = self.history.write(self.run_dir, self.counters.step) if self.history is not None else None
@@ -168,12 +169,12 @@ class OOMRecovery:
 
     def report_skipped(self, losses: Losses | None, keep_effective_batch: bool) -> None:
         """Journal the optimizer steps not taken on non-finite gradients, and tell the user once."""
-        for step, why, by in self.core.skipped:
+        for step, why, by in self.stepper.skipped:
             self.journal.write("nonfinite", self.counters.step, self.counters.epoch, at_step=step, error=why,
                                action=f"optimizer step skipped by {by}")
             warn(f"{why} at step {step}: the optimizer step was skipped by {by} (its samples are not counted as "
                  "trained; every one is in the run's journal)", key=f"nonfinite {by} {self.run_dir}")
-        self.core.skipped.clear()
+        self.stepper.skipped.clear()
         if losses is not None and keep_effective_batch:
             losses.parts.clear()  # a skipped batch's loss is not the epoch's
 

@@ -1,29 +1,27 @@
-"""The step core: one attempt at a batch in micro-batches, and the optimizer step.
+"""The attempt: forward and backward over one batch in micro-batches, the gradients accumulated.
 
     attempt(batch, from sample `done`, micro-batch size):
-      for micro in split(batch, size):
+      for micro in split(batch, size):           (the whole batch in one piece when it fits)
         (fault injection: a fake OOM in forward or before backward)
         loss = step_fn(model, micro)            # under autocast with precision bf16/fp16
         (loss, n_items) = loss                  # when step_fn reports its items (tokens, say)
         backward(loss * weight)                 # weight: len(micro)/len(batch), or n_items/ref;
                                                 # through the gradient scaler with fp16
-        keep_effective_batch=False: optimizer step per micro-batch
+        keep_effective_batch=False: the optimizer step per micro-batch (optimizer_step.py)
       except OOM: note the size, the message, whether it was injected; keep no reference
-    (the ranks reduce the gradients: averaged by samples, or summed and divided by all items)
-    optimizer_step(): unscale (fp16); clip the whole batch's gradient; step; zero_grad;
-      the scheduler when it steps per optimizer step; counters
 
 Item weighting: a micro-batch's loss is its mean over its own items, so weighting it by
 samples is not the batch's mean when micro-batches hold different numbers of items (padded
 sequences). Each micro-batch is weighted by n_items/ref (ref: the first micro-batch's items
 scaled to the whole batch, so the weights stay near samples' and a batch in one piece is
-weighted exactly 1), and the accumulated gradient is then multiplied by ref/total items.
+weighted exactly 1), and the accumulated gradient is then multiplied by ref/total items
+(optimizer_step.py's `reduce_gradients`, over every rank's items).
 
-Owns: forward and backward, the loss weights, precision (autocast, gradient scaler), gradient
-clipping, fault injection, the optimizer and the LR scheduler. Its rooms: losses.py (the loss
-records it fills) and finite.py (the non-finite check it asks before a step). May touch: the model's
-gradients, `Progress.step` and `Progress.samples_seen`. Does not decide anything: the
-micro-batch size comes in, what failed goes out; OOM recovery is the trainer's.
+Owns: forward and backward, the loss weights, precision (autocast; it makes the step's gradient
+scaler), torch.compile, fault injection. Its rooms: losses.py (the loss records it fills) and
+optimizer_step.py (the step after the attempt). May touch: the model's gradients. Does not
+decide anything: the micro-batch size comes in, what failed goes out; OOM recovery is
+recovery.py's.
 """
 
 from __future__ import annotations
@@ -35,15 +33,13 @@ import time
 from typing import Any, Callable
 
 import torch
-from loguru import logger
 from torch import nn
 
-from autotune import finite
 from autotune.batching import SplitFn, map_tensors, micro_batches
 from autotune.distributed import Ranks, Solo
 from autotune.losses import Losses, loss_and_items
-from autotune.oom import NonFiniteStep, is_oom, maybe_not_memory, oom_message
-from autotune.progress import Progress
+from autotune.oom import is_oom, maybe_not_memory, oom_message
+from autotune.optimizer_step import OptimizerStep
 from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
 from autotune.sharded import PeerFailed
 
@@ -93,53 +89,36 @@ class Attempt:
 
 
 class StepCore:
-    """Forward/backward over micro-batches and the optimizer step (see the module docstring)."""
+    """Forward/backward over micro-batches (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
-                 loss_fn: LossFn | None, step_fn: StepFn | None, split_fn: SplitFn | None, device: torch.device,
-                 ranks: Solo | Ranks, counters: Progress, keep_effective_batch: bool, inject_oom: float, seed: int,
-                 precision: str = "fp32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
-                 scheduler_interval: str = "step", compile: bool | dict[str, Any] = False,
-                 on_nonfinite: str = "skip", backward_fn: Callable[[torch.Tensor], Any] | None = None):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.on_nonfinite = on_nonfinite
-        # Optimizer steps not taken since the caller last looked: (step, why, by whom).
-        self.skipped: list[tuple[int, str, str]] = []
+    def __init__(self, model: nn.Module, stepper: OptimizerStep, *, loss_fn: LossFn | None, step_fn: StepFn | None,
+                 split_fn: SplitFn | None, device: torch.device, ranks: Solo | Ranks, keep_effective_batch: bool,
+                 inject_oom: float, seed: int, precision: str = "fp32", compile: bool | dict[str, Any] = False,
+                 backward_fn: Callable[[torch.Tensor], Any] | None = None):
+        self.model, self.stepper = model, stepper
         self.loss_fn, self.step_fn, self.split_fn = loss_fn, step_fn, split_fn
         # What errors about the loss name.
         self.source = "loss_fn" if loss_fn is not None else "step_fn"
-        self.device, self.ranks, self.counters = device, ranks, counters
+        self.device, self.ranks = device, ranks
         self.keep_effective_batch = keep_effective_batch
         self.inject_oom = inject_oom
         self._injector = random.Random(seed + 0x5EED + ranks.rank)  # own stream per rank
         self.precision = precision
         self.autocast: AutocastPlan | None = precision_plan(precision, device)
-        self.scaler: torch.amp.GradScaler | None = (torch.amp.GradScaler(device.type)
-                                                    if self.autocast is not None and self.autocast.needs_scaler else None)
-        self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
-        self.scheduler_interval = scheduler_interval
+        # fp16's gradient scaler: the loss is scaled here, the gradients unscaled by the step.
+        stepper.scaler = (torch.amp.GradScaler(device.type)
+                          if self.autocast is not None and self.autocast.needs_scaler else None)
         # torch.compile: ours (compile=True) over what forward calls, or the user's own compiled
         # model; either way the batch dimension is marked dynamic (micro-batch changes).
         self.compile_options = (compile if isinstance(compile, dict) else {}) if compile is not False else None
         self.compiled: nn.Module | None = (torch.compile(ranks.module(model), **self.compile_options)
                                            if self.compile_options is not None else None)
         self.compiled_model = self.compiled is not None or is_compiled(model)
-        self.grad_norm: torch.Tensor | None = None  # the last step's gradient norm before clipping
         self.backward_fn = backward_fn  # another trainer's (HF's accelerator, Lightning's precision plugin)
         # Called in an OOM's except block, while the failed step's tensors are alive: what they held
         # (the OOM breakdown) and the CUDA allocator's state are read there (the Tuner's).
         self.on_failure: Callable[[], None] | None = None
-        self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
         self._parameters: tuple[nn.Parameter, ...] | None = None  # the model's, walked once (see `parameters`)
-        self._flag = finite.flag_for(device)  # the non-finite check's, for the model's device (all_finite)
-        self._late: finite.LateRead | None = None  # fused optimizers' checks, read a step late (see `settle`)
-        self._told_fused = False  # the hint that a fused optimizer avoids the check's wait, given once
-        self._stepped: tuple[Any, int, tuple[nn.Parameter, ...], bool] | None = None  # see `_stepped_parameters`
-
-    @property
-    def plateau(self) -> bool:
-        """Whether the scheduler steps on a metric (ReduceLROnPlateau), not on a count."""
-        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     # ------------------------------------------------------------------------- the attempt
     def attempt(self, batch: Any, n: int, done: int, micro_batch_size: int, additive: bool = False) -> Attempt:
@@ -150,7 +129,7 @@ class StepCore:
         stepping = not (self.keep_effective_batch or additive)
         size = min(micro_batch_size, n) if stepping else micro_batch_size
         result = Attempt(None, done, Losses(additive=additive), started=time.perf_counter())
-        if self.failure is not None:
+        if self.stepper.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
         seen = done
         # The whole batch in one piece (most steps): as it came, no split
@@ -174,8 +153,8 @@ class StepCore:
                         continue
                     if stepping:
                         self._backward(loss)
-                        self.optimizer_step(m)
-                        if self.failure is not None:
+                        self.stepper.step(m)
+                        if self.stepper.failure is not None:
                             return result
                         result.done += m
                         result.started = time.perf_counter()  # this chunk is stepped: kept
@@ -190,26 +169,6 @@ class StepCore:
         except Exception as exc:
             self._note_failure(exc, result, size, keep_stepped=stepping)
         return result
-
-    def whole_batch(self, batch: Any, n: int) -> Attempt | torch.Tensor:
-        """The steady path's attempt (batch.py, alone): the whole batch in one piece, its
-        gradients accumulated, nothing stepped. What `attempt(batch, n, 0, size)` does with
-        size >= n, no split_fn and no fault injection, in fewer moves: a ~1 ms step pays for each.
-        Returns the batch's mean loss (detached) where the step returned a plain loss, else the
-        `Attempt` (failed, or weighted by the items the step reported) to go on with."""
-        started = time.perf_counter()
-        try:
-            out = self.loss(to_device(batch, self.device))
-            if type(out) is torch.Tensor and not out.ndim:
-                self._backward(out)
-                return out.detach()
-            result = Attempt(None, 0, Losses(), started=started)
-            self._accumulate(result, *loss_and_items(out, self.source), n, n)
-            return result
-        except Exception as exc:
-            result = Attempt(None, 0, Losses(), started=started)
-            self._note_failure(exc, result, n, keep_stepped=False)
-            return result
 
     def _accumulate(self, result: Attempt, loss: torch.Tensor, items: Any, m: int, n: int) -> None:
         # One micro-batch of `m` of the batch's `n` samples backpropagated, its gradient accumulated
@@ -286,183 +245,8 @@ class StepCore:
         if self.backward_fn is not None:
             self.backward_fn(loss)
             return
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-
-    # ------------------------------------------------------------------------- the step
-    def optimizer_step(self, n_samples: int) -> None:
-        """Step the optimizer on the accumulated gradients of `n_samples` samples (per rank):
-        unscaled (fp16) and clipped first, as one batch's gradient. Non-finite gradients are never
-        trained on: checked before the step, or, with a fused optimizer on CUDA, by the step itself
-        on the device and read a step late (`finite.LateRead`, `settle`).
-
-        An OOM inside optimizer.step() may leave some parameters updated and others not, and
-        a smaller micro-batch cannot help it: it is not retried. It is kept in `failure` for
-        the trainer (under torchrun every rank must learn of it before anyone stops)."""
-        scaler, optimizer = self.scaler, self.optimizer
-        clipping = self.clip_grad_norm is not None or self.clip_grad_value is not None
-        if self._late is not None and self._late.pending:
-            self.settle()  # the last step's check first: its scheduler step sets this step's LR
-        late = (scaler is None and self.device.type in finite.READ_LATE_ON and self._may_read_late()
-                and self._check_late(optimizer))
-        if scaler is None and not late and not self._gradients_finite():
-            # Never trained on: the weights stay those of the last finite step.
-            if self.on_nonfinite == "stop":
-                raise NonFiniteStep(f"non-finite gradients (NaN or inf) at step {self.counters.step + 1}: "
-                                    "stopped before the optimizer step (on_nonfinite='stop')")
-            self._skip("non-finite gradients (NaN or inf)", "autotune")
-            return
-        try:
-            if scaler is not None and clipping:
-                scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
-            if clipping:
-                self._clip()  # late: NaN in, NaN out, and the step is skipped either way
-            if scaler is not None:
-                scale = scaler.get_scale()
-                scaler.step(optimizer)  # skips the step on inf/nan gradients
-                scaler.update()
-                if scaler.get_scale() < scale:  # it backs off only when it found inf/nan, and skipped
-                    self._skip(f"inf/NaN gradients at loss scale {scale:g} (fp16)", "the gradient scaler")
-                    return
-            elif late:  # the fused optimizer skips its own update where the flag says so
-                optimizer.grad_scale, optimizer.found_inf = None, self._late.flag.tensor
-                try:
-                    optimizer.step()
-                finally:
-                    del optimizer.grad_scale, optimizer.found_inf
-            else:
-                optimizer.step()
-        except Exception as exc:
-            if late:
-                self._late.flag.clear()  # no step to read it for; the next check needs it clear
-            if not is_oom(exc):
-                raise
-            self.failure = f"out of memory in optimizer.step() at step {self.counters.step}: {oom_message(exc)}"
-            return
-        self.zero_grad()
-        counters = self.counters
-        counters.step += 1
-        samples = n_samples * self.ranks.world
-        counters.samples_seen += samples
-        owed = self.scheduler is not None and self.scheduler_interval == "step" and not self.plateau
-        if late:
-            self._late.taken(counters.step, samples, owed)  # its scheduler step once the check is read
-        elif owed:
-            self.scheduler.step()
-
-    def _may_read_late(self) -> bool:
-        # Alone (the ranks' agreement reads the host anyway), plain parameters, and only to skip:
-        # "stop" must stop before the next batch is trained on.
-        return self.on_nonfinite == "skip" and self.ranks.world == 1 and self._stepped_parameters()[1]
-
-    def _check_late(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether this step's non-finite check is left on the device (`finite.LateRead`): the
-        check went into the late flag, for a fused optimizer to skip its update on. False where
-        the optimizer is not fused (said once, where it would have spared the wait) or the fused
-        check refused these gradients (sparse, complex): the step checks at once then."""
-        if not getattr(optimizer, "_step_supports_amp_scaling", False):  # fused=True skips on found_inf
-            if not self._told_fused:
-                self._told_fused = True
-                logger.info(f"the NaN/inf check of each {type(optimizer).__name__} step waits for {self.device}: "
-                            "an optimizer made with fused=True (Adam, AdamW, SGD, Adagrad) lets autotune leave it on "
-                            "the device (on an H200, a ~2 ms step: Tuner.step 1.21x the plain step, 1.08x fused)")
-            return False
-        if self._late is None:
-            self._late = finite.LateRead(self.device)
-        flag = self._late.flag
-        params, _ = self._stepped_parameters()
-        try:  # into a clear flag: the last step's was read (settle) and cleared if it was set
-            torch._amp_foreach_non_finite_check_and_unscale_([g for p in params if (g := p.grad) is not None],
-                                                             flag.tensor, flag.one)
-        except (NotImplementedError, RuntimeError):
-            flag.clear()  # what it looked at before it refused may have set it
-            return False
-        return True
-
-    def settle(self) -> None:
-        """Read the last step's non-finite check if it was left on the device (a fused
-        optimizer's step, `finite.LateRead`): a skipped step is uncounted and joins `skipped`; a
-        taken one gets its scheduler step. Before anything reads the counters as final."""
-        late = self._late
-        if late is None or not late.pending:
-            return
-        if late.found():
-            self.counters.step -= 1
-            self.counters.samples_seen -= late.samples
-            self.skipped.append((late.step, "non-finite gradients (NaN or inf)", "autotune"))
-        elif late.scheduler_owed:
-            self.scheduler.step()
-
-    def _gradients_finite(self) -> bool:
-        """Whether every gradient is finite (see `finite.all_finite`), read once: the only host sync this
-        check adds to a step. Sharded, every rank looks at its own shards and they agree."""
-        params, plain = self._stepped_parameters()
-        local = ([g for p in params if (g := p.grad) is not None] if plain else
-                 [g.to_local() if hasattr(g, "to_local") else g for p in params if (g := p.grad) is not None])
-        try:  # every gradient on the model's device: the one fused check, without looking up the device
-            ok = finite.finite_on(self._flag, local)
-        except (NotImplementedError, RuntimeError):  # several devices, sparse or complex gradients
-            ok = finite.all_finite(local)
-        return self.ranks.finite_everywhere(ok, self.device)
-
-    def _stepped_parameters(self) -> tuple[tuple[nn.Parameter, ...], bool]:
-        # The optimizer's parameters, walked again only when it changed (pruning rebuilds it; a
-        # group may be added), and whether all are plain tensors (sharded ones are DTensors).
-        optimizer = self.optimizer
-        cached = self._stepped
-        if cached is None or cached[0] is not optimizer or cached[1] != len(optimizer.param_groups):
-            params = tuple(p for group in optimizer.param_groups for p in group["params"])
-            cached = self._stepped = (optimizer, len(optimizer.param_groups), params,
-                                      not any(hasattr(p, "to_local") for p in params))
-        return cached[2], cached[3]
-
-    def _skip(self, why: str, by: str) -> None:
-        # The batch is consumed, not trained: no step, no samples counted, no scheduler step.
-        self.zero_grad()
-        self.skipped.append((self.counters.step + 1, why, by))
-
-    def _clip(self) -> None:
-        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if self.clip_grad_norm is not None:
-            self.grad_norm = nn.utils.clip_grad_norm_(params, self.clip_grad_norm)  # the norm before clipping
-        if self.clip_grad_value is not None:
-            nn.utils.clip_grad_value_(params, self.clip_grad_value)
-
-    def step_scheduler(self, metric: float | None) -> None:
-        """The scheduler's step at an epoch end (scheduler_interval="epoch") or, for
-        ReduceLROnPlateau, on the metric it watches."""
-        if self.scheduler is None:
-            return
-        self.settle()  # the last step's own scheduler step first
-        if self.plateau:
-            if metric is not None:
-                self.scheduler.step(metric)
-        else:
-            self.scheduler.step()
-
-    def reduce_gradients(self, attempt: Attempt) -> None:
-        """Each rank's accumulated gradients made the batch's: averaged over ranks (weighted by
-        samples), or divided by every rank's items together (weighted by items)."""
-        if attempt.items is None:
-            self.ranks.average_gradients()
-        else:
-            grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-            self.ranks.divide_by_items(grads, attempt.ref, attempt.items)
-
-    def reduce_gradients_with_news(self, attempt: Attempt, news: bool) -> bool:
-        """`reduce_gradients`, with this rank's `news` in the same all-reduce (a replicated model
-        under torchrun: distributed.Ranks.reduce_with_news): whether any rank had news."""
-        return self.ranks.reduce_with_news(news, attempt.ref, attempt.items)
-
-    def zero_grad(self) -> None:
-        if self.optimizer is None:  # another trainer's optimizer: the gradients of the model's parameters
-            self.drop_gradients()
-            return
-        self.ranks.zero_grad(self.optimizer)
-
-    def drop_gradients(self) -> None:
-        """Every parameter's gradient gone (`.grad = None`), whatever the optimizer's zero_grad would do."""
-        for p in self.model.parameters():
-            p.grad = None
+        scaler = self.stepper.scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
 
     def use(self, step_fn: StepFn | None, loss_fn: LossFn | None) -> None:
         """Train with `step_fn` or `loss_fn` from now on (`Tuner.step`'s); neither: the ones given before."""
@@ -476,19 +260,14 @@ class StepCore:
                              "pass one here or to Tuner(...)")
 
     def state_dict(self) -> dict[str, Any]:
-        """The scheduler, the gradient scaler and the injector's random stream (the weights and
-        the optimizer are the job's to take: `Solo.model_state`, sharded or not)."""
+        """The scheduler, the gradient scaler (the step's) and the injector's random stream (the
+        weights and the optimizer are the job's to take: `Solo.model_state`, sharded or not)."""
         version, keys, gauss = self._injector.getstate()
-        return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "injector": [version, list(keys), gauss]}
+        return {**self.stepper.state_dict(), "injector": [version, list(keys), gauss]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (a migrated checkpoint's "core": checkpoint_format.py)."""
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state["grad_scaler"]:
-            self.scaler.load_state_dict(state["grad_scaler"])  # fp16: the loss scale it had reached
+        self.stepper.load_state_dict(state)
         version, keys, gauss = state["injector"]
         self._injector.setstate((version, tuple(keys), gauss))
 
@@ -502,7 +281,8 @@ class StepCore:
     def model_changed(self) -> None:
         """A relief changed the model's modules: its parameters are walked again, a compiled
         forward is compiled again."""
-        self._parameters = self._stepped = None
+        self._parameters = None
+        self.stepper.forget_parameters()
         if self.compiled is not None:
             self.compiled = torch.compile(self.ranks.module(self.model), **self.compile_options)
         elif self.compiled_model:
@@ -515,7 +295,7 @@ class StepCore:
             return self.autocast
         plan = autocast_plan(self.device)
         scaler = torch.amp.GradScaler(self.device.type) if plan is not None and plan.needs_scaler else None
-        self.autocast, self.scaler = plan, scaler
+        self.autocast, self.stepper.scaler = plan, scaler
         return plan
 
 

@@ -150,8 +150,8 @@ class AutoTrainer:
         self.core, self.knobs, self.log, self.journal = self.tuner.core, self.tuner.knobs, self.tuner.log, self.tuner.journal
         self.knobs.num_workers = self.input.num_workers
         check_evaluation(eval_dataset=eval_dataset, eval_every=eval_every, eval_batch_size=eval_batch_size,
-                         metrics=metrics, scheduler_metric=scheduler_metric, plateau=self.core.plateau)
-        self.evaluation = EvaluationPlan(self.core, eval_dataset, eval_every, scheduler_metric)
+                         metrics=metrics, scheduler_metric=scheduler_metric, plateau=self.tuner.stepper.plateau)
+        self.evaluation = EvaluationPlan(self.tuner.stepper, eval_dataset, eval_every, scheduler_metric)
         self.evaluator = Evaluator(self.core, batch_size=eval_batch_size or batch_size, collate_fn=collate_fn,
                                    metrics=metrics, journal=self.journal)
         self.metrics: dict[str, float] = {}  # the last evaluation's
@@ -167,8 +167,8 @@ class AutoTrainer:
 
     step, epoch, position, batches_done, ooms, samples_seen = map(
         _counter, ("step", "epoch", "position", "batches_done", "ooms", "samples_seen"))
-    optimizer = property(lambda self: self.core.optimizer, doc="the optimizer (rebuilt when pruning)")
-    scheduler = property(lambda self: self.core.scheduler, doc="the LR scheduler, or None")
+    optimizer = property(lambda self: self.tuner.stepper.optimizer, doc="the optimizer (rebuilt when pruning)")
+    scheduler = property(lambda self: self.tuner.stepper.scheduler, doc="the LR scheduler, or None")
     reliefs = property(lambda self: self.tuner.reliefs, doc="memory reliefs applied, in order")
     monitor = property(lambda self: self.tuner.monitor_process, doc="the monitor process, while one runs")
     demand = property(lambda self: self.tuner.demand, doc="the step's memory demand over the cap")
@@ -398,7 +398,7 @@ class AutoTrainer:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
             state["core"]["model"] = get_model_state_dict(self.model)
-            state["core"]["optimizer"] = get_optimizer_state_dict(self.model, self.core.optimizer)
+            state["core"]["optimizer"] = get_optimizer_state_dict(self.model, self.tuner.stepper.optimizer)
         return state
 
     def _batch_on_this_world(self, saved_batch: int, saved_world: int) -> int:
@@ -434,7 +434,7 @@ class AutoTrainer:
         before an OOM error; the loop, when one is due or the fit ends)."""
         try:
             return self.checkpointer.save(reason, self.state_dict, self.step, self.epoch,
-                                          failure=self.core.failure if report_failure else None,
+                                          failure=self.tuner.stepper.failure if report_failure else None,
                                           background=background, position=self.position,
                                           samples_seen=self.samples_seen)
         except RankFailed as exc:  # another rank's optimizer step ran out of memory

@@ -61,6 +61,7 @@ from autotune.memory_history import AllocationHistory
 from autotune.monitor.link import MonitorLink
 from autotune.policy import Policy
 from autotune.presets import resolve_policies
+from autotune.optimizer_step import OptimizerStep
 from autotune.progress import Progress
 from autotune.reactions import Reactions
 from autotune.recovery import OOMRecovery, read_at_failure
@@ -116,7 +117,7 @@ class Tuner:
 
     # The host face (module docstring): the lifecycle and the parts a host reads. A host uses
     # nothing else of a Tuner (tests/test_faces.py); the user's face is the rest of the public names.
-    HOST_PARTS = ("core", "knobs", "log", "journal", "ranks", "counters", "demand", "model", "device", "run_dir",
+    HOST_PARTS = ("core", "stepper", "knobs", "log", "journal", "ranks", "counters", "demand", "model", "device", "run_dir",
                   "monitor_process")
     HOST_FACE = ("begin", "train_batch", "after_batch", "end", "fire", "listens", "carry_out", "checkpoint",
                  "give_up_on_the_step", "average_gradients", "agree_on_micro_batch", "tuning_state",
@@ -163,13 +164,14 @@ class Tuner:
         self.journal = self.log.journal  # rank 0 writes
         self.counters = counters if counters is not None else Progress()
         self.counters.world = self.counters.epoch_world = self.ranks.world
-        self.core = StepCore(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
-                             loss_fn=loss_fn, step_fn=step_fn, split_fn=split_fn, device=self.device,
-                             backward_fn=backward_fn, ranks=self.ranks, counters=self.counters,
-                             keep_effective_batch=keep_effective_batch,
-                             inject_oom=injection_rate(inject_oom), seed=seed, precision=precision,
-                             clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                             scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
+        self.stepper = OptimizerStep(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
+                                     device=self.device, ranks=self.ranks, counters=self.counters, scaler=None,
+                                     clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
+                                     scheduler_interval=scheduler_interval, on_nonfinite=on_nonfinite)
+        self.core = StepCore(self.model, self.stepper, loss_fn=loss_fn, step_fn=step_fn, split_fn=split_fn,
+                             device=self.device, backward_fn=backward_fn, ranks=self.ranks,
+                             keep_effective_batch=keep_effective_batch, inject_oom=injection_rate(inject_oom),
+                             seed=seed, precision=precision, compile=compile)
         # Sizes are known once batches are: the first one sets them unless given here.
         self.knobs = Knobs(batch_size=batch_size or micro_batch_size or 1,
                            micro_batch_size=micro_batch_size or batch_size or 1, device=self.device,
@@ -177,16 +179,16 @@ class Tuner:
         self._sized = batch_size is not None or micro_batch_size is not None
         self._batch_size_fixed = batch_size is not None
         self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
-        self.ladder = ReliefLadder(self.model, self.core, self.ranks, self.journal)
+        self.ladder = ReliefLadder(self.model, self.core, self.stepper, self.ranks, self.journal)
         self.monitor_link = MonitorLink(self.run_dir, self.device, enabled=monitor and self.is_main,
                                         interval=monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
                                         journal=self.journal)
         self.demand = StepDemand(self.device, self.knobs.memory_cap_bytes)
         self.cadence = MeasureCadence()
-        self.recovery = OOMRecovery(self.model, self.core, self.demand, self.history, self.journal, self.counters,
+        self.recovery = OOMRecovery(self.model, self.stepper, self.demand, self.history, self.journal, self.counters,
                                     self.run_dir, knobs=self.knobs, dispatcher=self.dispatcher, cadence=self.cadence,
                                     reliefs_allowed=reliefs)
-        self.batches = BatchRunner(self.core, self.knobs, self.ranks, self.cadence, self.demand, self.recovery,
+        self.batches = BatchRunner(self.core, self.stepper, self.knobs, self.ranks, self.cadence, self.demand, self.recovery,
                                    keep_effective_batch)
         self._host = weakref.ref(host) if host is not None else None
         self.reactions = Reactions(self.dispatcher, self.ladder, self.monitor_link, self.knobs, self.counters,
@@ -207,8 +209,8 @@ class Tuner:
     ooms = property(lambda self: self.counters.ooms, doc="out-of-memory errors survived")
     samples_seen = property(lambda self: self.counters.samples_seen, doc="samples in completed optimizer steps")
     micro_batch_size = property(lambda self: self.knobs.micro_batch_size, doc="samples per forward/backward now")
-    optimizer = property(lambda self: self.core.optimizer, doc="the optimizer (rebuilt when pruning)")
-    scheduler = property(lambda self: self.core.scheduler, doc="the LR scheduler, or None")
+    optimizer = property(lambda self: self.stepper.optimizer, doc="the optimizer (rebuilt when pruning)")
+    scheduler = property(lambda self: self.stepper.scheduler, doc="the LR scheduler, or None")
     reliefs = property(lambda self: self.ladder.applied, doc="memory reliefs applied, in order")
     monitor_process = property(lambda self: self.monitor_link.process, doc="the monitor process, while one runs")
 
@@ -258,7 +260,7 @@ class Tuner:
 
     def step_scheduler(self, metric: float | None = None) -> None:
         """Step the scheduler yourself (scheduler_interval="epoch"; a ReduceLROnPlateau's metric)."""
-        self.core.step_scheduler(metric)
+        self.stepper.step_scheduler(metric)
 
     def _begin_batch(self, batch: Any, n: int | None = None) -> int:
         n = batch_len(batch) if n is None else n
@@ -281,13 +283,13 @@ class Tuner:
         (with the host's `fit_start` fields), the monitor started, FIT_START."""
         self._started = True
         warm_up_oom_path(self.device, self.knobs.memory_cap_bytes)
-        self.core.zero_grad()
+        self.stepper.zero_grad()
         self.demand.measure_room()
         self.journal.write("fit_start", self.step_count, self.counters.epoch, device=str(self.device),
                            micro_batch_size=self.knobs.micro_batch_size, keep_effective_batch=self.keep_effective_batch,
                            memory_cap=self.knobs.memory_cap_bytes, policies=[p.name for p in self.dispatcher.policies],
-                           precision=self.core.precision, clip_grad_norm=self.core.clip_grad_norm,
-                           clip_grad_value=self.core.clip_grad_value, compiled=self.core.compiled_model,
+                           precision=self.core.precision, clip_grad_norm=self.stepper.clip_grad_norm,
+                           clip_grad_value=self.stepper.clip_grad_value, compiled=self.core.compiled_model,
                            world=self.ranks.world, **fit_start)
         self.monitor_link.start(self.step_count, self.counters.epoch)
         if self.history is not None:
@@ -333,7 +335,7 @@ class Tuner:
                           allocated_bytes=allocator.allocated_bytes if allocator else None,
                           reserved_bytes=allocator.reserved_bytes if allocator else None,
                           loss=outcome.mean_loss, sample=self.monitor_link.latest,
-                          grad_norm=self.core.grad_norm)
+                          grad_norm=self.stepper.grad_norm)
         if not self.reactions.quiet():
             self.reactions.after_batch(timing, self.checkpoint)
 
@@ -359,7 +361,7 @@ class Tuner:
         state are this rank's shards (DTensors): save them with `torch.distributed.checkpoint`, as
         autotune's own checkpoints do."""
         self.settle()  # a checkpoint holds exact counts and the scheduler's last step
-        weights, optimizer = self.ranks.model_state(self.model, self.core.optimizer)
+        weights, optimizer = self.ranks.model_state(self.model, self.stepper.optimizer)
         return checkpoint_format.build(core={**self.core.state_dict(), "model": weights, "optimizer": optimizer},
                                        tuning=self.tuning_state(), progress=self.counters.state_dict(),
                                        rng=rng_state())
@@ -378,7 +380,7 @@ class Tuner:
         state = checkpoint_format.migrate(state)
         self.load_tuning_state(state["tuning"])
         core = state["core"]
-        self.ranks.load_model_state(self.model, self.core.optimizer, core["model"], core["optimizer"])
+        self.ranks.load_model_state(self.model, self.stepper.optimizer, core["model"], core["optimizer"])
         self.core.load_state_dict(core)
         self.counters.load_state_dict(state["progress"])
         # The counters are this job's from here; a host whose data position is per rank re-splits it
@@ -406,15 +408,15 @@ class Tuner:
             return host.checkpoint_now(reason, report_failure) if host is not None else None
         try:
             return self._checkpointer.save(reason, self.state_dict, self.step_count, self.counters.epoch,
-                                           failure=self.core.failure if report_failure else None)
+                                           failure=self.stepper.failure if report_failure else None)
         except RankFailed as exc:  # another rank's optimizer step ran out of memory
             self.give_up_on_the_step(str(exc))
 
     def settle(self) -> None:
         """Read the last optimizer step's non-finite check where a fused optimizer left it on the
         device (`StepCore.settle`): the counts are exact after, and a skipped step is journaled."""
-        self.core.settle()
-        if self.core.skipped:
+        self.stepper.settle()
+        if self.stepper.skipped:
             self.recovery.report_skipped(None, self.keep_effective_batch)
 
     # ------------------------------------------------------------------------- the end

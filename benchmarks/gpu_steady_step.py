@@ -63,7 +63,7 @@ def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 def main() -> None:
     from autotune import Tuner
     from autotune.finite import all_finite
-    from autotune.step import StepCore
+    from autotune.optimizer_step import OptimizerStep
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=9)
@@ -82,7 +82,7 @@ def main() -> None:
              "| size | plain step (ms) | floor: + check | Tuner.step | Tuner.step, check answered | "
              "Tuner.step - plain (us) | fused: plain step (ms) | fused: Tuner.step | fused: Tuner.step - plain (us) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    real_check = StepCore._gradients_finite
+    real_check = OptimizerStep._gradients_finite
     for size in args.sizes.split(","):
         batch_n, features, width, depth, steps = SIZES[size]
         g = torch.Generator(device=device).manual_seed(0)
@@ -108,7 +108,7 @@ def main() -> None:
 
         def round_of(side: str) -> float:
             if side == "unchecked":
-                StepCore._gradients_finite = lambda self: True
+                OptimizerStep._gradients_finite = lambda self: True
             try:
                 sync()
                 start = time.perf_counter()
@@ -117,7 +117,7 @@ def main() -> None:
                 sync()
                 return (time.perf_counter() - start) / steps
             finally:
-                StepCore._gradients_finite = real_check
+                OptimizerStep._gradients_finite = real_check
 
         for side in SIDES:  # warm-up: kernels chosen, the tuner's first measured batches behind it
             for _ in range(2):

@@ -290,21 +290,20 @@ def short(rounds: int) -> None:
 
 
 def finite_check_cost(model: nn.Module) -> float:
-    """Seconds per call of the non-finite check over `model`'s gradients (StepCore's own)."""
+    """Seconds per call of the non-finite check over `model`'s gradients (the optimizer step's own)."""
     from autotune.distributed import Solo
+    from autotune.optimizer_step import OptimizerStep
     from autotune.progress import Progress
-    from autotune.step import StepCore
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    core = StepCore(model, optimizer, None, loss_fn=nn.functional.cross_entropy, step_fn=None, split_fn=None,
-                    device=torch.device("cpu"), ranks=Solo(), counters=Progress(), keep_effective_batch=True,
-                    inject_oom=0.0, seed=0)
+    stepper = OptimizerStep(model, optimizer, None, device=torch.device("cpu"), ranks=Solo(), counters=Progress(),
+                            scaler=None)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     times = []
     for _ in range(2000):
         start = time.perf_counter()
-        assert core._gradients_finite()
+        assert stepper._gradients_finite()
         times.append(time.perf_counter() - start)
     return median(times)
 

@@ -115,14 +115,14 @@ def one_round(pair: str, side: str, size: str, run_dir: str) -> list[float]:
     import torch
     from torch.utils.data import DataLoader
 
-    from autotune.step import StepCore
+    from autotune.optimizer_step import OptimizerStep
 
     if side == "unchecked":  # measurement only: the check is part of every real step
-        checked, StepCore._gradients_finite = StepCore._gradients_finite, lambda self: True
+        checked, OptimizerStep._gradients_finite = OptimizerStep._gradients_finite, lambda self: True
         try:
             return one_round(pair, "with", size, run_dir)
         finally:
-            StepCore._gradients_finite = checked
+            OptimizerStep._gradients_finite = checked
     data, collate, TokenMLP, batch = parts(size)
     model = TokenMLP()
     stamps: list[float] = []

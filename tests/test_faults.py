@@ -96,7 +96,7 @@ def test_a_fused_optimizers_nan_step_is_skipped_on_the_device_and_counted_as_rea
     net = model()
     with trainer(tmp_path, net, data, optimizer=sgd, scheduler=halving, checkpoint_every=3, keep_checkpoints=5) as t:
         result = t.fit(epochs=1)
-        assert (t.tuner.core._late is not None) == read_late  # the path this case is about was taken
+        assert (t.tuner.stepper._late is not None) == read_late  # the path this case is about was taken
     reference = without_the_nan_batch(data, sgd, halving)
     for mine, theirs in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)

@@ -308,7 +308,7 @@ def test_where_the_check_would_wait_a_fused_optimizer_reads_it_late_and_others_a
                        on_nonfinite=on_nonfinite)
         with t:
             t.fit(epochs=2)
-            late = t.tuner.core._late
+            late = t.tuner.stepper._late
     finally:
         logger.remove(sink)
         logger.disable("autotune")

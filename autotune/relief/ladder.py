@@ -7,7 +7,8 @@ safe point (between attempts: after a batch, or after an OOM at the smallest mic
 Owns: the reliefs applied so far and their order, the model's captured example inputs (for
 tracing it when pruning), the pruning history (to prune a fresh model the same way on
 resume), the effect watch. May touch: the model's structure and forward, the step core's
-precision, optimizer and scheduler (pruning rebuilds them), the DDP wrapper (re-wrapped).
+precision, the optimizer step's optimizer and scheduler (pruning rebuilds them), the DDP
+wrapper (re-wrapped).
 
 A relief that itself runs out of memory (Torch-Pruning's importance estimate allocates, say)
 leaves the model as it was: pruning replaces parameters and edits layer attributes, so the
@@ -29,6 +30,7 @@ from autotune.journal import Journal
 from autotune.memory import free_memory
 from autotune.notices import warn
 from autotune.oom import is_oom, oom_message
+from autotune.optimizer_step import OptimizerStep
 from autotune.relief.checkpointing import checkpoint_blocks
 from autotune.relief.pruning import (UnsafePruning, adopt_unrecorded, prune_channels, rebind_scheduler,
                                      rebuild_optimizer, replay_pruning)
@@ -95,8 +97,9 @@ def _put_back(structure: list[tuple[nn.Module, dict[str, Any], dict, dict]]) -> 
 class ReliefLadder:
     """The reliefs of one trainer's model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, core: StepCore, ranks: Solo | Ranks, journal: Journal):
-        self.model, self.core, self.ranks, self.journal = model, core, ranks, journal
+    def __init__(self, model: nn.Module, core: StepCore, stepper: OptimizerStep, ranks: Solo | Ranks,
+                 journal: Journal):
+        self.model, self.core, self.stepper, self.ranks, self.journal = model, core, stepper, ranks, journal
         self.applied: list[str] = []  # "autocast", "checkpointing", "pruning", in order
         self.last_step: int | None = None  # the step the last relief was applied at
         self.pruned_fraction = 0.0  # share of the model's parameters removed so far
@@ -165,17 +168,17 @@ class ReliefLadder:
             # Traced with the model's own captured inputs, called as the training step called it.
             example = to_device(self._inputs.example, self.core.device)
             result = prune_channels(self.model, example, ratio, forward_fn=_call_with)
-            optimizer = rebuild_optimizer(self.core.optimizer, result)
+            optimizer = rebuild_optimizer(self.stepper.optimizer, result)
         except BaseException:
             _put_back(structure)  # half-pruned layers back to what they were; the optimizer was not touched
             raise
         del structure
         self._history.append({"example": map_tensors(torch.clone, example), "history": result.history})
-        self.core.optimizer = optimizer
+        self.stepper.optimizer = optimizer
         adopted = adopt_unrecorded(optimizer, self.model)
         if adopted:
             warn(f"{adopted} pruned parameter(s) start with fresh optimizer state (not carried over)")
-        rebind_scheduler(self.core.scheduler, optimizer)
+        rebind_scheduler(self.stepper.scheduler, optimizer)
         self.ranks.wrap(self.model, self.core.device)  # new parameters: a new DDP wrapper and gradient buffer
         self.pruned_fraction = 1 - (1 - self.pruned_fraction) * (1 - result.removed_fraction)
         return {"channel_ratio": ratio, "parameters_before": result.parameters_before,
@@ -195,7 +198,7 @@ class ReliefLadder:
 
     # ------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        # The gradient scaler's state is the step core's (step.py).
+        # The gradient scaler's state is the optimizer step's (saved with the step core's).
         return {"applied": list(self.applied), "pruning": self._history, "pruned_fraction": self.pruned_fraction}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -218,8 +221,8 @@ class ReliefLadder:
                 example = to_device(entry["example"], self.core.device)
                 result = replay_pruning(self.model, example, entry["history"], forward_fn=_call_with)
                 self.ranks.wrap(self.model, self.core.device)
-                self.core.optimizer = rebuild_optimizer(self.core.optimizer, result)  # its state is loaded after
-                rebind_scheduler(self.core.scheduler, self.core.optimizer)
+                self.stepper.optimizer = rebuild_optimizer(self.stepper.optimizer, result)  # its state is loaded after
+                rebind_scheduler(self.stepper.scheduler, self.stepper.optimizer)
                 self._history.append(entry)
             self.applied.append(kind)
         self.pruned_fraction = saved["pruned_fraction"]
