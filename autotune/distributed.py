@@ -57,7 +57,7 @@ def _wire(kind: str, default: Any = dataclasses.MISSING) -> Any:
     return dataclasses.field(default=default, metadata={"wire": kind})
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # not frozen: made every batch, and frozen doubles its __init__
 class Agreement:
     """What every rank knows after an attempt at a batch (alone: what this process proposed).
     Its wire format under torchrun is made from these fields (`to_wire` / `from_wire`): a field
