@@ -29,11 +29,12 @@ import torch
 from torch import nn
 
 from autotune.actions import Relief
+from autotune.agreement import Agreement
 from autotune.cadence import MeasureCadence
-from autotune.distributed import Agreement, Ranks, Solo
+from autotune.demand import StepDemand
+from autotune.distributed import Ranks, Solo
 from autotune.knobs import Knobs
 from autotune.losses import Losses
-from autotune.memory import StepDemand
 from autotune.optimizer_step import OptimizerStep
 from autotune.recovery import OOMRecovery
 from autotune.step import Attempt, StepCore

@@ -2,7 +2,7 @@
 temporaries, libraries, the rest, against the cap, each part where it is known.
 
 Two readings make it: one when the step began (what was in use, in the measure the cap binds:
-`memory.StepDemand`) and one at the failure, taken in the step's `except` block while the failed
+`demand.StepDemand`) and one at the failure, taken in the step's `except` block while the failed
 step's tensors are still alive (`held_now`). The tensors' parts are summed from the model and the
 optimizer; what the step added beyond its gradients is its activations and temporaries;
 libraries are the file-backed mappings (CPU); `other` is what was in use at the step's start

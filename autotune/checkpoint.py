@@ -18,7 +18,8 @@ into with `torch.distributed.checkpoint` (sharded_checkpoint.py): no rank gather
 model. It is written as `.step-N.tmp/` and renamed by rank 0 once every rank's files and the
 index are on disk; it is always written synchronously.
 
-Owns: `run_dir/checkpoints/` (the files, their order, what is kept) and the random states' capture.
+Owns: `run_dir/checkpoints/` (the files, their order, what is kept). The random states it saves
+are rng.py's.
 Touches nothing else: the state to save comes from a function the host passes; its layout is
 checkpoint_format.py's; collectives go through the job (distributed.py).
 """
@@ -29,7 +30,6 @@ import enum
 import functools
 import io
 import os
-import random
 import re
 import shutil
 import signal
@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from loguru import logger
 
@@ -51,31 +50,6 @@ from autotune.sharded_checkpoint import REST, read_rest, read_shards, split, wri
 from autotune.units import format_bytes
 
 _NAME = re.compile(r"^step-(\d{9,})(\.pt)?$")  # a file, or a sharded checkpoint's folder
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, numpy, torch and CUDA random states as plain data and tensors."""
-    version, keys, gauss = random.getstate()
-    kind, np_keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [version, list(keys), gauss],
-        "numpy": [kind, torch.from_numpy(np_keys.astype(np.int64)), pos, has_gauss, cached],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` returned."""
-    version, keys, gauss = state["python"]
-    random.setstate((version, tuple(keys), gauss))
-    kind, np_keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np_keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def nonfinite_weights(weights: dict[str, Any]) -> list[str]:

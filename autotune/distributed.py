@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import gc
 import inspect
 import os
@@ -42,90 +41,13 @@ import torch.distributed as dist
 from loguru import logger
 from torch import nn
 
-from autotune.actions import Relief, relief_from_ints, relief_to_ints
+from autotune.actions import Relief, relief_to_ints
+from autotune.agreement import Agreement, rank0s
+from autotune.gradient_bucket import GradientBucket
 from autotune.sharded import Sharded, is_sharded, shard as shard_blocks
 
 
 _NOTHING_TO_SYNC = contextlib.nullcontext()  # reusable: one for every step alone
-
-
-def _wire(kind: str, default: Any = dataclasses.MISSING) -> Any:
-    # How a field of the Agreement travels in the all-reduce (element-wise maximum of int64s):
-    # "most": every rank's value, the largest wins ("most_or_none": 0 is None); "rank0": rank 0's
-    # (the others send 0); "relief": rank 0's relief as two ints (actions.relief_to_ints); "why":
-    # whether any rank has one, then the texts gathered (rare).
-    return dataclasses.field(default=default, metadata={"wire": kind})
-
-
-@dataclasses.dataclass(slots=True)  # not frozen: made every batch, and frozen doubles its __init__
-class Agreement:
-    """What every rank knows after an attempt at a batch (alone: what this process proposed).
-    Its wire format under torchrun is made from these fields (`to_wire` / `from_wire`): a field
-    added here travels with the rest."""
-
-    failed_micro_batch: int | None = _wire("most_or_none")  # the largest that ran out of memory on any rank; None: none
-    micro_batch_size: int = _wire("rank0")  # rank 0's: the size every rank uses next
-    stop_signal: int = _wire("most", 0)  # a SIGTERM/SIGINT any rank received
-    checkpoint_due: int = _wire("most", 0)  # CheckpointDue (checkpoint.py)
-    relief: Relief | None = _wire("relief", None)  # rank 0's pending relief: every rank carries it out after this batch
-    fatal: str | None = _wire("why", None)  # a rank cannot go on: why
-
-    def to_wire(self, is_main: bool) -> list[int]:
-        """This rank's proposal as the ints of the all-reduce."""
-        values: list[int] = []
-        for field in dataclasses.fields(self):
-            value, kind = getattr(self, field.name), field.metadata["wire"]
-            if kind in ("most", "most_or_none"):
-                values.append(int(value or 0))
-            elif kind == "rank0":
-                values.append(int(value) if is_main else 0)
-            elif kind == "relief":
-                values.extend(relief_to_ints(value if is_main else None))
-            else:  # "why"
-                values.append(int(value is not None))
-        return values
-
-    def from_wire(self, values: list[int], is_main: bool, gather: Any) -> "Agreement":
-        """The agreement, from the all-reduced ints and this rank's own proposal (`self`);
-        `gather(obj)` collects every rank's text where any rank has one."""
-        agreed: dict[str, Any] = {}
-        at = 0
-        for field in dataclasses.fields(self):
-            kind, mine = field.metadata["wire"], getattr(self, field.name)
-            if kind == "relief":
-                code, ratio = values[at:at + 2]
-                agreed[field.name] = mine if is_main else _rank0s(code, ratio)
-                at += 2
-                continue
-            value = values[at]
-            at += 1
-            if kind == "most_or_none":
-                agreed[field.name] = value or None
-            elif kind in ("most", "rank0"):
-                agreed[field.name] = value
-            else:  # "why": every rank learns what the failing ones saw
-                agreed[field.name] = ("; ".join(f"rank {rank}: {text}" for rank, text in enumerate(gather(mine))
-                                                if text) if value else None)
-        return Agreement(**agreed)
-
-    def is_quiet(self, last: "Agreement", is_main: bool) -> bool:
-        """Whether this proposal says nothing that `last` (an agreement's quiet form, `quiet`) did
-        not: no failure, signal, due checkpoint, relief or fatal error, and (rank 0) the same size."""
-        for field in _FIELDS:
-            value = getattr(self, field.name)
-            if field.metadata["wire"] == "rank0":
-                if is_main and value != getattr(last, field.name):
-                    return False
-            elif value is not None and value != 0:
-                return False
-        return True
-
-    def quiet(self) -> "Agreement":
-        """What a batch that says nothing new agrees after this one: rank 0's size, nothing else."""
-        return Agreement(None, self.micro_batch_size)
-
-
-_FIELDS = dataclasses.fields(Agreement)
 
 
 class Solo:
@@ -369,7 +291,7 @@ class Ranks:
         values = torch.tensor([micro_batch_size, *relief_to_ints(relief)], dtype=torch.int64, device=device)
         dist.broadcast(values, src=0)
         micro, code, ratio = (int(v) for v in values.tolist())
-        return micro, relief if self.is_main else _rank0s(code, ratio)
+        return micro, relief if self.is_main else rank0s(code, ratio)
 
     def offer_relief(self, knobs: Any) -> Relief | None:
         # Rank 0's goes to every rank through the agreement; another rank's is not its to decide.
@@ -512,11 +434,6 @@ def _load_whole(model: nn.Module, optimizer: torch.optim.Optimizer | None, weigh
     optimizer.load_state_dict(optimizer_state)
 
 
-def _rank0s(code: int, ratio: int) -> Relief | None:
-    """Rank 0's relief as another rank decodes it from an agreement or a broadcast."""
-    return relief_from_ints(code, ratio, reason="rank 0's policies asked for it")
-
-
 def _leave_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -530,107 +447,3 @@ def _drop_wrapper(ranks_ref: weakref.ref) -> None:
     if ranks is not None and ranks.ddp is not None:
         ranks.ddp = None
         gc.collect()
-
-
-class GradientBucket:
-    """All gradients as views of flat buffers, one per (dtype, device) of the parameters (bf16
-    weights beside fp32 norms make two), so averaging them is one in-place all-reduce a buffer
-    with no copies. Gradients are zeroed in place (never set to None) to keep the views."""
-
-    def __init__(self, parameters: Iterable[torch.nn.Parameter]):
-        self.params = [p for p in parameters if p.requires_grad]
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-        for p in self.params:
-            groups.setdefault((p.dtype, p.device), []).append(p)
-        # A batch's item count and the ranks' news (distributed.Ranks.reduce_with_news) ride in the
-        # same all-reduce as the gradients: two slots more in the first buffer wide enough to count
-        # exactly (fp32 and up); else a buffer of their own.
-        counter = next((key for key in groups if key[0] in (torch.float32, torch.float64)), None)
-        self.groups = [(params, torch.zeros(sum(p.numel() for p in params) + 2 * (key == counter), dtype=key[0],
-                                            device=key[1]))
-                       for key, params in groups.items()]
-        if counter is None:
-            device = self.params[0].device if self.params else torch.device("cpu")
-            self.groups.append(([], torch.zeros(2, dtype=torch.float64, device=device)))
-            counter_at = len(self.groups) - 1
-        else:
-            counter_at = list(groups).index(counter)
-        self.count, self.news = self.groups[counter_at][1][-2:-1], self.groups[counter_at][1][-1:]
-        self._zeroed: list[int] | None = None  # the buffers' versions when `zero` last ran
-        self.bind()
-
-    def bind(self) -> None:
-        """Point every parameter's .grad at its slice of its buffer (again, if something reset it)."""
-        for params, flat in self.groups:
-            offset = 0
-            for p in params:
-                view = flat[offset:offset + p.numel()].view_as(p)
-                if p.grad is not view:
-                    if p.grad is not None:
-                        view.copy_(p.grad)
-                    else:  # no gradient this step (an optimizer's zero_grad set it to None): not the last step's
-                        view.zero_()
-                    p.grad = view
-                offset += p.numel()
-
-    def _gradients(self) -> list[torch.Tensor]:
-        # Each buffer's gradient slots (the count slot left out).
-        return [flat[:sum(p.numel() for p in params)] for params, flat in self.groups if params]
-
-    def average(self, world: int, news: bool | None = None) -> bool | None:
-        """The gradients summed over ranks and divided by `world`; with `news`, whether any rank had
-        some (summed in the same all-reduce)."""
-        self.bind()
-        if news is not None:
-            self.news.fill_(int(news))
-        for params, flat in self.groups:
-            # A buffer that only counts has nothing to average, unless the news rides in it. With
-            # news, every buffer, as sum_over_items does: a rank whose attempt failed before its
-            # first micro-batch (no items) must make the same collectives as the others.
-            if params or news is not None:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        told = None if news is None else bool(self.news.item())
-        for params, flat in self.groups:
-            if params:
-                flat /= world
-        return told
-
-    def sum_over_items(self, ref: Any, items: Any, news: bool | None = None) -> bool | None:
-        """The gradients (weighted `ref`) summed over ranks and divided by every rank's `items`;
-        with `news`, whether any rank had some (summed in the same all-reduce)."""
-        self.bind()
-        grads = self._gradients()
-        for grad in grads:
-            grad.mul_(ref)
-        if isinstance(items, torch.Tensor):
-            self.count.copy_(items.reshape(1))
-        else:
-            self.count.fill_(items)
-        self.news.fill_(int(bool(news)))
-        for _, flat in self.groups:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        count = self.count.clamp_min(1)
-        for grad in grads:
-            grad.div_(count.to(grad.device))
-        return None if news is None else bool(self.news.item())
-
-    def zero(self) -> None:
-        for _, flat in self.groups:
-            flat.zero_()
-        self.bind()
-        self._zeroed = [flat._version for _, flat in self.groups]
-
-    def untouched(self) -> bool:
-        """Whether the gradients are still the zeros `zero` left, in the buffers: nothing wrote into
-        them since (a view's in-place change counts in its buffer's version) and nothing replaced
-        a parameter's `.grad`. A step then has no gradients of the caller's to hold back."""
-        if self._zeroed != [flat._version for _, flat in self.groups]:
-            return False
-        for params, flat in self.groups:
-            offset = 0
-            for p in params:
-                grad = p.grad
-                if grad is None or grad._base is not flat or grad.storage_offset() != offset:
-                    return False
-                offset += p.numel()
-        return True

@@ -18,11 +18,11 @@ import torch
 from autotune.actions import Relief
 from autotune.batch import BatchRunner
 from autotune.cadence import MeasureCadence
+from autotune.demand import StepDemand
 from autotune.dispatch import Dispatcher
 from autotune.distributed import Ranks, Solo
 from autotune.events import Event
 from autotune.knobs import Knobs
-from autotune.memory import StepDemand
 from autotune.monitor.link import MonitorLink
 from autotune.progress import Progress
 from autotune.relief.ladder import ReliefFailed, ReliefLadder

@@ -32,11 +32,12 @@ from torch import nn
 from autotune.actions import Relief
 from autotune.breakdown import describe_breakdown, gradient_bytes, oom_breakdown
 from autotune.cadence import MeasureCadence
+from autotune.demand import StepDemand
 from autotune.dispatch import Dispatcher
 from autotune.events import Event
 from autotune.knobs import Knobs
 from autotune.losses import Losses
-from autotune.memory import StepDemand, describe_memory, free_memory
+from autotune.memory import describe_memory, free_memory
 from autotune.memory_history import AllocationHistory
 from autotune.notices import warn
 from autotune.oom import OutOfMemory

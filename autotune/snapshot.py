@@ -51,7 +51,7 @@ class AllocatorStats:
 class StepMemory:
     """What one step needed: its peak above the memory in use when it began, and the room the cap
     left then, in the measure the cap binds (CUDA allocated bytes; CPU virtual size under
-    RLIMIT_AS, else resident size). `exact` False: estimated, not measured (see memory.StepDemand)."""
+    RLIMIT_AS, else resident size). `exact` False: estimated, not measured (see demand.StepDemand)."""
 
     micro_batch_size: int | None
     need_bytes: int

@@ -48,15 +48,16 @@ from autotune.batching import SplitFn, batch_len
 from autotune.cadence import MeasureCadence
 from autotune import checkpoint_format
 from autotune.arguments import with_shared_arguments
-from autotune.checkpoint import Checkpointer, RankFailed, rng_state, set_rng_state
+from autotune.checkpoint import Checkpointer, RankFailed
 from autotune.config import (OptimizerFactory, check_tuner_arguments, injection_rate, make_optimizer, make_scheduler,
                              resolve_device, resolve_memory_cap)
+from autotune.demand import StepDemand
 from autotune.dispatch import Dispatcher
 from autotune.distributed import Ranks, Solo, from_environment
 from autotune.events import Event
 from autotune.journal import RunLog
 from autotune.knobs import Knobs
-from autotune.memory import StepDemand, one_arena_under_an_address_space_cap, warm_up_oom_path
+from autotune.memory import one_arena_under_an_address_space_cap, warm_up_oom_path
 from autotune.memory_history import AllocationHistory
 from autotune.monitor.link import MonitorLink
 from autotune.policy import Policy
@@ -66,6 +67,7 @@ from autotune.progress import Progress
 from autotune.reactions import Reactions
 from autotune.recovery import OOMRecovery, read_at_failure
 from autotune.relief.ladder import ReliefLadder
+from autotune.rng import rng_state, set_rng_state
 from autotune.snapshot import InputState, StepTiming
 from autotune.step import LossFn, StepCore, StepFn
 

@@ -81,7 +81,7 @@ def worker(spec: dict) -> dict:
     from torch import nn
 
     from autotune.limits import fix_mmap_threshold
-    from autotune.memory import StepPeak
+    from autotune.demand import StepPeak
     from autotune.relief.autocast import autocast_plan
     from autotune.relief.checkpointing import checkpoint_blocks
     from autotune.relief.pruning import prune_channels, rebuild_optimizer, tensor_bytes

@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 from autotune import AutoTrainer
 from autotune.monitor.board import Board
 from autotune.presets import resolve_policies
-from autotune.memory import StepDemand
+from autotune.demand import StepDemand
 from autotune.snapshot import DeviceSample, StepMemory
 from autotune.step import StepCore
 

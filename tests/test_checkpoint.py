@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from autotune.checkpoint import Checkpoints, rng_state, set_rng_state
+from autotune.checkpoint import Checkpoints
+from autotune.rng import rng_state, set_rng_state
 
 
 def test_save_keeps_the_last_k_and_leaves_no_temporary_files(tmp_path):

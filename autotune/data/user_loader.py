@@ -27,8 +27,8 @@ from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomS
                               SubsetRandomSampler, WeightedRandomSampler)
 from torch.utils.data.distributed import DistributedSampler
 
-from autotune.checkpoint import rng_state, set_rng_state
 from autotune.notices import warn
+from autotune.rng import rng_state, set_rng_state
 
 # Samplers whose order is drawn only from their generator, torch's global state, or (seed, epoch).
 KNOWN_SAMPLERS = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler)

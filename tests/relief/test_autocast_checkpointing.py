@@ -16,7 +16,7 @@ MEASURE = """
 import torch
 from torch import nn
 from autotune.limits import fix_mmap_threshold
-from autotune.memory import StepPeak
+from autotune.demand import StepPeak
 from autotune.relief.autocast import autocast_plan
 from autotune.relief.checkpointing import checkpoint_blocks
 fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from autotune import AutoTrainer
 from autotune.limits import fix_mmap_threshold
-from autotune.memory import StepPeak
+from autotune.demand import StepPeak
 from autotune.policies import AutocastNearCap, CheckpointNearCap, PruneNearCap
 
 fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size

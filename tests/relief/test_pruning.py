@@ -88,7 +88,7 @@ PEAK = """
 import torch, torchvision
 from torch import nn
 from autotune.limits import fix_mmap_threshold
-from autotune.memory import StepPeak
+from autotune.demand import StepPeak
 from autotune.relief.pruning import prune_channels, rebuild_optimizer
 fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
 torch.set_num_threads(1)
