@@ -1,13 +1,14 @@
-"""The arguments `AutoTrainer` and `Tuner` share, documented once and appended to both classes'
-docstrings (as Hugging Face shares its docstrings with `add_start_docstrings`), so the two
-references cannot drift apart. Each class documents its own arguments itself.
+"""The arguments of `AutoTrainer` and `Tuner`, documented here and appended to the classes'
+docstrings (as Hugging Face shares its docstrings with `add_start_docstrings`): each class's own
+(`TRAINER`, `TUNER`), then those they share (`SHARED`), written once so the two references
+cannot drift apart. The classes' files keep their code; `help(AutoTrainer)` shows it all.
 
-Owns the shared text. Touches the two classes' `__doc__` only.
+Owns the text. Touches the two classes' `__doc__` only.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 SHARED = """        device: "cpu", "cuda", "cuda:1" or a `torch.device`; default CUDA when available.
         policies: a preset name ("default", "conservative"), a path to a TOML preset, or a
@@ -56,11 +57,72 @@ SHARED = """        device: "cpu", "cuda", "cuda:1" or a `torch.device`; default
             finite step). A model whose weights are not finite is never checkpointed.
 """
 
+TRAINER = """        model: the `nn.Module` to train; moved to `device`.
+        dataset: a map-style `Dataset` (batched here, with `batch_size`), or a `DataLoader`
+            (its `batch_size` is the batch).
+        loss_fn: `loss_fn(outputs, targets) -> mean loss`; batches are `(inputs, targets)`.
+        step_fn: instead of `loss_fn`, `step_fn(model, micro_batch) -> mean loss` for any layout,
+            or `-> (mean loss, n_items)`: the loss is the mean over n_items items (label tokens,
+            say) and micro-batches are weighted by items, so a batch's step is the same at any
+            micro-batch size.
+        optimizer: an optimizer over the model's parameters, or a factory `params -> Optimizer`;
+            default AdamW(lr=1e-3).
+        batch_size: samples per optimizer step.
+        micro_batch_size: samples per forward/backward at the start; default `batch_size`.
+            "auto" starts at `batch_size` and lets the policies find the largest that fits.
+        shuffle: shuffle each epoch; its order is a function of (seed, epoch).
+        seed: the seed of the epochs' orders (and of the injected OOMs).
+        num_workers: worker processes of the DataLoader built for a map-style dataset (the
+            `tune_workers` policy may raise them when the loop waits on its data).
+        collate_fn: passed to that DataLoader (and the evaluation's).
+        progress: show a tqdm bar with loss, micro-batch and memory.
+        scheduler: an LR scheduler over `optimizer` (or a factory optimizer -> scheduler),
+            saved in checkpoints; stepped per `scheduler_interval` ("step": each optimizer
+            step, "epoch": each epoch end). A ReduceLROnPlateau steps on `scheduler_metric`
+            (default: the evaluation loss, or the epoch's training loss without `eval_dataset`).
+        eval_dataset: a dataset (or DataLoader) to evaluate on, with an eval micro-batch of its
+            own; see `evaluate`.
+        eval_every: evaluate every this many steps, or each "epoch" (the default with an
+            eval_dataset).
+        eval_batch_size: samples an evaluation batch (default `batch_size`).
+        metrics: names mapped to `fn(outputs, targets)` (loss_fn) or `fn(outputs, micro_batch)`
+            (step_fn), each the mean over the micro-batch or `(mean, n_items)`.
+        callbacks: objects with any of on_fit_start, on_step_end, on_evaluate, on_epoch_end,
+            on_fit_end (see callbacks.py); their state_dict() goes into checkpoints.
+        checkpoint_every: write a checkpoint every this many optimizer steps (at steps N, 2N, ...).
+        checkpoint_interval: and/or every this many seconds (default 900; None: off). A
+            checkpoint is also written at the end of `fit`, on SIGTERM/SIGINT, and before
+            giving up on an OOM. `run_dir/checkpoints/`, the last `keep_checkpoints` kept.
+"""
+
+TUNER = """        model: the `nn.Module` to train; moved to `device` (wrapped in DDP under torchrun).
+        optimizer: an optimizer over the model's parameters, or a factory `params -> Optimizer`;
+            default AdamW(lr=1e-3). Pruning (a relief) rebuilds it: use `tuner.optimizer`.
+        loss_fn: the default for `step`: `loss_fn(outputs, targets)` on `(inputs, targets)` batches.
+        step_fn: or the default for `step`: `step_fn(model, micro_batch) -> loss | (loss, n_items)`.
+        scheduler: an LR scheduler over the optimizer (or a factory), stepped after each
+            optimizer step (`scheduler_interval="step"`) or by you (`tuner.step_scheduler()`).
+        micro_batch_size: samples per forward/backward at the start (default: the whole batch).
+        batch_size: the largest batch you will pass (default: the largest seen so far); the
+            micro-batch never grows past it.
+        seed: the injected OOMs' random stream (`inject_oom`).
+        reliefs: let policies change the model (autocast, activation checkpointing, pruning)
+            at the smallest micro-batch; False where another framework owns the optimizer.
+        owns_optimizer: False where another trainer steps the optimizer and wraps the model
+            (HF, Lightning): no optimizer here, no DDP wrapper; use `accumulate`.
+        progress: a tqdm bar (AutoTrainer's).
+        host: a host's (AutoTrainer's, an integration's): what it lends (`Host`).
+        ranks: a host's: the job it joined (default: from the environment).
+        counters: a host's: the counters it owns and shares (`Progress`).
+        backward_fn: a host's: the backward its framework makes (default `loss.backward()`).
+"""
+
 T = TypeVar("T")
 
 
-def with_shared_arguments(cls: T) -> T:
-    """Append `SHARED` to `cls`'s docstring, whose Args section comes last: the shared entries
-    continue it."""
-    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + SHARED
-    return cls
+def with_arguments(own: str) -> Callable[[T], T]:
+    """A class decorator: an Args section of `own` then `SHARED` appended to the class's docstring."""
+    def document(cls: T) -> T:
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + own + SHARED
+        return cls
+    return document

@@ -33,6 +33,8 @@ class Dispatcher:
         self.events = frozenset(event for p in self.policies for event in p.events)  # what anyone listens to
         self.knobs = knobs
         self.journal = journal
+        # The relief in hand and the policy that asked for it: the one to tell when it fails or is dropped.
+        self._asked_by: tuple[Relief, Policy] | None = None
 
     def relief_failed(self, action: Action, why: str) -> None:
         """A relief that was applied to the knobs could not be carried out: tell the policy that
@@ -47,11 +49,11 @@ class Dispatcher:
         self._tell_who_asked(action, "action_suppressed", why)
 
     def _tell_who_asked(self, action: Action, hook: str, why: str) -> None:
-        # The policy whose relief this is, once: the knobs remember who asked for the one in hand.
-        asked = self.knobs.relief_asked_by
+        # The policy whose relief this is, once.
+        asked = self._asked_by
         if asked is not None and asked[0] is action:
             _tell(asked[1], hook, action, why)
-            self.knobs.relief_asked_by = None
+            self._asked_by = None
 
     def fire(self, event: Event, snap: Snapshot) -> list[Action]:
         """Consult the policies subscribed to `event`; return the actions that were applied."""
@@ -79,7 +81,7 @@ class Dispatcher:
             if is_applied:
                 applied.append(action)
                 if isinstance(action, typing.get_args(Relief)):  # carried out later, by the trainer
-                    self.knobs.relief_asked_by = (action, policy)
+                    self._asked_by = (action, policy)
                 logger.info(f"{policy.name}: {action.reason} ({note})")
             else:
                 _tell(policy, "action_suppressed", action, note)

@@ -41,12 +41,11 @@ class Knobs:
     # The pending relief, in one place on its way from a policy to the model (the Tuner carries it
     # out: it changes the model or the forward). One at a time, so each rung's effect is seen
     # before the next. `relief`: asked by a policy on this rank; `relief_agreed`: rank 0's, which
-    # every rank carries out at the next safe point; `relief_asked_by`: (relief, policy), the one
-    # to tell when it fails or is dropped. Every job takes it at the same points (tuner.py):
-    # alone there is nothing to agree, and what was asked is carried out.
+    # every rank carries out at the next safe point. Every job takes it at the same points
+    # (tuner.py): alone there is nothing to agree, and what was asked is carried out. (Who asked
+    # is the dispatcher's to remember: dispatch.py.)
     relief: Relief | None = None
     relief_agreed: Relief | None = None
-    relief_asked_by: tuple[Relief, Any] | None = None
 
     @property
     def host_cap_bytes(self) -> int | None:
@@ -87,13 +86,33 @@ class Knobs:
         self.relief = self.relief_agreed = None
         return dropped
 
-    def restore(self, micro_batch_size: int, num_workers: int) -> bool:
-        """The sizes a checkpoint saved; True if the loader workers changed (it must be rebuilt)."""
+    def restore(self, micro_batch_size: int, num_workers: int | None = None, batch_size: int | None = None) -> bool:
+        """The sizes a checkpoint saved (`batch_size`: the largest batch a Tuner had seen, kept
+        where larger); True if the loader workers changed (it must be rebuilt)."""
         self.micro_batch_size = micro_batch_size
-        if num_workers == self.num_workers:
+        if batch_size:
+            self.batch_size = max(self.batch_size, batch_size)
+        if num_workers is None or num_workers == self.num_workers:
             return False
         self.num_workers = num_workers
         return True
+
+    def size_to(self, n: int, whole: bool = False) -> None:
+        """A batch of `n` is the largest now: the micro-batch may grow up to it (`whole`: the
+        first batch, which starts in one piece)."""
+        self.batch_size = n
+        if whole:
+            self.micro_batch_size = n
+
+    def rebatch(self, batch_size: int) -> None:
+        """Each rank's batch on a job of another size (a resume on more or fewer ranks); the
+        micro-batch no larger than it."""
+        self.batch_size = batch_size
+        self.micro_batch_size = min(self.micro_batch_size, batch_size)
+
+    def workers_in_use(self, num_workers: int) -> None:
+        """The loader's workers as its host built it (not a change: nothing is rebuilt)."""
+        self.num_workers = num_workers
 
 
 def resolve_conflicts(proposals: list[tuple[Any, Action]]) -> list[tuple[Any, Action, str | None]]:

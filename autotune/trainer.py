@@ -30,7 +30,7 @@ from autotune.batching import SplitFn, batch_len
 from autotune.batch_in_hand import BatchInHand
 from autotune.callbacks import Callbacks, StopRequest
 from autotune import checkpoint_format
-from autotune.arguments import with_shared_arguments
+from autotune.arguments import TRAINER, with_arguments
 from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed
 from autotune.config import (OptimizerFactory, check_evaluation, check_run_limits, check_sample_layout,
                              resolve_device, resolve_micro_batch)
@@ -40,7 +40,6 @@ from autotune.evaluation import EvaluationPlan, Evaluator, Metric
 from autotune.events import Event
 from autotune.memory import gc_frozen, memory_text
 from autotune.monitor.host import room_bytes
-from autotune.notices import warn
 from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
@@ -50,56 +49,17 @@ from autotune.losses import LossSum
 from autotune.step import LossFn, StepFn, compile_count
 from autotune.tuner import Tuner
 from autotune.validate import check_int
+from autotune.world_change import batch_on_this_world, go_on_with_this_world
 
 
 def _counter(name: str) -> property:
     return property(lambda self: getattr(self.counters, name), doc=f"`Progress.{name}` of this trainer's run")
 
 
-@with_shared_arguments
+@with_arguments(TRAINER)
 class AutoTrainer:
-    """Train `model` on `dataset`, adapting to memory limits instead of crashing. The arguments it
-    shares with `Tuner` (device, policies, memory_cap, precision, ...) are documented once, in
-    arguments.py, and appended to the Args below.
-
-    Args:
-        model: the `nn.Module` to train; moved to `device`.
-        dataset: a map-style `Dataset` (batched here, with `batch_size`), or a `DataLoader`
-            (its `batch_size` is the batch).
-        loss_fn: `loss_fn(outputs, targets) -> mean loss`; batches are `(inputs, targets)`.
-        step_fn: instead of `loss_fn`, `step_fn(model, micro_batch) -> mean loss` for any layout,
-            or `-> (mean loss, n_items)`: the loss is the mean over n_items items (label tokens,
-            say) and micro-batches are weighted by items, so a batch's step is the same at any
-            micro-batch size.
-        optimizer: an optimizer over the model's parameters, or a factory `params -> Optimizer`;
-            default AdamW(lr=1e-3).
-        batch_size: samples per optimizer step.
-        micro_batch_size: samples per forward/backward at the start; default `batch_size`.
-            "auto" starts at `batch_size` and lets the policies find the largest that fits.
-        shuffle: shuffle each epoch; its order is a function of (seed, epoch).
-        seed: the seed of the epochs' orders (and of the injected OOMs).
-        num_workers: worker processes of the DataLoader built for a map-style dataset (the
-            `tune_workers` policy may raise them when the loop waits on its data).
-        collate_fn: passed to that DataLoader (and the evaluation's).
-        progress: show a tqdm bar with loss, micro-batch and memory.
-        scheduler: an LR scheduler over `optimizer` (or a factory optimizer -> scheduler),
-            saved in checkpoints; stepped per `scheduler_interval` ("step": each optimizer
-            step, "epoch": each epoch end). A ReduceLROnPlateau steps on `scheduler_metric`
-            (default: the evaluation loss, or the epoch's training loss without `eval_dataset`).
-        eval_dataset: a dataset (or DataLoader) to evaluate on, with an eval micro-batch of its
-            own; see `evaluate`.
-        eval_every: evaluate every this many steps, or each "epoch" (the default with an
-            eval_dataset).
-        eval_batch_size: samples an evaluation batch (default `batch_size`).
-        metrics: names mapped to `fn(outputs, targets)` (loss_fn) or `fn(outputs, micro_batch)`
-            (step_fn), each the mean over the micro-batch or `(mean, n_items)`.
-        callbacks: objects with any of on_fit_start, on_step_end, on_evaluate, on_epoch_end,
-            on_fit_end (see callbacks.py); their state_dict() goes into checkpoints.
-        checkpoint_every: write a checkpoint every this many optimizer steps (at steps N, 2N, ...).
-        checkpoint_interval: and/or every this many seconds (default 900; None: off). A
-            checkpoint is also written at the end of `fit`, on SIGTERM/SIGINT, and before
-            giving up on an OOM. `run_dir/checkpoints/`, the last `keep_checkpoints` kept.
-    """
+    """Train `model` on `dataset`, adapting to memory limits instead of crashing. Its arguments
+    are documented in arguments.py (`TRAINER`, then those it shares with `Tuner`), appended here."""
 
     def __init__(self, model: nn.Module, dataset: Dataset | DataLoader, *,
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None,
@@ -148,7 +108,7 @@ class AutoTrainer:
         self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
         self.is_main = ranks.is_main
         self.core, self.knobs, self.log, self.journal = self.tuner.core, self.tuner.knobs, self.tuner.log, self.tuner.journal
-        self.knobs.num_workers = self.input.num_workers
+        self.knobs.workers_in_use(self.input.num_workers)
         check_evaluation(eval_dataset=eval_dataset, eval_every=eval_every, eval_batch_size=eval_batch_size,
                          metrics=metrics, scheduler_metric=scheduler_metric, plateau=self.tuner.stepper.plateau)
         self.evaluation = EvaluationPlan(self.tuner.stepper, eval_dataset, eval_every, scheduler_metric)
@@ -373,7 +333,7 @@ class AutoTrainer:
         state = checkpoint_format.migrate(state)
         saved_batch, saved_world = state["tuning"]["batch_size"], state["progress"]["world"]
         if saved_world != self.ranks.world:
-            batch_size = self._batch_on_this_world(saved_batch, saved_world)
+            batch_size = batch_on_this_world(saved_batch, saved_world, self.ranks.world)
         elif saved_batch != self.knobs.batch_size:
             raise ValueError(f"the checkpoint was made with batch_size {saved_batch}, this trainer "
                              f"has {self.knobs.batch_size}: the position in the epoch would not line up")
@@ -384,7 +344,9 @@ class AutoTrainer:
         if self.knobs.restore(state["tuning"]["micro_batch_size"], workers):  # as tuned before the stop
             self.input.set_workers(workers)
         if saved_world != self.ranks.world:
-            self._go_on_with_this_world(saved_batch, saved_world, batch_size)
+            go_on_with_this_world(self.counters, self.knobs, self.input, self.journal, saved_batch=saved_batch,
+                                  saved_world=saved_world, world=self.ranks.world, batch_size=batch_size,
+                                  run_dir=self.run_dir)
         if host.get("evaluation"):
             self.evaluator.load_state_dict(host["evaluation"])
         self.callbacks.load_state_dict(host.get("callbacks", {}))
@@ -400,33 +362,6 @@ class AutoTrainer:
             state["core"]["model"] = get_model_state_dict(self.model)
             state["core"]["optimizer"] = get_optimizer_state_dict(self.model, self.tuner.stepper.optimizer)
         return state
-
-    def _batch_on_this_world(self, saved_batch: int, saved_world: int) -> int:
-        # Each rank's batch on this job for the job's batch of the checkpoint's (the user's
-        # batch_size is each rank's share on the job it was written for).
-        global_batch, world = saved_batch * saved_world, self.ranks.world
-        if global_batch % world:
-            raise ValueError(f"the checkpoint was made by {saved_world} ranks at batch_size {saved_batch} each, an "
-                             f"optimizer batch of {global_batch}, which {world} ranks cannot share evenly: resume on a "
-                             "number of ranks that divides it")
-        return global_batch // world
-
-    def _go_on_with_this_world(self, saved_batch: int, saved_world: int, batch_size: int) -> None:
-        """After loading a checkpoint made by another number of ranks: the same optimizer batch,
-        split between this job's ranks, from the job's position in the epoch's order (the ranks'
-        batches k together are its global batch k on any number of ranks: data/sampler.py)."""
-        counters, world = self.counters, self.ranks.world
-        counters.position = counters.position * saved_world // world  # a whole number of global batches
-        self.knobs.batch_size = batch_size
-        self.knobs.micro_batch_size = min(self.knobs.micro_batch_size, batch_size)
-        self.input.set_batch_size(batch_size)
-        global_batch = batch_size * world
-        self.journal.write("world_changed", counters.step, counters.epoch, from_world=saved_world, to_world=world,
-                           batch_size_from=saved_batch, batch_size_to=batch_size, global_batch=global_batch,
-                           position=counters.position, micro_batch_size=self.knobs.micro_batch_size)
-        warn(f"resumed on {world} rank{'s' if world > 1 else ''} from a checkpoint of {saved_world}: each rank's batch "
-             f"is {batch_size} (was {saved_batch}), so every optimizer step is still one of {global_batch} samples, "
-             "in the same order", key=f"world_changed {self.run_dir}")
 
     # ----------------------------------------------------------------------------- what a host lends its Tuner
     def checkpoint_now(self, reason: str, report_failure: bool = True, background: bool = False) -> Path | None:

@@ -47,7 +47,7 @@ from autotune.batch import BatchOutcome, BatchRunner, add_gradients, set_aside_g
 from autotune.batching import SplitFn, batch_len
 from autotune.cadence import MeasureCadence
 from autotune import checkpoint_format
-from autotune.arguments import with_shared_arguments
+from autotune.arguments import TUNER, with_arguments
 from autotune.checkpoint import Checkpointer, RankFailed
 from autotune.config import (OptimizerFactory, check_tuner_arguments, injection_rate, make_optimizer, make_scheduler,
                              resolve_device, resolve_memory_cap)
@@ -89,33 +89,10 @@ def default_run_dir(ranks: Solo | Ranks) -> Path:
     return Path(ranks.broadcast_object(str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f"))))
 
 
-@with_shared_arguments
+@with_arguments(TUNER)
 class Tuner:
-    """OOM-resilient steps on your model and optimizer, in your own loop. The arguments it shares
-    with `AutoTrainer` are documented once, in arguments.py, and appended to the Args below.
-
-    Args:
-        model: the `nn.Module` to train; moved to `device` (wrapped in DDP under torchrun).
-        optimizer: an optimizer over the model's parameters, or a factory `params -> Optimizer`;
-            default AdamW(lr=1e-3). Pruning (a relief) rebuilds it: use `tuner.optimizer`.
-        loss_fn: the default for `step`: `loss_fn(outputs, targets)` on `(inputs, targets)` batches.
-        step_fn: or the default for `step`: `step_fn(model, micro_batch) -> loss | (loss, n_items)`.
-        scheduler: an LR scheduler over the optimizer (or a factory), stepped after each
-            optimizer step (`scheduler_interval="step"`) or by you (`tuner.step_scheduler()`).
-        micro_batch_size: samples per forward/backward at the start (default: the whole batch).
-        batch_size: the largest batch you will pass (default: the largest seen so far); the
-            micro-batch never grows past it.
-        seed: the injected OOMs' random stream (`inject_oom`).
-        reliefs: let policies change the model (autocast, activation checkpointing, pruning)
-            at the smallest micro-batch; False where another framework owns the optimizer.
-        owns_optimizer: False where another trainer steps the optimizer and wraps the model
-            (HF, Lightning): no optimizer here, no DDP wrapper; use `accumulate`.
-        progress: a tqdm bar (AutoTrainer's).
-        host: a host's (AutoTrainer's, an integration's): what it lends (`Host`).
-        ranks: a host's: the job it joined (default: from the environment).
-        counters: a host's: the counters it owns and shares (`Progress`).
-        backward_fn: a host's: the backward its framework makes (default `loss.backward()`).
-    """
+    """OOM-resilient steps on your model and optimizer, in your own loop. Its arguments are
+    documented in arguments.py (`TUNER`, then those it shares with `AutoTrainer`), appended here."""
 
     # The host face (module docstring): the lifecycle and the parts a host reads. A host uses
     # nothing else of a Tuner (tests/test_faces.py); the user's face is the rest of the public names.
@@ -271,10 +248,10 @@ class Tuner:
         if self._closed:
             raise RuntimeError("this Tuner was closed: build a new one to train again")
         if not self._sized:  # the first batch: start at the whole batch
-            self.knobs.batch_size = self.knobs.micro_batch_size = n
+            self.knobs.size_to(n, whole=True)
             self._sized = True
         elif n > self.knobs.batch_size and not self._batch_size_fixed:
-            self.knobs.batch_size = n  # the micro-batch may grow up to the largest batch seen
+            self.knobs.size_to(n)
         if not self._started:  # your loop's (or an integration's) run starts at its first batch
             self.begin(batch_size=self.knobs.batch_size, tuner=True)
         return n
@@ -394,11 +371,9 @@ class Tuner:
         """Restore what `tuning_state` returned (an older autotune's too)."""
         tuning = checkpoint_format.migrate_tuning(tuning)
         self.ladder.load_state_dict(tuning["reliefs"])
-        self.knobs.micro_batch_size = tuning["micro_batch_size"]
+        self.knobs.restore(tuning["micro_batch_size"], batch_size=None if self._batch_size_fixed else tuning["batch_size"])
         for name, value in tuning["counters"].items():
             setattr(self.counters, name, value)
-        if not self._batch_size_fixed and tuning["batch_size"]:
-            self.knobs.batch_size = max(self.knobs.batch_size, tuning["batch_size"])
         self._sized = True
         self.dispatcher.load_state_dict(tuning["policies"])
 

@@ -50,6 +50,42 @@ def test_every_name_of_the_host_face_is_a_tuner_attribute(tmp_path):
     assert not missing, missing
 
 
+def _writes_into_knobs(path: Path) -> list[str]:
+    # Assignments whose target goes through something called `knobs` (`self.knobs.x = `,
+    # `knobs.x += `), and setattr on one.
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                   if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            targets = [node.args[0]]
+        for target in targets:
+            if isinstance(node, ast.Call):
+                chain = target  # setattr(chain, ...)
+            elif isinstance(target, (ast.Attribute, ast.Subscript)):
+                chain = target.value  # `chain.x = `: a write into chain
+            else:
+                continue  # `knobs = ...` binds a name, writes nothing
+            while isinstance(chain, ast.Attribute) and chain.attr != "knobs":
+                chain = chain.value
+            if (isinstance(chain, ast.Attribute) and chain.attr == "knobs") or (
+                    isinstance(chain, ast.Name) and chain.id == "knobs"):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_only_knobs_py_changes_the_knobs(tmp_path):
+    # knobs.py's docstring: the one place what policies control is changed (through its methods).
+    written = [line for path in sorted(PACKAGE.rglob("*.py")) if path.name != "knobs.py"
+               for line in _writes_into_knobs(path)]
+    assert not written, written
+    # The scan sees a write where there is one.
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(self):\n    self.knobs.micro_batch_size = 2\n    knobs.batch_size += 1\n"
+                     "    setattr(self.knobs, 'relief', None)\n    self.knobs = None\n")
+    assert len(_writes_into_knobs(probe)) == 3, _writes_into_knobs(probe)
+
+
 def test_only_the_jobs_own_modules_ask_whether_the_job_is_sharded():
     found = subprocess.run(["grep", "-rn", "sharded is not None", str(PACKAGE)], capture_output=True, text=True).stdout
     outside = [line for line in found.splitlines()
