@@ -26,6 +26,8 @@ from typing import Any, Sequence
 import torch
 from loguru import logger
 
+from autotune.records import Kind
+
 HOOKS = ("on_fit_start", "on_step_end", "on_evaluate", "on_epoch_end", "on_fit_end")
 
 
@@ -97,6 +99,6 @@ class StopRequest:
             self.reason = "another rank's callback asked to stop"
         if self.reason is None:
             return False
-        journal.write("stop_requested", step, epoch, reason=self.reason)
+        journal.write(Kind.STOP_REQUESTED, step, epoch, reason=self.reason)
         logger.info(f"stopping at step {step}: {self.reason}")
         return True

@@ -46,6 +46,7 @@ from autotune.finite import nonfinite
 from autotune.memory import start_with_small_stack
 from autotune.notices import info, warn
 from autotune.preemption import Preempted
+from autotune.records import Kind
 from autotune.sharded_checkpoint import REST, read_rest, read_shards, split, write_shards
 from autotune.units import format_bytes
 
@@ -366,7 +367,7 @@ class Checkpointer:
             nonfinite = sorted({name for _, _, names in gathered for name in names})
             if nonfinite:
                 # Never over a finite one: the older checkpoints stay as they are.
-                self.journal.write("checkpoint_refused", step, epoch, reason=reason, nonfinite=nonfinite[:20])
+                self.journal.write(Kind.CHECKPOINT_REFUSED, step, epoch, reason=reason, nonfinite=nonfinite[:20])
                 warn(f"not writing the checkpoint of step {step} ({reason}): the model's weights are not finite "
                      f"({', '.join(nonfinite[:5])}{', ...' if len(nonfinite) > 5 else ''}); the older checkpoints "
                      "are kept", key=f"checkpoint refused {self.store.folder}", error=True)
@@ -393,7 +394,7 @@ class Checkpointer:
         if queued is not None:
             return path  # journaled by `_written` once it is on disk
         self.failed_in_a_row = 0
-        self.journal.write("checkpoint", step, epoch, reason=reason, path=str(path), seconds=round(seconds, 4),
+        self.journal.write(Kind.CHECKPOINT, step, epoch, reason=reason, path=str(path), seconds=round(seconds, 4),
                            **journal_fields)
         return path
 
@@ -404,7 +405,7 @@ class Checkpointer:
             self._failed(reason, step, epoch, path, error)
             return
         self.failed_in_a_row = 0
-        self.journal.write("checkpoint", step, epoch, reason=reason, path=str(path), seconds=round(serialized, 4),
+        self.journal.write(Kind.CHECKPOINT, step, epoch, reason=reason, path=str(path), seconds=round(serialized, 4),
                            background=True, write_seconds=round(seconds, 4), **journal_fields)
 
     def _failed(self, reason: str, step: int, epoch: int, path: Path | None, error: BaseException) -> None:
@@ -413,7 +414,7 @@ class Checkpointer:
         self._last = (step, time.monotonic())
         self.failed_in_a_row += 1
         self._last_error = f"{type(error).__name__}: {error}"
-        self.journal.write("checkpoint_failed", step, epoch, reason=reason, error=repr(error)[:300],
+        self.journal.write(Kind.CHECKPOINT_FAILED, step, epoch, reason=reason, error=repr(error)[:300],
                            **({"path": str(path)} if path is not None else {}), in_a_row=self.failed_in_a_row)
         warn(f"could not write the checkpoint of step {step} ({reason}) into {self.store.folder}: {error}; "
              f"retried at the next one, and the run stops after {MAX_FAILED_CHECKPOINTS} failures in a row",
@@ -462,12 +463,12 @@ class Checkpointer:
             found = self.store.load_latest(device, template, self.ranks)
         if found is None:
             info(f"no checkpoint in {self.folder}: starting fresh")
-            self.journal.write("resume", progress.step, progress.epoch, found=False)
+            self.journal.write(Kind.RESUME, progress.step, progress.epoch, found=False)
             return
         state, path = found
         load(state)
         info(f"resumed from {path}: step {progress.step}, epoch {progress.epoch}, {progress.position} samples into it")
-        self.journal.write("resume", progress.step, progress.epoch, found=True, path=str(path),
+        self.journal.write(Kind.RESUME, progress.step, progress.epoch, found=True, path=str(path),
                            position=progress.position, samples_seen=progress.samples_seen)
 
     def preempted(self, signum: int, path: Path | None, progress: Any) -> Preempted:
@@ -475,7 +476,7 @@ class Checkpointer:
         name = signal.Signals(signum).name
         message = (f"stopped by {name} at step {progress.step} (epoch {progress.epoch}, {progress.position} samples "
                    f"into it); checkpoint {path}; continue with fit(..., resume=True)")
-        self.journal.write("preempted", progress.step, progress.epoch, signal=name, checkpoint=str(path))
+        self.journal.write(Kind.PREEMPTED, progress.step, progress.epoch, signal=name, checkpoint=str(path))
         warn(message)
         return Preempted(signum, message)
 

@@ -22,6 +22,7 @@ from autotune.actions import Action, Relief, action_kind, action_params
 from autotune.events import Event
 from autotune.journal import Journal
 from autotune.policy import Policy
+from autotune.records import Kind
 from autotune.snapshot import Snapshot
 
 
@@ -45,7 +46,7 @@ class Dispatcher:
         """A relief applied to the knobs that will not be carried out (a smaller micro-batch goes
         first; another rank's policies decide): journaled, and the policy that asked told, as
         of an action suppressed (it may ask again)."""
-        self.journal.write("relief_dropped", step, epoch, relief=action_kind(action), reason=action.reason, why=why)
+        self.journal.write(Kind.RELIEF_DROPPED, step, epoch, relief=action_kind(action), reason=action.reason, why=why)
         self._tell_who_asked(action, "action_suppressed", why)
 
     def _tell_who_asked(self, action: Action, hook: str, why: str) -> None:
@@ -65,7 +66,7 @@ class Dispatcher:
                 actions = list(policy.decide(event, snap))
             except Exception as exc:  # a buggy policy must not cost the run; it is logged and journaled
                 logger.opt(exception=exc).error(f"policy {policy.name} failed on {event.value}; ignoring it this time")
-                self.journal.write("policy_error", snap.step, snap.epoch, policy=policy.name,
+                self.journal.write(Kind.POLICY_ERROR, snap.step, snap.epoch, policy=policy.name,
                                    event=event.value, error=repr(exc))
                 continue
             proposals.extend((policy, action) for action in actions)
@@ -85,7 +86,7 @@ class Dispatcher:
                 logger.info(f"{policy.name}: {action.reason} ({note})")
             else:
                 _tell(policy, "action_suppressed", action, note)
-            self.journal.write("action", snap.step, snap.epoch, event=event.value, policy=policy.name,
+            self.journal.write(Kind.ACTION, snap.step, snap.epoch, event=event.value, policy=policy.name,
                                action=action_kind(action), params=action_params(action),
                                reason=action.reason, applied=is_applied, note=note)
         return applied

@@ -43,6 +43,7 @@ from autotune.memory import describe_memory, free_memory
 from autotune.notices import warn
 from autotune.oom import OutOfMemory, is_oom, oom_message
 from autotune.optimizer_step import OptimizerStep
+from autotune.records import Kind
 from autotune.sharded import PeerFailed
 from autotune.losses import loss_and_items
 from autotune.step import StepCore, to_device
@@ -136,7 +137,7 @@ class Evaluator:
         values = sums.tolist()
         result = {name: values[2 * i] / values[2 * i + 1] if values[2 * i + 1] else float("nan")
                   for i, name in enumerate(names)}
-        self.journal.write("evaluate", step, epoch, metrics=result, samples=samples * self.core.ranks.world,
+        self.journal.write(Kind.EVALUATE, step, epoch, metrics=result, samples=samples * self.core.ranks.world,
                            micro_batch_size=self.micro_batch_size, ooms=self.ooms - ooms_before,
                            seconds=round(time.perf_counter() - started, 4))
         return result
@@ -260,7 +261,7 @@ class Evaluator:
     def _shrink(self, size: int, message: str, step: int, epoch: int) -> None:
         self.ooms += 1
         self.failed_micro_batch = size
-        self.journal.write("eval_oom", step, epoch, micro_batch_size=size, message=message)
+        self.journal.write(Kind.EVAL_OOM, step, epoch, micro_batch_size=size, message=message)
         if size <= 1:
             memory = describe_memory(self.core.device)
             raise OutOfMemory(f"out of memory in evaluation on {self.core.device} even at micro-batch 1. "

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 from tqdm.auto import tqdm
 
 from autotune.notices import warn
-from autotune.records import check as check_record
+from autotune.records import Kind, check as check_record
 
 STRICT = os.environ.get("AUTOTUNE_STRICT_JOURNAL") == "1"  # every field checked too (the test suite's)
 
@@ -123,7 +123,7 @@ class StepLog:
         """Write the step's line (callers ask `due()` first)."""
         self._lines += 1
         self._last = time.time()
-        self._journal.write("step", step, epoch, **fields)
+        self._journal.write(Kind.STEP, step, epoch, **fields)
 
     def close(self) -> None:
         self._journal.close()

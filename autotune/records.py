@@ -16,6 +16,47 @@ import dataclasses
 from typing import Mapping
 
 
+class Kind:
+    """The record kinds by name, for writers and readers: `journal.write(Kind.OOM, ...)`,
+    `by_kind[Kind.OOM]`. Plain strings (what the journal's lines hold); a misspelt name is an
+    AttributeError where it runs, and tests/test_records.py finds every use of one in the package
+    and refuses a kind written or read as a bare string."""
+
+    FIT_START = "fit_start"
+    OOM = "oom"
+    OOM_RETRY = "oom_retry"
+    OUT_OF_MEMORY = "out_of_memory"
+    ACTION = "action"
+    POLICY_ERROR = "policy_error"
+    RELIEF = "relief"
+    RELIEF_EFFECT = "relief_effect"
+    RELIEF_FAILED = "relief_failed"
+    RELIEF_DROPPED = "relief_dropped"
+    NONFINITE = "nonfinite"
+    CHECKPOINT = "checkpoint"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKPOINT_REFUSED = "checkpoint_refused"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    RESUME = "resume"
+    WORLD_CHANGED = "world_changed"
+    PREEMPTED = "preempted"
+    STOP_REQUESTED = "stop_requested"
+    EPOCH_END = "epoch_end"
+    EVALUATE = "evaluate"
+    EVAL_OOM = "eval_oom"
+    FIT_END = "fit_end"
+    FIT_FAILED = "fit_failed"
+    MONITOR_START = "monitor_start"
+    MONITOR_RESTART = "monitor_restart"
+    MONITOR_GAVE_UP = "monitor_gave_up"
+    INPUT_PROFILE = "input_profile"
+    LOADER_REBUILT = "loader_rebuilt"
+    SAMPLE_CACHE_ON = "sample_cache_on"
+    SAMPLE_CACHE_OFF = "sample_cache_off"
+    SAMPLE_CACHE = "sample_cache"
+    STEP = "step"
+
+
 @dataclasses.dataclass(frozen=True)
 class RecordKind:
     """One kind of journal record: what it says, and its fields (name -> type, as documented)."""
@@ -33,69 +74,69 @@ def _kind(name: str, doc: str, fields: str, shown: bool = False) -> RecordKind:
 
 _FIT_FIELDS = "micro_batch_size:int batch_size:int tuner:bool"
 KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
-    _kind("fit_start", "a run of steps starts (AutoTrainer.fit, or a Tuner's first batch)",
+    _kind(Kind.FIT_START, "a run of steps starts (AutoTrainer.fit, or a Tuner's first batch)",
           f"device:str keep_effective_batch:bool memory_cap:int|None policies:list precision:str "
           f"clip_grad_norm:float|None clip_grad_value:float|None compiled:bool epochs:int max_steps:int|None "
           f"eval_every:int|str|None world:int {_FIT_FIELDS}", shown=True),
-    _kind("oom", "an out-of-memory error survived: the same batch is retried smaller",
+    _kind(Kind.OOM, "an out-of-memory error survived: the same batch is retried smaller",
           "micro_batch_size:int device:str message:str injected:bool lost_seconds:float ooms:int breakdown:dict|None "
           "memory_snapshot:dict", shown=True),
-    _kind("oom_retry", "a batch's first out-of-memory error on CUDA at the size the last batch completed at, retried "
+    _kind(Kind.OOM_RETRY, "a batch's first out-of-memory error on CUDA at the size the last batch completed at, retried "
           "once at that size after a synchronize and an emptied cache (a block that would fit may wait on another "
           "stream); a second OOM goes to the policies", "micro_batch_size:int retries:int", shown=True),
-    _kind("out_of_memory", "an out-of-memory error that could not be survived (raised after a checkpoint)",
+    _kind(Kind.OUT_OF_MEMORY, "an out-of-memory error that could not be survived (raised after a checkpoint)",
           "micro_batch_size:int device:str tried:list memory:str breakdown:dict|None phase:str error:str", shown=True),
-    _kind("action", "a policy's action, applied or not", "event:str policy:str action:str params:dict reason:str "
+    _kind(Kind.ACTION, "a policy's action, applied or not", "event:str policy:str action:str params:dict reason:str "
           "applied:bool note:str"),
-    _kind("policy_error", "a policy raised: ignored this time", "policy:str event:str error:str"),
-    _kind("relief", "a memory relief carried out (autocast, checkpointing, pruning)",
+    _kind(Kind.POLICY_ERROR, "a policy raised: ignored this time", "policy:str event:str error:str"),
+    _kind(Kind.RELIEF, "a memory relief carried out (autocast, checkpointing, pruning)",
           "relief:str demand_before:float|None note:str dtype:str grad_scaler:bool blocks:list channel_ratio:float "
           "parameters_before:int parameters_after:int kept_whole:list parameters_removed_in_all:float", shown=True),
-    _kind("relief_effect", "what the steps demand a few steps after a relief",
+    _kind(Kind.RELIEF_EFFECT, "what the steps demand a few steps after a relief",
           "relief:str applied_at_step:int demand_after:float", shown=True),
-    _kind("relief_failed", "a relief that could not be carried out (the model is as it was)", "relief:str reason:str",
+    _kind(Kind.RELIEF_FAILED, "a relief that could not be carried out (the model is as it was)", "relief:str reason:str",
           shown=True),
-    _kind("relief_dropped", "a relief asked, then not carried out (a smaller micro-batch went first; another "
+    _kind(Kind.RELIEF_DROPPED, "a relief asked, then not carried out (a smaller micro-batch went first; another "
           "rank's policies decide)", "relief:str reason:str why:str", shown=True),
-    _kind("nonfinite", "an optimizer step not taken on NaN or inf gradients", "at_step:int error:str action:str"),
-    _kind("checkpoint", "a checkpoint on disk", "reason:str path:str seconds:float background:bool "
+    _kind(Kind.NONFINITE, "an optimizer step not taken on NaN or inf gradients", "at_step:int error:str action:str"),
+    _kind(Kind.CHECKPOINT, "a checkpoint on disk", "reason:str path:str seconds:float background:bool "
           "write_seconds:float position:int samples_seen:int micro_batch_size:int", shown=True),
-    _kind("checkpoint_failed", "a checkpoint that could not be written (retried at the next due time)",
+    _kind(Kind.CHECKPOINT_FAILED, "a checkpoint that could not be written (retried at the next due time)",
           "reason:str error:str path:str in_a_row:int", shown=True),
-    _kind("checkpoint_refused", "a checkpoint not written: the weights are not finite (the older ones are kept)",
+    _kind(Kind.CHECKPOINT_REFUSED, "a checkpoint not written: the weights are not finite (the older ones are kept)",
           "reason:str nonfinite:list"),
-    _kind("checkpoint_skipped", "HF's checkpoint before an OOM error skipped: its save would not fit",
+    _kind(Kind.CHECKPOINT_SKIPPED, "HF's checkpoint before an OOM error skipped: its save would not fit",
           "reason:str need_bytes:int room_bytes:int|None"),
-    _kind("resume", "a resume: from which checkpoint, or none found", "found:bool path:str position:int "
+    _kind(Kind.RESUME, "a resume: from which checkpoint, or none found", "found:bool path:str position:int "
           "samples_seen:int micro_batch_size:int", shown=True),
-    _kind("world_changed", "resumed on another number of ranks: each rank's batch re-split so the job's stays",
+    _kind(Kind.WORLD_CHANGED, "resumed on another number of ranks: each rank's batch re-split so the job's stays",
           "from_world:int to_world:int batch_size_from:int batch_size_to:int global_batch:int position:int "
           "micro_batch_size:int", shown=True),
-    _kind("preempted", "stopped by a signal, after a checkpoint", "signal:str checkpoint:str", shown=True),
-    _kind("stop_requested", "a callback (or another rank's) asked to stop", "reason:str"),
-    _kind("epoch_end", "an epoch done", "samples_seen:int loss:float|None micro_batch_size:int"),
-    _kind("evaluate", "an evaluation", "metrics:dict samples:int micro_batch_size:int ooms:int seconds:float"),
-    _kind("eval_oom", "an out-of-memory error in evaluation: the same samples again, smaller",
+    _kind(Kind.PREEMPTED, "stopped by a signal, after a checkpoint", "signal:str checkpoint:str", shown=True),
+    _kind(Kind.STOP_REQUESTED, "a callback (or another rank's) asked to stop", "reason:str"),
+    _kind(Kind.EPOCH_END, "an epoch done", "samples_seen:int loss:float|None micro_batch_size:int"),
+    _kind(Kind.EVALUATE, "an evaluation", "metrics:dict samples:int micro_batch_size:int ooms:int seconds:float"),
+    _kind(Kind.EVAL_OOM, "an out-of-memory error in evaluation: the same samples again, smaller",
           "micro_batch_size:int message:str"),
-    _kind("fit_end", "a run of steps ended", f"samples_seen:int ooms:int wall_seconds:float loss:float|None "
+    _kind(Kind.FIT_END, "a run of steps ended", f"samples_seen:int ooms:int wall_seconds:float loss:float|None "
           f"metrics:dict stopped:str|None compiles:int {_FIT_FIELDS}", shown=True),
-    _kind("fit_failed", "a run ended by an error (the checkpoint it left, if any)",
+    _kind(Kind.FIT_FAILED, "a run ended by an error (the checkpoint it left, if any)",
           "error:str samples_seen:int checkpoint:str", shown=True),
-    _kind("monitor_start", "the memory monitor process started", "pid:int interval:float"),
-    _kind("monitor_restart", "the monitor process exited and was restarted", "returncode:int|None restarts:int "
+    _kind(Kind.MONITOR_START, "the memory monitor process started", "pid:int interval:float"),
+    _kind(Kind.MONITOR_RESTART, "the monitor process exited and was restarted", "returncode:int|None restarts:int "
           "pid:int|None", shown=True),
-    _kind("monitor_gave_up", "the monitor process exited too often: training goes on without it",
+    _kind(Kind.MONITOR_GAVE_UP, "the monitor process exited too often: training goes on without it",
           "returncode:int|None restarts:int pid:int|None", shown=True),
-    _kind("input_profile", "the loop waits on its data: where the time of a sample goes",
+    _kind(Kind.INPUT_PROFILE, "the loop waits on its data: where the time of a sample goes",
           "samples:int load_ms:float transform_ms:float load_share:float cacheable:bool how:str verdict:str"),
-    _kind("loader_rebuilt", "the DataLoader rebuilt at this position (workers or the cache changed)",
+    _kind(Kind.LOADER_REBUILT, "the DataLoader rebuilt at this position (workers or the cache changed)",
           "num_workers:int cache:bool position:int", shown=True),
-    _kind("sample_cache_on", "decoded samples cached in shared memory from here",
+    _kind(Kind.SAMPLE_CACHE_ON, "decoded samples cached in shared memory from here",
           "budget_bytes:int limited_by:str how:str path:str reason:str", shown=True),
-    _kind("sample_cache_off", "the sample cache could not start, or stopped", "reason:str", shown=True),
-    _kind("sample_cache", "the sample cache over an epoch", "hits:int misses:int hit_rate:float|None entries:int "
+    _kind(Kind.SAMPLE_CACHE_OFF, "the sample cache could not start, or stopped", "reason:str", shown=True),
+    _kind(Kind.SAMPLE_CACHE, "the sample cache over an epoch", "hits:int misses:int hit_rate:float|None entries:int "
           "samples:int bytes:int budget_bytes:int full:bool"),
-    _kind("step", "steps.jsonl: one step's figures (thinned over a long run)",
+    _kind(Kind.STEP, "steps.jsonl: one step's figures (thinned over a long run)",
           "micro_batch_size:int samples:int samples_seen:int step_seconds:float data_wait_fraction:float "
           "demand:float|None allocated_bytes:int|None reserved_bytes:int|None grad_norm:float"),
 )}

@@ -43,6 +43,7 @@ from autotune.notices import warn
 from autotune.oom import OutOfMemory
 from autotune.progress import Progress
 from autotune.optimizer_step import OptimizerStep
+from autotune.records import Kind
 from autotune.step import Attempt
 
 Checkpoint = Callable[..., Any]  # (reason, report_failure=True) -> Path | None
@@ -77,7 +78,7 @@ class OOMRecovery:
         self.cadence.changed()
         if same_size:
             self.same_size_retries += 1
-            self.journal.write("oom_retry", self.counters.step, self.counters.epoch,
+            self.journal.write(Kind.OOM_RETRY, self.counters.step, self.counters.epoch,
                                micro_batch_size=failed_micro_batch, retries=self.same_size_retries)
             return
         fire(Event.OOM, failed_micro_batch=failed_micro_batch, force=True)
@@ -134,7 +135,7 @@ class OOMRecovery:
         self.demand.measure_room()  # what is in use after the clean-up, against the cap now
         self.counters.ooms += 1
         lost = time.perf_counter() - attempt.started  # the failed work and the clean-up: what the OOM cost
-        self.journal.write("oom", self.counters.step, self.counters.epoch, micro_batch_size=failed_micro_batch,
+        self.journal.write(Kind.OOM, self.counters.step, self.counters.epoch, micro_batch_size=failed_micro_batch,
                            device=str(self.device), message=attempt.message, injected=attempt.injected,
                            lost_seconds=round(lost, 4), ooms=self.counters.ooms, breakdown=self.last_breakdown,
                            **({"memory_snapshot": self.last_snapshot} if self.last_snapshot else {}))
@@ -148,7 +149,7 @@ class OOMRecovery:
         memory = describe_memory(self.device)
         if self.last_breakdown is not None:
             memory += f"; at the failure: {describe_breakdown(self.last_breakdown)}"
-        self.journal.write("out_of_memory", self.counters.step, self.counters.epoch,
+        self.journal.write(Kind.OUT_OF_MEMORY, self.counters.step, self.counters.epoch,
                            micro_batch_size=failed_micro_batch, device=str(self.device), tried=tried, memory=memory,
                            breakdown=self.last_breakdown)
         checkpoint("out_of_memory")  # the progress so far survives the error
@@ -162,7 +163,7 @@ class OOMRecovery:
         # A smaller micro-batch cannot help an optimizer state that does not fit. Every rank
         # knows by now (alone at once; under torchrun through an agreement or a gather).
         memory = describe_memory(self.device)
-        self.journal.write("out_of_memory", self.counters.step, self.counters.epoch, phase="optimizer_step",
+        self.journal.write(Kind.OUT_OF_MEMORY, self.counters.step, self.counters.epoch, phase="optimizer_step",
                            device=str(self.device), memory=memory, error=why)
         checkpoint("out_of_memory", report_failure=False)  # the weights may hold part of the failed step
         raise OutOfMemory(f"out of memory on {self.device} in optimizer.step(): the optimizer state does not fit, "
@@ -171,7 +172,7 @@ class OOMRecovery:
     def report_skipped(self, losses: Losses | None, keep_effective_batch: bool) -> None:
         """Journal the optimizer steps not taken on non-finite gradients, and tell the user once."""
         for step, why, by in self.stepper.skipped:
-            self.journal.write("nonfinite", self.counters.step, self.counters.epoch, at_step=step, error=why,
+            self.journal.write(Kind.NONFINITE, self.counters.step, self.counters.epoch, at_step=step, error=why,
                                action=f"optimizer step skipped by {by}")
             warn(f"{why} at step {step}: the optimizer step was skipped by {by} (its samples are not counted as "
                  "trained; every one is in the run's journal)", key=f"nonfinite {by} {self.run_dir}")

@@ -17,7 +17,7 @@ from typing import Any
 
 from autotune.breakdown import describe_breakdown
 from autotune.journal import read_lines
-from autotune.records import RecordsByKind
+from autotune.records import Kind, RecordsByKind
 from autotune.units import format_bytes
 
 
@@ -96,23 +96,23 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
 
     first = records[0]["time"] if records else None
     # A background checkpoint's line comes when it is on disk, after the training it saved.
-    timed = [r for r in records if not (r.get("kind") == "checkpoint" and r.get("background"))]
+    timed = [r for r in records if not (r.get("kind") == Kind.CHECKPOINT and r.get("background"))]
     last = timed[-1]["time"] if timed else None
-    ends, failures = by_kind["fit_end"], by_kind["fit_failed"]
-    started = by_kind["fit_start"][-1]["time"] if by_kind["fit_start"] else None
+    ends, failures = by_kind[Kind.FIT_END], by_kind[Kind.FIT_FAILED]
+    started = by_kind[Kind.FIT_START][-1]["time"] if by_kind[Kind.FIT_START] else None
 
     def since_start(kind: str) -> list[dict[str, Any]]:  # records of `kind` from the last fit() on
         return [r for r in by_kind[kind] if started is None or r["time"] >= started]
 
-    if since_start("fit_failed"):
+    if since_start(Kind.FIT_FAILED):
         status = f"failed: {failures[-1].get('error', '')}"
-    elif since_start("fit_end"):
+    elif since_start(Kind.FIT_END):
         status = "finished"
-    elif since_start("preempted"):
+    elif since_start(Kind.PREEMPTED):
         status = "stopped by a signal (resume with fit(..., resume=True))"
     else:
         status = "in progress, or killed without a trace"
-    epochs = by_kind["epoch_end"]
+    epochs = by_kind[Kind.EPOCH_END]
     last_fit = ends[-1] if ends else {}
     throughput = []
     previous_time, previous_seen = first, 0
@@ -123,17 +123,17 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                            "samples_per_second": trained / seconds if seconds else None, "loss": epoch.get("loss")})
         previous_time, previous_seen = epoch["time"], epoch.get("samples_seen") or 0
     actions: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    for record in by_kind["action"]:
+    for record in by_kind[Kind.ACTION]:
         actions[record["policy"]].append({"step": record["step"], "action": record["action"], "params": record["params"],
                                           "applied": record["applied"], "reason": record.get("reason", ""),
                                           "note": record.get("note", "")})
-    ooms = by_kind["oom"]
-    cache = by_kind["sample_cache"]
-    reliefs = by_kind["relief"]
+    ooms = by_kind[Kind.OOM]
+    cache = by_kind[Kind.SAMPLE_CACHE]
+    reliefs = by_kind[Kind.RELIEF]
     pruned = [r for r in reliefs if r.get("relief") == "pruning"]
     used = [s["used_bytes"] for s in samples if s.get("used_bytes") is not None]
     caps = [s["cap_bytes"] for s in samples if s.get("cap_bytes")]
-    start = by_kind["fit_start"][0] if by_kind["fit_start"] else {}
+    start = by_kind[Kind.FIT_START][0] if by_kind[Kind.FIT_START] else {}
     return {
         "run_dir": str(run_dir),
         "status": status,
@@ -153,11 +153,11 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                  "seconds_lost": (round(sum(o["lost_seconds"] for o in ooms), 3)
                                   if all("lost_seconds" in o for o in ooms) else None),
                  "by_micro_batch": {str(k): v for k, v in collections.Counter(o["micro_batch_size"] for o in ooms).items()},
-                 "gave_up": len(by_kind["out_of_memory"]),
+                 "gave_up": len(by_kind[Kind.OUT_OF_MEMORY]),
                  # CUDA: a batch's first OOM retried once at the same size (oom_retry); it fit unless the
                  # same batch failed again
-                 "same_size_retries": len(by_kind["oom_retry"]),
-                 "same_size_fit": sum(1 for r in by_kind["oom_retry"] if not _failed_again(r, ooms)),
+                 "same_size_retries": len(by_kind[Kind.OOM_RETRY]),
+                 "same_size_fit": sum(1 for r in by_kind[Kind.OOM_RETRY] if not _failed_again(r, ooms)),
                  # where the memory went at the last OOM that measured it (journals since issue 16)
                  "last_breakdown": next((o["breakdown"] for o in reversed(ooms) if o.get("breakdown")), None),
                  # memory_snapshot=True (CUDA): the allocator's state at the last OOM, and its largest sites
@@ -169,22 +169,22 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "parameters_removed_by_pruning": pruned[-1].get("parameters_removed_in_all") if pruned else 0.0,
         "sample_cache": [{"epoch": c["epoch"], "hit_rate": c.get("hit_rate"), "bytes": c.get("bytes"),
                           "entries": c.get("entries")} for c in cache],
-        "loader_workers": [r.get("num_workers") for r in by_kind["loader_rebuilt"]],
+        "loader_workers": [r.get("num_workers") for r in by_kind[Kind.LOADER_REBUILT]],
         # `on_disk`: the file is there now (older ones are pruned, and a copied run may lack them).
         "checkpoints": [{"step": c["step"], "reason": c.get("reason"), "path": c.get("path"),
-                         "on_disk": _on_disk(c.get("path"), run_dir)} for c in by_kind["checkpoint"]],
+                         "on_disk": _on_disk(c.get("path"), run_dir)} for c in by_kind[Kind.CHECKPOINT]],
         "checkpoints_failed": [{"step": c["step"], "reason": c.get("reason"), "error": c.get("error")}
-                               for c in by_kind["checkpoint_failed"]],
+                               for c in by_kind[Kind.CHECKPOINT_FAILED]],
         "checkpoints_refused": [{"step": c["step"], "reason": c.get("reason"), "nonfinite": c.get("nonfinite")}
-                                for c in by_kind["checkpoint_refused"]],
+                                for c in by_kind[Kind.CHECKPOINT_REFUSED]],
         "nonfinite_steps": [{"step": r.get("at_step"), "error": r.get("error"), "action": r.get("action")}
-                            for r in by_kind["nonfinite"]],
+                            for r in by_kind[Kind.NONFINITE]],
         "evaluations": [{"step": e["step"], "metrics": e.get("metrics", {}), "micro_batch_size": e.get("micro_batch_size"),
-                         "ooms": e.get("ooms", 0)} for e in by_kind["evaluate"]],
+                         "ooms": e.get("ooms", 0)} for e in by_kind[Kind.EVALUATE]],
         # The job's number of ranks over the run: at each fit's start (journals since issue 33 say), and
         # where a resume changed it.
         "world": _world_over_the_run(records),
-        "stopped_early": next((r.get("reason") for r in reversed(by_kind["stop_requested"])), None),
+        "stopped_early": next((r.get("reason") for r in reversed(by_kind[Kind.STOP_REQUESTED])), None),
         "memory": {"cap_bytes": start.get("memory_cap") or (caps[-1] if caps else None),
                    "peak_used_bytes": max(used) if used else None, "samples": len(samples),
                    "source": samples[-1].get("source") if samples else None},
@@ -195,10 +195,10 @@ def _world_over_the_run(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     changes: list[dict[str, Any]] = []
     for record in records:
         kind = record.get("kind")
-        if kind == "world_changed":
+        if kind == Kind.WORLD_CHANGED:
             changes.append({"step": record["step"], "ranks": record["to_world"], "batch_size": record["batch_size_to"],
                             "from_ranks": record["from_world"]})
-        elif kind == "fit_start" and record.get("world") is not None:
+        elif kind == Kind.FIT_START and record.get("world") is not None:
             if not changes or changes[-1]["ranks"] != record["world"]:
                 changes.append({"step": record["step"], "ranks": record["world"], "batch_size": record.get("batch_size")})
     return changes
@@ -341,18 +341,18 @@ def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> Any:
         memory.plot(xs, [s["allocated_bytes"] / gib for s in known], label="allocator allocated", color="tab:green")
     memory.set_ylabel("memory (GiB)")
     memory.set_title(f"autotune run {run_dir.name}")
-    starts = [(r["time"] - t0, r.get("micro_batch_size")) for r in records if r["kind"] == "fit_start"]
+    starts = [(r["time"] - t0, r.get("micro_batch_size")) for r in records if r["kind"] == Kind.FIT_START]
     # The size a policy set, from the moment it set it (an OOM's halving shows at once, not
     # only when a step completes at the new size).
     changes = [(r["time"] - t0, r["params"]["size"]) for r in records
-               if r["kind"] == "action" and r.get("applied") and r.get("action") == "set_micro_batch"
+               if r["kind"] == Kind.ACTION and r.get("applied") and r.get("action") == "set_micro_batch"
                and isinstance(r.get("params"), dict) and "size" in r["params"]]
     if steps or starts:
         # Each fit starts at its first micro-batch; then the size each step completed with.
         points = sorted(starts + changes + [(s["time"] - t0, s.get("micro_batch_size")) for s in steps])
         micro.step([x for x, _ in points], [m for _, m in points], where="post", color="tab:purple",
                    label="micro-batch in use")
-    failed = [(r["time"] - t0, r.get("micro_batch_size")) for r in records if r["kind"] == "oom"]
+    failed = [(r["time"] - t0, r.get("micro_batch_size")) for r in records if r["kind"] == Kind.OOM]
     if failed:
         micro.scatter([x for x, _ in failed], [m for _, m in failed], marker="x", color="tab:red", label="OOM at")
         micro.legend(loc="upper right", fontsize=8)
@@ -366,12 +366,12 @@ def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> Any:
     last_label = -span
     for record in records:
         label = _MARKED.get(record["kind"])
-        if record["kind"] == "action" and record.get("applied"):
+        if record["kind"] == Kind.ACTION and record.get("applied"):
             label = record["action"].replace("set_", "").replace("_", " ")
         if not label:
             continue
         x = record["time"] - t0
-        color = "tab:red" if record["kind"] == "oom" else "black"
+        color = "tab:red" if record["kind"] == Kind.OOM else "black"
         for axis in (memory, micro, wait):
             axis.axvline(x, color=color, alpha=0.25, linewidth=0.8)
         if x - last_label >= span / 50:  # labels that would overlap are left to their lines

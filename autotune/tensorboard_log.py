@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autotune.records import COMMON_FIELDS, KINDS
+from autotune.records import COMMON_FIELDS, KINDS, Kind
 from autotune.units import format_bytes
 
 _GIB = 2**30
@@ -31,17 +31,17 @@ _TEXT_KINDS = {kind.name for kind in KINDS.values() if kind.shown}
 def describe(record: dict[str, Any]) -> str | None:
     """One line for a journal record, or None when it is not worth one."""
     kind = record.get("kind")
-    if kind == "action":
+    if kind == Kind.ACTION:
         if not record.get("applied"):
             return None
         return f"{record.get('policy')}: {record.get('action')} {record.get('params')} - {record.get('reason')}"
     if kind not in _TEXT_KINDS:
         return None
-    if kind == "oom":
+    if kind == Kind.OOM:
         return f"OOM at micro-batch {record.get('micro_batch_size')}: {str(record.get('message', ''))[:160]}"
-    if kind == "checkpoint":
+    if kind == Kind.CHECKPOINT:
         return f"checkpoint ({record.get('reason')}): {record.get('path')}"
-    if kind == "fit_start":
+    if kind == Kind.FIT_START:
         cap = record.get("memory_cap")
         return (f"fit on {record.get('device')}: batch {record.get('batch_size')}, micro-batch "
                 f"{record.get('micro_batch_size')}, cap {format_bytes(cap) if cap else 'none'}, "
@@ -92,16 +92,16 @@ class TensorBoardLog:
     def record(self, record: dict[str, Any]) -> None:
         """A journal record (the Journal calls this for every line it writes)."""
         kind, step = record.get("kind"), int(record.get("step", 0))
-        if kind == "oom" and isinstance(record.get("ooms"), int):
+        if kind == Kind.OOM and isinstance(record.get("ooms"), int):
             # The trainer's running count: a resumed run goes on from the checkpoint's.
             self._writer.add_scalar("autotune/ooms", record["ooms"], step)
-        elif kind == "epoch_end" and isinstance(record.get("loss"), (int, float)):
+        elif kind == Kind.EPOCH_END and isinstance(record.get("loss"), (int, float)):
             self._writer.add_scalar("train/epoch_loss", record["loss"], step)
-        elif kind == "evaluate" and isinstance(record.get("metrics"), dict):
+        elif kind == Kind.EVALUATE and isinstance(record.get("metrics"), dict):
             for name, value in record["metrics"].items():
                 if isinstance(value, (int, float)):
                     self._writer.add_scalar(f"eval/{name}", value, step)
-        elif kind == "sample_cache" and isinstance(record.get("hit_rate"), (int, float)):
+        elif kind == Kind.SAMPLE_CACHE and isinstance(record.get("hit_rate"), (int, float)):
             self._writer.add_scalar("input/sample_cache_hit_rate", record["hit_rate"], step)
         line = describe(record)
         if line is None:

@@ -44,6 +44,7 @@ from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
 from autotune.progress import FitResult, Progress
+from autotune.records import Kind
 from autotune.snapshot import InputState, StepTiming
 from autotune.losses import LossSum
 from autotune.step import LossFn, StepFn, compile_count
@@ -178,7 +179,7 @@ class AutoTrainer:
             saved = self._in_hand.save_before_raising(exc, self.step, self.checkpoint_now) \
                 if isinstance(exc, Exception) else None
             self.input.stop_workers()  # now, not when the exception is collected
-            self.journal.write("fit_failed", self.step, self.epoch, error=f"{type(exc).__name__}: {exc}"[:500],
+            self.journal.write(Kind.FIT_FAILED, self.step, self.epoch, error=f"{type(exc).__name__}: {exc}"[:500],
                                samples_seen=self.samples_seen, **({"checkpoint": str(saved)} if saved else {}))
             self.tuner.end(failed=True)
             raise
@@ -298,7 +299,7 @@ class AutoTrainer:
         if finished_epoch:
             self.counters.epoch += 1
             self.counters.position = self.counters.batches_done = 0
-            self.journal.write("epoch_end", self.step, self.epoch - 1, samples_seen=self.samples_seen,
+            self.journal.write(Kind.EPOCH_END, self.step, self.epoch - 1, samples_seen=self.samples_seen,
                                loss=epoch_loss, micro_batch_size=self.knobs.micro_batch_size)
             self.input.epoch_end(self.journal, self.step, self.epoch - 1)
             self.tuner.fire(Event.EPOCH_END)

@@ -65,6 +65,7 @@ from autotune.presets import resolve_policies
 from autotune.optimizer_step import OptimizerStep
 from autotune.progress import Progress
 from autotune.reactions import Reactions
+from autotune.records import Kind
 from autotune.recovery import OOMRecovery, read_at_failure
 from autotune.relief.ladder import ReliefLadder
 from autotune.rng import rng_state, set_rng_state
@@ -264,7 +265,7 @@ class Tuner:
         warm_up_oom_path(self.device, self.knobs.memory_cap_bytes)
         self.stepper.zero_grad()
         self.demand.measure_room()
-        self.journal.write("fit_start", self.step_count, self.counters.epoch, device=str(self.device),
+        self.journal.write(Kind.FIT_START, self.step_count, self.counters.epoch, device=str(self.device),
                            micro_batch_size=self.knobs.micro_batch_size, keep_effective_batch=self.keep_effective_batch,
                            memory_cap=self.knobs.memory_cap_bytes, policies=[p.name for p in self.dispatcher.policies],
                            precision=self.core.precision, clip_grad_norm=self.stepper.clip_grad_norm,
@@ -414,7 +415,7 @@ class Tuner:
         self._started = False
         self.settle()
         if not failed:
-            self.journal.write("fit_end", self.step_count, self.counters.epoch, samples_seen=self.samples_seen,
+            self.journal.write(Kind.FIT_END, self.step_count, self.counters.epoch, samples_seen=self.samples_seen,
                                ooms=self.ooms, micro_batch_size=self.knobs.micro_batch_size,
                                **(fit_end or {"tuner": True}))
             self.fire(Event.FIT_END)

@@ -18,6 +18,7 @@ from autotune.journal import Journal
 from autotune.knobs import Knobs
 from autotune.notices import warn
 from autotune.progress import Progress
+from autotune.records import Kind
 
 
 def batch_on_this_world(saved_batch: int, saved_world: int, world: int) -> int:
@@ -38,7 +39,7 @@ def go_on_with_this_world(counters: Progress, knobs: Knobs, input: Any, journal:
     knobs.rebatch(batch_size)
     input.set_batch_size(batch_size)
     global_batch = batch_size * world
-    journal.write("world_changed", counters.step, counters.epoch, from_world=saved_world, to_world=world,
+    journal.write(Kind.WORLD_CHANGED, counters.step, counters.epoch, from_world=saved_world, to_world=world,
                   batch_size_from=saved_batch, batch_size_to=batch_size, global_batch=global_batch,
                   position=counters.position, micro_batch_size=knobs.micro_batch_size)
     warn(f"resumed on {world} rank{'s' if world > 1 else ''} from a checkpoint of {saved_world}: each rank's batch "

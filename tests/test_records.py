@@ -27,12 +27,11 @@ def test_an_unknown_kind_or_field_is_refused(tmp_path):
     records.check("oom", {"size": 3}, strict=False)  # outside the suite only the kind is checked
 
 
-def test_every_kind_named_in_the_code_is_in_the_registry():
-    # Kinds are strings at their writers and readers: a misspelt one would write a record the journal
-    # refuses on a path no test takes, or read no records without a word (issue 46). Written: every
-    # `<...journal>.write("kind", ...)` (or `"a" if ... else "b"`). Read: `by_kind["kind"]`,
-    # `since_start("kind")`, `record["kind"] == "kind"` (or `.get("kind")`, or `in (...)`), and in the
-    # journal's readers a bare `kind == "kind"`.
+def _kinds_named(package):
+    """Every kind the package writes or reads, as (where, node): the first argument of
+    `<...journal>.write(...)` (each side of an `a if ... else b`), `by_kind[...]`,
+    `since_start(...)`, and what a record's kind is compared with: `record["kind"] == ...`,
+    `.get("kind") == ...`, `in (...)`, and in the journal's readers a bare `kind == ...`."""
     import ast
 
     readers = ("report.py", "tensorboard_log.py", "journal.py")  # where a bare `kind` is a record's
@@ -45,30 +44,53 @@ def test_every_kind_named_in_the_code_is_in_the_registry():
         return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
                 and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "kind")
 
-    def strings(node):  # "a", or "a" if ... else "b", or ("a", "b")
+    def parts(node):  # a, or a if ... else b, or (a, b)
         if isinstance(node, ast.IfExp):
-            return strings(node.body) + strings(node.orelse)
+            return parts(node.body) + parts(node.orelse)
         if isinstance(node, (ast.Tuple, ast.Set, ast.List)):
-            return [v for e in node.elts for v in strings(e)]
-        return [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
+            return [v for e in node.elts for v in parts(e)]
+        return [node]
 
-    written, read = {}, {}
-    for path in Path(records.__file__).parent.rglob("*.py"):
+    written, read = [], []
+    for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             where = f"{path.name}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.Call) and node.args:
                 func = node.func
                 if isinstance(func, ast.Attribute) and func.attr == "write" and "journal" in ast.unparse(func.value):
-                    written.update(dict.fromkeys(strings(node.args[0]), where))
+                    written += [(where, part) for part in parts(node.args[0])]
                 if isinstance(func, ast.Name) and func.id == "since_start":
-                    read.update(dict.fromkeys(strings(node.args[0]), where))
+                    read += [(where, part) for part in parts(node.args[0])]
             if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "by_kind":
-                read.update(dict.fromkeys(strings(node.slice), where))
+                read += [(where, part) for part in parts(node.slice)]
             if isinstance(node, ast.Compare) and is_kind(node.left, path):
-                read.update({kind: where for right in node.comparators for kind in strings(right)})
-    assert len(written) >= 25 and len(read) >= 15  # the walk sees the writers and the readers at all
-    unknown = {kind: where for kind, where in {**written, **read}.items() if kind not in records.KINDS}
-    assert unknown == {}, unknown
+                read += [(where, part) for right in node.comparators for part in parts(right)]
+    return written, read
+
+
+def test_every_kind_is_named_through_kind_and_is_in_the_registry(tmp_path):
+    # Issue 46: a misspelt kind wrote a record the journal refuses on a path no test takes, or read
+    # no records without a word. Writers and readers name kinds as `Kind.X`, never as a string,
+    # and every X is a kind the registry has.
+    import ast
+
+    names = {name for name in vars(records.Kind) if name.isupper()}
+    assert {getattr(records.Kind, name) for name in names} == set(records.KINDS)  # a name for each record, and back
+
+    def refused(package):
+        written, read = _kinds_named(package)
+        bad = [f"{where}: {ast.unparse(node)}" for where, node in written + read
+               if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                       and node.value.id == "Kind" and node.attr in names)
+               and not isinstance(node, ast.Name)]  # a variable: a reader's parameter, a set made from KINDS
+        return written, read, bad
+
+    written, read, bad = refused(Path(records.__file__).parent)
+    assert len(written) >= 30 and len(read) >= 40  # the walk sees the writers and the readers at all
+    assert bad == []
+    # And it sees a bare string, or a name the registry lacks, where there is one.
+    (tmp_path / "report.py").write_text('journal.write("oom", 1, 0)\nby_kind[Kind.OOMS]\nif kind == "fit_end": pass\n')
+    assert len(refused(tmp_path)[2]) == 3
 
 
 def test_a_reader_asking_for_an_unknown_kind_is_told():

@@ -33,6 +33,7 @@ from autotune.events import Event
 from autotune.journal import Journal
 from autotune.memory import device_sample
 from autotune.notices import warn
+from autotune.records import Kind
 from autotune.snapshot import InputProfile, InputState, StepTiming
 from autotune.units import format_bytes
 
@@ -204,7 +205,7 @@ class InputPipeline:
         events = self.detector.on_step(timing, samples)
         if events and profile and self.profile is None:
             self.profile = self._profile()
-            journal.write("input_profile", step, epoch, load_ms=round(self.profile.load_seconds * 1e3, 3),
+            journal.write(Kind.INPUT_PROFILE, step, epoch, load_ms=round(self.profile.load_seconds * 1e3, 3),
                           transform_ms=round(self.profile.transform_seconds * 1e3, 3),
                           load_share=round(self.profile.load_share, 3), samples=self.profile.samples,
                           cacheable=self.profile.cacheable, how=self.profile.how,
@@ -241,7 +242,7 @@ class InputPipeline:
         if cache is not None and self.cache is None:
             self._start_cache(cache, journal, step, epoch, knobs.host_cap_bytes)
         self.set_workers(num_workers)
-        journal.write("loader_rebuilt", step, epoch, num_workers=num_workers, cache=self.cache is not None,
+        journal.write(Kind.LOADER_REBUILT, step, epoch, num_workers=num_workers, cache=self.cache is not None,
                       position=position)
         logger.info(f"data loader rebuilt: {num_workers} workers{', sample cache on' if self.cache else ''}")
         self.detector.restart()
@@ -260,19 +261,19 @@ class InputPipeline:
         try:
             split = split_for_caching(self.dataset)
         except NotCacheable as exc:
-            journal.write("sample_cache_off", step, epoch, reason=str(exc))
+            journal.write(Kind.SAMPLE_CACHE_OFF, step, epoch, reason=str(exc))
             warn(f"not caching samples: {exc}")
             return
         host = device_sample(torch.device("cpu"), host_cap_bytes)
         room = host.cap_bytes - host.used_bytes if host.cap_bytes and host.used_bytes is not None else None
         budget, limit = cache_budget(action.max_bytes, action.available_fraction, room_bytes=room)
         if budget <= 0:
-            journal.write("sample_cache_off", step, epoch, reason=f"no room: {limit} is 0")
+            journal.write(Kind.SAMPLE_CACHE_OFF, step, epoch, reason=f"no room: {limit} is 0")
             return
         self.cache = SampleCache(len(split.raw), budget)
         weakref.finalize(self, self.cache.close)  # the region goes with the trainer, or at exit
         self._cached = CachedDataset(split, self.cache)
-        journal.write("sample_cache_on", step, epoch, budget_bytes=budget, limited_by=limit, how=split.how,
+        journal.write(Kind.SAMPLE_CACHE_ON, step, epoch, budget_bytes=budget, limited_by=limit, how=split.how,
                       path=str(self.cache.path), reason=action.reason)
         logger.info(f"caching decoded samples in shared memory (budget {format_bytes(budget)}, set by {limit})")
 
@@ -280,7 +281,7 @@ class InputPipeline:
         """Journal the cache's hit rate over the epoch, and start counting afresh."""
         if self.cache is None:
             return
-        journal.write("sample_cache", step, epoch, **self.cache.stats())
+        journal.write(Kind.SAMPLE_CACHE, step, epoch, **self.cache.stats())
         self.cache.reset_counters()
 
     def close(self) -> None:

@@ -49,6 +49,7 @@ from autotune.distributed import Ranks, Solo
 from autotune.evaluation import Evaluator
 from autotune.progress import Progress
 from autotune.batch import add_gradients, set_aside_gradients
+from autotune.records import Kind
 from autotune.tuner import Tuner
 
 STATE_KEY = "autotune"
@@ -87,7 +88,7 @@ class _TunedSteps:
                       ranks=ranks, counters=self._counters, backward_fn=self._micro_backward, **self.tuner_options)
         if self._pending_state is not None:
             tuner.load_tuning_state(self._pending_state)
-            tuner.journal.write("resume", trainer.global_step, trainer.current_epoch, found=True,
+            tuner.journal.write(Kind.RESUME, trainer.global_step, trainer.current_epoch, found=True,
                                 micro_batch_size=tuner.micro_batch_size)
             self._pending_state = None
         return tuner

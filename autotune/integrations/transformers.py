@@ -56,6 +56,7 @@ from autotune.evaluation import Evaluator
 from autotune.monitor.host import room_bytes
 from autotune.notices import warn
 from autotune.progress import Progress
+from autotune.records import Kind
 from autotune.tuner import Tuner
 from autotune.units import format_bytes
 
@@ -115,7 +116,7 @@ class AutoTuneTrainer(Trainer):
             folder = get_last_checkpoint(self.args.output_dir)
         if isinstance(folder, (str, os.PathLike)) and (Path(folder) / STATE_FILE).is_file():
             self.tuner.load_tuning_state(torch.load(Path(folder) / STATE_FILE, weights_only=True))
-            self.tuner.journal.write("resume", 0, 0, found=True, path=str(Path(folder) / STATE_FILE),
+            self.tuner.journal.write(Kind.RESUME, 0, 0, found=True, path=str(Path(folder) / STATE_FILE),
                                      micro_batch_size=self.tuner.micro_batch_size)
         try:
             result = super().train(resume_from_checkpoint, *args, **kwargs)
@@ -207,7 +208,7 @@ class AutoTuneTrainer(Trainer):
         # Every rank decides alike: HF's save has collectives of its own.
         if self.tuner.ranks.any(room is not None and room < need, self.tuner.device):
             newest = get_last_checkpoint(self.args.output_dir) if Path(self.args.output_dir).is_dir() else None
-            self.tuner.journal.write("checkpoint_skipped", self.state.global_step, int(self.state.epoch or 0),
+            self.tuner.journal.write(Kind.CHECKPOINT_SKIPPED, self.state.global_step, int(self.state.epoch or 0),
                                      reason=reason, need_bytes=need, room_bytes=room)
             left = f"{format_bytes(room)} are left" if room is not None else "another rank has less left"
             warn(f"not writing HF's checkpoint before the out-of-memory error: its save needs about "
@@ -248,7 +249,7 @@ def save_tuning(tuner: Tuner, args: Any, state: Any, reason: str) -> Path | None
     if not (state.is_world_process_zero and folder.is_dir()):
         return None
     torch.save(tuner.tuning_state(), folder / STATE_FILE)
-    tuner.journal.write("checkpoint", state.global_step, int(state.epoch or 0), reason=reason, path=str(folder),
+    tuner.journal.write(Kind.CHECKPOINT, state.global_step, int(state.epoch or 0), reason=reason, path=str(folder),
                         micro_batch_size=tuner.micro_batch_size)
     return folder
 

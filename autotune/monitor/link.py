@@ -20,6 +20,7 @@ from autotune.journal import Journal
 from autotune.memory import cuda_uuid, device_sample
 from autotune.monitor.process import MonitorProcess
 from autotune.notices import warn
+from autotune.records import Kind
 from autotune.snapshot import AllocatorStats, DeviceSample
 
 # The monitor process starts once a run has trained this long. Its start-up (an interpreter and
@@ -63,12 +64,12 @@ class MonitorLink:
         except (OSError, MemoryError) as exc:
             if process is not None:
                 process.board.close(unlink=True)
-            self.journal.write("monitor_gave_up", step, epoch, returncode=None, restarts=0, pid=None)
+            self.journal.write(Kind.MONITOR_GAVE_UP, step, epoch, returncode=None, restarts=0, pid=None)
             warn(f"the monitor process could not start ({type(exc).__name__}: {exc}); training goes on without "
                  "memory samples", error=True)
             return
         self.process = process
-        self.journal.write("monitor_start", step, epoch, pid=self.process.pid, interval=self.interval)
+        self.journal.write(Kind.MONITOR_START, step, epoch, pid=self.process.pid, interval=self.interval)
 
     def stop(self, wait: bool = True) -> None:
         """Stop the monitor; `wait=False` does not wait for its exit (see MonitorProcess.stop)."""
@@ -120,7 +121,7 @@ class MonitorLink:
         # Training goes on without it; the journal and the log say so.
         code = self.process.returncode
         restarted = self.process.restart()
-        self.journal.write("monitor_restart" if restarted else "monitor_gave_up", step, epoch,
+        self.journal.write(Kind.MONITOR_RESTART if restarted else Kind.MONITOR_GAVE_UP, step, epoch,
                            returncode=code, restarts=self.process.restarts, pid=self.process.pid)
         if restarted:
             warn(f"the monitor process exited (code {code}); restarted it ({self.process.restarts}/"

@@ -31,6 +31,7 @@ from autotune.memory import free_memory
 from autotune.notices import warn
 from autotune.oom import is_oom, oom_message
 from autotune.optimizer_step import OptimizerStep
+from autotune.records import Kind
 from autotune.relief.checkpointing import checkpoint_blocks
 from autotune.relief.pruning import (UnsafePruning, adopt_unrecorded, prune_channels, rebind_scheduler,
                                      rebuild_optimizer, replay_pruning)
@@ -132,7 +133,7 @@ class ReliefLadder:
             why = f"out of memory while applying it: {oom_message(exc)}"
         if why is not None:  # outside `except`: what the failed try allocated can be freed now
             free_memory(self.core.device)
-            self.journal.write("relief_failed", step, epoch, relief=kind, reason=why)
+            self.journal.write(Kind.RELIEF_FAILED, step, epoch, relief=kind, reason=why)
             warn(f"memory relief {kind} not applied: {why}")
             raise ReliefFailed(f"{kind}: {why}")
         self.applied.append(kind)
@@ -140,7 +141,7 @@ class ReliefLadder:
             self.core.model_changed()  # a compiled forward must see the new modules
         self.last_step = step
         self._watch = {"relief": kind, "from_step": step, "demands": []}
-        self.journal.write("relief", step, epoch, relief=kind, demand_before=demand, **details)
+        self.journal.write(Kind.RELIEF, step, epoch, relief=kind, demand_before=demand, **details)
         warn(f"memory relief: {kind} ({action.reason})")
         free_memory(self.core.device)
         return True
@@ -192,7 +193,7 @@ class ReliefLadder:
             return
         watch["demands"].append(demand)
         if len(watch["demands"]) >= 3:
-            self.journal.write("relief_effect", step, epoch, relief=watch["relief"],
+            self.journal.write(Kind.RELIEF_EFFECT, step, epoch, relief=watch["relief"],
                                applied_at_step=watch["from_step"], demand_after=max(watch["demands"]))
             self._watch = None
 
