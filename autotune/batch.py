@@ -95,11 +95,11 @@ class BatchRunner:
             if measured:
                 self.demand.start(knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
                 rebase = False
-            knobs.follow(ranks.same_size(knobs.micro_batch_size, n, stepper.counters.step))
+            knobs.follow(ranks.job.same_size(knobs.micro_batch_size, n, stepper.counters.step))
             attempt = core.attempt(batch, n, done, knobs.micro_batch_size, additive=additive)
             # Sharded, a rank that cannot go on (its optimizer step failed) ran no exchange: it says
             # "failed" at the others' first check, and the agreement then stops every rank.
-            if ranks.end_attempt(attempt.failed_micro_batch is not None or stepper.failure is not None,
+            if ranks.job.end_attempt(attempt.failed_micro_batch is not None or stepper.failure is not None,
                                  attempt.peer_failed):
                 attempt.discard()  # sharded: another rank failed, during this attempt or after it
             done = attempt.done
@@ -141,7 +141,7 @@ class BatchRunner:
         if reduced:
             self.stepper.step(n)
         elif optimizer_step and self.keep_effective_batch:
-            if held and self.ranks.bucket is not None:
+            if held and self.ranks.job.bucket is not None:
                 # The held gradients are views of the ranks' gradient buffers: added into them first
                 # (rank-alike already, so averaging leaves them as they are).
                 add_gradients(held)

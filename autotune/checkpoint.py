@@ -354,7 +354,7 @@ class Checkpointer:
         its journal line says `background` and the seconds of taking it; a write that fails adds
         a `checkpoint_failed` line. A sharded model's checkpoint is written by every rank, and
         synchronously."""
-        sharded = self.ranks.writes_shards
+        sharded = self.ranks.job.writes_shards
         try:
             if sharded and self.ranks.is_main:  # before the gather: no rank writes there yet
                 self.store.clear_unfinished(step)
@@ -451,7 +451,7 @@ class Checkpointer:
         state now (`state_dict`), whose shards a sharded model's checkpoint is read into."""
         # Sharded checkpoints are read into the state now: by the ranks of a sharded job, or by a job of
         # one process, which reads every rank's shards into whole tensors (a node lost: issue 33).
-        template = template if self.ranks.writes_shards or self.ranks.world == 1 else None
+        template = template if self.ranks.job.writes_shards or self.ranks.world == 1 else None
         if path is not None:
             if not path.exists():
                 raise FileNotFoundError(f"resume={str(path)!r}: no such checkpoint")

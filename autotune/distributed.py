@@ -4,8 +4,8 @@ The loop talks to one of the two and never asks which: `Solo` is the null object
 agreement is the process's own proposal, gradients are its own), `Ranks` makes the same
 calls collective. Under torchrun the model is replicated (DDP) or sharded (FSDP2), and what
 differs between the two (how many forwards every rank must run, where gradients are summed,
-what a checkpoint holds) is answered by the model's strategy, `Replicated` here or sharded.py's
-`Sharded`, through the same calls `Solo` answers: `Ranks` passes them on and never branches.
+what a checkpoint holds) is answered by the job's strategy, `ranks.job` (job.py's Protocol):
+`Replicated` here or sharded.py's `Sharded`, answering what `Solo`, its own job, answers alone.
 This module owns the DDP wrapper, the flat gradient buffer and every collective the trainer
 makes; it touches the model only to wrap it.
 
@@ -16,7 +16,7 @@ anyone ran out of memory. Only if nobody did are gradients averaged and the opti
 stepped, on every rank; otherwise every rank drops its gradients and retries the same batch
 with the same new micro-batch size. A rank that failed in backward therefore never owes the
 others a gradient all-reduce. In a steady run the agreement rides in that all-reduce instead
-(`Ranks.reduce_with_news`): every rank joins it, failed or not, with one number more saying
+(`Ranks.agree`): every rank joins it, failed or not, with one number more saying
 whether it has anything to tell; only where one has do they agree in full, and a failure
 throws the reduced gradients away. One collective a steady step, not two.
 
@@ -44,6 +44,7 @@ from torch import nn
 from autotune.actions import Relief, relief_to_ints
 from autotune.agreement import Agreement, rank0s
 from autotune.gradient_bucket import GradientBucket
+from autotune.job import Job
 from autotune.sharded import Sharded, is_sharded, shard as shard_blocks
 
 
@@ -54,8 +55,9 @@ class Solo:
     """A process training alone: every agreement is its own proposal; no collective, no wrapper."""
 
     rank, world, local_rank, is_main = 0, 1, 0, True
-    bucket = None  # alone, gradients are never all-reduced
-    news_rides_gradients = False  # alone, there is no agreement to fold into anything
+
+    def __init__(self) -> None:
+        self.job: Job = self  # alone, this process is its own strategy (job.py)
 
     def device_for(self, device: str | torch.device | None, keep_effective_batch: bool) -> str | torch.device | None:
         return device
@@ -73,35 +75,28 @@ class Solo:
     def no_sync(self) -> ContextManager[Any]:
         return _NOTHING_TO_SYNC
 
-    # What the loop does the same way for every job, and each job answers for itself. Alone: the
-    # null answers. Under torchrun the model's strategy answers (`Replicated`, or sharded.py's
-    # `Sharded`, whose ranks exchange inside forward and backward).
-    forwards_are_collective = False  # every rank must run as many forwards (sharded: they all-gather)
-    writes_shards = False  # a checkpoint is one file (sharded: a folder every rank writes its shards to)
-    sums_in_backward = False  # gradients are summed over ranks inside backward (sharded: reduce-scatter)
-    why_not_prunable: str | None = None  # why pruning cannot apply to this job's model (None: it can)
+    # The job's strategy alone (job.py says what each answer means): the null answers.
+    forwards_are_collective = writes_shards = sums_in_backward = news_rides_gradients = False
+    why_not_prunable: str | None = None
+    bucket = None  # gradients are never all-reduced
 
     def same_size(self, micro_batch_size: int, n: int, step: int) -> int:
-        """The micro-batch to attempt a batch of `n` at (alone: this process's own)."""
-        return micro_batch_size
+        return micro_batch_size  # this process's own
 
     def micro_batch(self, last: bool) -> None:
-        """Before each micro-batch's backward (`last`: the batch's last one)."""
+        pass
 
     def check(self, flag: bool) -> bool:
-        """Whether `flag` is set on any rank, at a point every rank reaches together (alone: this one's)."""
         return flag
 
     def finite_everywhere(self, finite: bool, device: torch.device) -> bool:
-        """Whether the gradients are finite on every rank, given this rank's `finite` (alone: its own)."""
         return finite
 
     def end_attempt(self, failed: bool, peer_failed: bool) -> bool:
-        """After an attempt: whether another rank failed after this one's was done (alone: never)."""
-        return False
+        return False  # no other rank
 
     def reset_after_failure(self) -> None:
-        """After a failed attempt, before its gradients are dropped (alone: nothing to reset)."""
+        pass
 
     def agree(self, mine: Agreement, attempt: Any = None) -> tuple[Agreement, bool]:
         """What every process agrees after an attempt, given this one's proposal, and whether the
@@ -129,7 +124,6 @@ class Solo:
         pass
 
     def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
-        """Weighted by items: the micro-batches were weighted n_items/ref; make it n_items/total."""
         total = items.clamp_min(1) if isinstance(items, torch.Tensor) else max(items, 1)
         torch._foreach_mul_(grads, ref / total)
 
@@ -137,12 +131,10 @@ class Solo:
         optimizer.zero_grad(set_to_none=True)
 
     def model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
-        """The weights and the optimizer's state for a checkpoint (alone: the whole of both)."""
-        return _whole(model, optimizer)
+        return _whole(model, optimizer)  # the whole of both
 
     def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
                          optimizer_state: Any) -> None:
-        """Put what `model_state` returned back into the model and the optimizer."""
         _load_whole(model, optimizer, weights, optimizer_state)
 
     def gather(self, obj: Any) -> list[Any]:
@@ -166,9 +158,9 @@ class Ranks:
         self.is_main = rank == 0
         self.ddp: nn.parallel.DistributedDataParallel | None = None
         self.device = torch.device("cpu")  # this rank's device, once it joined the job
-        # What depends on how the model is spread over the ranks: replicated until wrap() finds
-        # it sharded with FSDP2.
-        self.strategy: Replicated | Sharded = Replicated(self.device)
+        # What depends on how the model is spread over the ranks (job.py): replicated until
+        # wrap() finds it sharded with FSDP2.
+        self.job: Replicated | Sharded = Replicated(self.device)
         # The last agreement's quiet form: what a batch no rank has news for agrees (`agree`).
         self._quiet: Agreement | None = None
 
@@ -187,7 +179,7 @@ class Ranks:
         """Join the process group torchrun describes, unless the caller already did: NCCL on CUDA, gloo on CPU.
         A group joined here is also left here, at exit."""
         self.device = device  # where this rank's collectives' tensors go
-        self.strategy = Replicated(device)
+        self.job = Replicated(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
@@ -208,7 +200,7 @@ class Ranks:
             logger.info(f"sharded with FSDP2: {len(blocks)} blocks ({', '.join(blocks[:3])}"
                         f"{', ...' if len(blocks) > 3 else ''}) and the root")
         if is_sharded(model):
-            self.strategy = Sharded(model)
+            self.job = Sharded(model)
             return
         # DDP broadcasts rank 0's weights and buffers now; its own gradient sync is never
         # used (always no_sync): gradients are averaged after the ranks agree.
@@ -224,7 +216,7 @@ class Ranks:
         """Bind these parameters' gradients to flat buffers that `average_gradients` all-reduces:
         for a model another framework wrapped in DDP (HF, Lightning), whose own gradient sync
         autotune never reaches (its micro-batches run on the module inside the wrapper)."""
-        self.strategy.bucket = GradientBucket(parameters)
+        self.job.bucket = GradientBucket(parameters)
 
     def module(self, model: nn.Module) -> nn.Module:
         """The module to call in forward: the DDP wrapper (held only here, so it can be dropped at exit)."""
@@ -234,42 +226,6 @@ class Ranks:
         # DDP must not all-reduce inside backward: a rank may still fail.
         return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
 
-    # What depends on the model's strategy (see Solo for each question).
-    bucket = property(lambda self: self.strategy.bucket, doc="the flat gradient buffers (replicated), or None")
-    forwards_are_collective = property(lambda self: self.strategy.forwards_are_collective)
-    writes_shards = property(lambda self: self.strategy.writes_shards)
-    sums_in_backward = property(lambda self: self.strategy.sums_in_backward)
-    why_not_prunable = property(lambda self: self.strategy.why_not_prunable)
-
-    def same_size(self, micro_batch_size: int, n: int, step: int) -> int:
-        return self.strategy.same_size(micro_batch_size, n, step)
-
-    def micro_batch(self, last: bool) -> None:
-        self.strategy.micro_batch(last)
-
-    def check(self, flag: bool) -> bool:
-        return self.strategy.check(flag)
-
-    def finite_everywhere(self, finite: bool, device: torch.device) -> bool:
-        return self.strategy.finite_everywhere(finite, device)
-
-    def end_attempt(self, failed: bool, peer_failed: bool) -> bool:
-        return self.strategy.end_attempt(failed, peer_failed)
-
-    def reset_after_failure(self) -> None:
-        self.strategy.reset_after_failure()
-
-    news_rides_gradients = property(lambda self: self.strategy.news_rides_gradients,
-                                    doc="whether `reduce_with_news` can stand in for a quiet batch's agreement")
-
-    def reduce_with_news(self, news: bool, ref: Any, items: Any) -> bool:
-        """The attempt's gradients made the batch's (averaged, or divided by every rank's `items`)
-        with this rank's `news` (its proposal is not quiet: an OOM, a signal, a due checkpoint...)
-        summed in the same all-reduce: whether any rank has news. Every rank calls it where it
-        would agree, failed or not; where any has news, they all agree in full next (`agree`),
-        and a failure drops these gradients. A steady step makes one collective, not two."""
-        return self.strategy.reduce_with_news(news, ref, items, self.world)
-
     def agree(self, mine: Agreement, attempt: Any = None) -> tuple[Agreement, bool]:
         """One small all-reduce (element-wise maximum) per attempt; every rank must call it. The
         quiet shortcut (the module docstring): given the `attempt` and a replicated model, the
@@ -277,9 +233,14 @@ class Ranks:
         agreement's quiet form is this one. Returns the agreement and whether the gradients are
         reduced already."""
         reduced = False
-        if attempt is not None and self._quiet is not None and self.news_rides_gradients:
+        if attempt is not None and self._quiet is not None and self.job.news_rides_gradients:
             reduced = True
-            if not self.reduce_with_news(not mine.is_quiet(self._quiet, self.is_main), attempt.ref, attempt.items):
+            # The attempt's gradients made the batch's (averaged, or divided by every rank's items)
+            # with this rank's news (an OOM, a signal, a due checkpoint...) summed in the same
+            # all-reduce. Where any rank has news, every rank agrees in full next, and a failure
+            # drops these gradients. A steady step makes one collective, not two.
+            news = not mine.is_quiet(self._quiet, self.is_main)
+            if not self.job.reduce_with_news(news, attempt.ref, attempt.items, self.world):
                 return self._quiet, True  # nobody had anything to say: the gradients are the batch's now
         values = torch.tensor(mine.to_wire(self.is_main), dtype=torch.int64, device=self.device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -307,15 +268,12 @@ class Ranks:
         return None
 
     def average_gradients(self) -> None:
-        if self.bucket is not None:
-            self.bucket.average(self.world)
-
-    def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
-        self.strategy.divide_by_items(grads, ref, items)
+        if self.job.bucket is not None:
+            self.job.bucket.average(self.world)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.bucket is not None:
-            self.bucket.zero()  # in place: the gradients stay views of the all-reduce buffer
+        if self.job.bucket is not None:
+            self.job.bucket.zero()  # in place: the gradients stay views of the all-reduce buffer
         else:
             optimizer.zero_grad(set_to_none=True)
 
@@ -327,16 +285,6 @@ class Ranks:
     def any(self, flag: bool, device: torch.device) -> bool:
         """Whether any rank's `flag` is set (a callback asked to stop), on every rank."""
         return _any_rank(flag, device)
-
-    def model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
-        """The weights and the optimizer's state for a checkpoint: replicated, the whole of both
-        (the same on every rank); sharded, this rank's shards (sharded_checkpoint.py writes them)."""
-        return self.strategy.model_state(model, optimizer)
-
-    def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
-                         optimizer_state: Any) -> None:
-        """Put what `model_state` returned back into the model and the optimizer."""
-        self.strategy.load_model_state(model, optimizer, weights, optimizer_state)
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank (per-rank RNG states, failure messages)."""
@@ -360,10 +308,11 @@ class Replicated:
     writes_shards = False  # rank 0 writes the whole model (the same on every rank)
     sums_in_backward = False  # averaged after the agreement, never inside backward
     why_not_prunable = None  # every rank prunes alike, at the same step
+    bucket: GradientBucket | None = None  # the gradients' all-reduce buffers, once bound
 
     def __init__(self, device: torch.device):
         self.device = device  # where the checks' tensors go
-        self.bucket: GradientBucket | None = None  # the gradients' all-reduce buffers, once bound
+        self.bucket = None
 
     def same_size(self, micro_batch_size: int, n: int, step: int) -> int:
         # A rank may differ until the agreement after the attempt, which every rank then follows.

@@ -123,7 +123,7 @@ class Evaluator:
         model.eval()
         try:
             with torch.no_grad():
-                if self.core.ranks.forwards_are_collective:
+                if self.core.ranks.job.forwards_are_collective:
                     samples = self._lockstep(self.loader(dataset), sums, outputs, step, epoch)
                 else:
                     for batch in self.loader(dataset):
@@ -198,11 +198,11 @@ class Evaluator:
                 if batch is not None and spare is None:
                     spare = next(micro_batches(batch, 1, split_fn=self.core.split_fn))[0]
             if not started:  # the first round, on every rank: does every rank have a sample?
-                if ranks.check(spare is None):
+                if ranks.job.check(spare is None):
                     raise ValueError("evaluation of a sharded model needs a sample on every rank, and a rank's "
                                      f"share is empty: evaluate at least {ranks.world} samples")
                 started = True
-            if not ranks.check(done < n):  # no rank has samples left: one all-reduce, as the checks
+            if not ranks.job.check(done < n):  # no rank has samples left: one all-reduce, as the checks
                 return samples
             size, failed, peer_failed = self.micro_batch_size, None, False
             try:
@@ -219,9 +219,9 @@ class Evaluator:
                     raise
                 failed = oom_message(exc)
             outputs[0] = None
-            if ranks.end_attempt(failed is not None, peer_failed) or failed is not None:
+            if ranks.job.end_attempt(failed is not None, peer_failed) or failed is not None:
                 free_memory(device)
-                ranks.reset_after_failure()
+                ranks.job.reset_after_failure()
                 self._shrink(size, failed or "another rank ran out of memory in this round", step, epoch)
                 self.calm = self.since_failure = 0
                 continue

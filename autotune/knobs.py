@@ -33,6 +33,8 @@ class Knobs:
     micro_batch_size: int  # samples per forward/backward
     device: torch.device
     memory_cap_bytes: int | None = None
+    sized: bool = True  # the sizes are known (given, or the first batch seen): False until then
+    batch_size_fixed: bool = False  # the batch size was given: a larger batch does not raise it
     num_workers: int = 0  # DataLoader worker processes
     sample_cache: CacheSamples | None = None  # the cache asked for, once asked
     # Bumped by every change to the two above; the trainer rebuilds its loader at the next
@@ -88,21 +90,24 @@ class Knobs:
 
     def restore(self, micro_batch_size: int, num_workers: int | None = None, batch_size: int | None = None) -> bool:
         """The sizes a checkpoint saved (`batch_size`: the largest batch a Tuner had seen, kept
-        where larger); True if the loader workers changed (it must be rebuilt)."""
-        self.micro_batch_size = micro_batch_size
-        if batch_size:
+        where larger, unless the batch size was given); True if the loader workers changed (it
+        must be rebuilt)."""
+        self.micro_batch_size, self.sized = micro_batch_size, True
+        if batch_size and not self.batch_size_fixed:
             self.batch_size = max(self.batch_size, batch_size)
         if num_workers is None or num_workers == self.num_workers:
             return False
         self.num_workers = num_workers
         return True
 
-    def size_to(self, n: int, whole: bool = False) -> None:
-        """A batch of `n` is the largest now: the micro-batch may grow up to it (`whole`: the
-        first batch, which starts in one piece)."""
-        self.batch_size = n
-        if whole:
-            self.micro_batch_size = n
+    def size_for(self, n: int) -> None:
+        """A batch of `n`: the first one sizes the run (it starts in one piece); one larger than
+        any before is the batch the micro-batch may grow up to, unless the batch size was given."""
+        if not self.sized:
+            self.batch_size = self.micro_batch_size = n
+            self.sized = True
+        elif n > self.batch_size and not self.batch_size_fixed:
+            self.batch_size = n
 
     def rebatch(self, batch_size: int) -> None:
         """Each rank's batch on a job of another size (a resume on more or fewer ranks); the

@@ -21,6 +21,7 @@ import time
 from typing import Iterator
 
 import torch
+from loguru import logger
 
 from autotune.monitor.host import describe_host_memory, host_sample
 from autotune import onednn
@@ -212,9 +213,11 @@ def one_arena_under_an_address_space_cap() -> bool:
     if soft == resource.RLIM_INFINITY:
         return False
     libc = load_libc()
-    if libc is None or not hasattr(libc, "mallopt"):
+    if libc is None or not hasattr(libc, "mallopt") or not libc.mallopt(M_ARENA_MAX, 1):
         return False
-    return bool(libc.mallopt(M_ARENA_MAX, 1))
+    logger.info("RLIMIT_AS is set: every thread allocates from one malloc arena (a thread's own arena would "
+                "reserve 64 MiB of the cap)")
+    return True
 
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter

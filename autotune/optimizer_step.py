@@ -105,9 +105,8 @@ class OptimizerStep:
             return
         self.zero_grad()
         counters = self.counters
-        counters.step += 1
         samples = n_samples * self.ranks.world
-        counters.samples_seen += samples
+        counters.stepped(samples)
         owed = self.scheduler is not None and self.scheduler_interval == "step" and not self.plateau
         if late:
             self._late.taken(counters.step, samples, owed)  # its scheduler step once the check is read
@@ -151,8 +150,7 @@ class OptimizerStep:
         if late is None or not late.pending:
             return
         if late.found():
-            self.counters.step -= 1
-            self.counters.samples_seen -= late.samples
+            self.counters.unstepped(late.samples)
             self.skipped.append((late.step, "non-finite gradients (NaN or inf)", "autotune"))
         elif late.scheduler_owed:
             self.scheduler.step()
@@ -167,7 +165,7 @@ class OptimizerStep:
             ok = finite.finite_on(self._flag, local)
         except (NotImplementedError, RuntimeError):  # several devices, sparse or complex gradients
             ok = finite.all_finite(local)
-        return self.ranks.finite_everywhere(ok, self.device)
+        return self.ranks.job.finite_everywhere(ok, self.device)
 
     def _stepped_parameters(self) -> tuple[tuple[nn.Parameter, ...], bool]:
         # The optimizer's parameters, walked again only when it changed (pruning rebuilds it; a
@@ -212,7 +210,7 @@ class OptimizerStep:
             self.ranks.average_gradients()
         else:
             grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-            self.ranks.divide_by_items(grads, ref, items)
+            self.ranks.job.divide_by_items(grads, ref, items)
 
     def zero_grad(self) -> None:
         if self.optimizer is None:  # another trainer's optimizer: the gradients of the model's parameters

@@ -1,7 +1,8 @@
 """Where a run is: the counters every part reads and a checkpoint saves; what a fit did.
 
-Owns the counters' shape; the step core advances `step`/`samples_seen`, the host the rest.
-Touches nothing.
+Owns the counters and every change to them: the parts that move them (the optimizer step, OOM
+recovery, the Tuner, its host) call `Progress`'s methods, and nothing else writes a field
+(tests/test_faces.py reads the package for it). Touches nothing.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 
 @dataclasses.dataclass
 class Progress:
-    """The run's counters. The step core advances `step` and `samples_seen` (when an optimizer
-    step completes); the trainer advances the rest."""
+    """The run's counters. The optimizer step advances `step` and `samples_seen` (when a step
+    completes); OOM recovery `ooms`; the host the position in the epoch."""
 
     step: int = 0  # optimizer steps, across fit() calls
     epoch: int = 0  # epochs completed
@@ -24,6 +25,55 @@ class Progress:
     ooms: int = 0  # out-of-memory errors survived
     world: int = 1  # ranks of the job these counters are of (`position` is each rank's: the job's is position x world)
     epoch_world: int = 1  # ranks the current epoch began on: its order is padded for them (data/sampler.py)
+
+    def stepped(self, samples: int) -> None:
+        """An optimizer step completed, over `samples` samples (every rank's)."""
+        self.step += 1
+        self.samples_seen += samples
+
+    def unstepped(self, samples: int) -> None:
+        """The last step was found not taken after all (its non-finite check, read late)."""
+        self.step -= 1
+        self.samples_seen -= samples
+
+    def accumulated(self, samples: int) -> None:
+        """Samples whose gradients went into a framework's step (`Tuner.accumulate`)."""
+        self.samples_seen += samples
+
+    def survived_oom(self) -> None:
+        self.ooms += 1
+
+    def on_ranks(self, world: int, epoch_too: bool = False) -> None:
+        """The counters are of a job of `world` ranks from here (`epoch_too`: the epoch begins on them)."""
+        self.world = world
+        if epoch_too:
+            self.epoch_world = world
+
+    def batch_trained(self, n: int) -> None:
+        """A batch of `n` samples of the epoch trained (the host's)."""
+        self.position += n
+        self.batches_done += 1
+
+    def epoch_ended(self) -> None:
+        self.epoch += 1
+        self.position = self.batches_done = 0
+
+    def regroup(self, saved_world: int, world: int) -> None:
+        """The epoch's position of a job of `saved_world` ranks, on `world` (world_change.py)."""
+        self.position = self.position * saved_world // world  # a whole number of global batches
+
+    def follow(self, step: int, epoch: int | None = None) -> None:
+        """A framework's own step (and epoch) count, for the records of a Tuner it drives."""
+        self.step = step
+        if epoch is not None:
+            self.epoch = epoch
+
+    def restore_totals(self, samples_seen: int | None = None, ooms: int | None = None) -> None:
+        """What a run had done before an integration's checkpoint (`Tuner.tuning_state`), where saved."""
+        if samples_seen is not None:
+            self.samples_seen = samples_seen
+        if ooms is not None:
+            self.ooms = ooms
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

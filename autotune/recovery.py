@@ -117,7 +117,7 @@ class OOMRecovery:
         """Free what the failed attempt held and record it (`oom`). `holding`: gradients of
         earlier batches are set aside, so only the attempt's are on the parameters. `same_size`:
         the batch is tried again at the same size (said so)."""
-        self.ranks.reset_after_failure()  # sharded: FSDP2's state as before the attempt
+        self.ranks.job.reset_after_failure()  # sharded: FSDP2's state as before the attempt
         # Partial gradients of the failed batch must not leak into the retry.
         if holding:
             self.stepper.drop_gradients()
@@ -133,7 +133,7 @@ class OOMRecovery:
             measure=self.demand.measure, allocator_cache=cached, outside_torch=self.demand.others_bytes)
         self.last_snapshot = self.history.write(self.run_dir, self.counters.step) if self.history is not None else None
         self.demand.measure_room()  # what is in use after the clean-up, against the cap now
-        self.counters.ooms += 1
+        self.counters.survived_oom()
         lost = time.perf_counter() - attempt.started  # the failed work and the clean-up: what the OOM cost
         self.journal.write(Kind.OOM, self.counters.step, self.counters.epoch, micro_batch_size=failed_micro_batch,
                            device=str(self.device), message=attempt.message, injected=attempt.injected,

@@ -139,7 +139,7 @@ class StepCore:
             with self.ranks.no_sync():
                 for micro, m in pieces:
                     seen += m
-                    self.ranks.micro_batch(last=seen >= n)
+                    self.ranks.job.micro_batch(last=seen >= n)
                     inject = self._draw_injection(size) if self.inject_oom else None
                     if inject == "forward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
@@ -181,7 +181,7 @@ class StepCore:
             if result.ref is None:
                 # Sharded, FSDP2 sums the ranks' gradients before anyone knows every rank's
                 # items: each weights by raw items (ref 1), divided after.
-                result.ref = 1 if self.ranks.sums_in_backward else _at_least_one(items * (n / m) if m != n else items)
+                result.ref = 1 if self.ranks.job.sums_in_backward else _at_least_one(items * (n / m) if m != n else items)
             self._backward(loss * (items / result.ref))
             result.items = items if result.items is None else result.items + items
         result.losses.parts.append((loss.detach(), m if items is None else items))

@@ -244,7 +244,7 @@ class AutoTrainer:
         self.model.train()
         epoch_loss_sum = LossSum(self.device)  # summed on the device: no sync per step
         if self.position == 0:  # the epoch's order is padded for the ranks it begins on
-            self.counters.epoch_world = self.ranks.world
+            self.counters.on_ranks(self.ranks.world, epoch_too=True)
         batches = self.input.batches(self.epoch, self.position, self.batches_done, self.counters.epoch_world)
         finished_epoch = True
         while True:
@@ -261,8 +261,7 @@ class AutoTrainer:
             self._in_hand.done()
             step_end = time.perf_counter()
             epoch_loss_sum.add(outcome.losses)
-            self.counters.position += n
-            self.counters.batches_done += 1
+            self.counters.batch_trained(n)
             timing = StepTiming(step_seconds=step_end - wait_start, data_wait_seconds=step_start - wait_start,
                                 retries=outcome.retries)
             self.tuner.after_batch(timing, n, outcome)
@@ -297,8 +296,7 @@ class AutoTrainer:
                 break
         epoch_loss = epoch_loss_sum.mean()
         if finished_epoch:
-            self.counters.epoch += 1
-            self.counters.position = self.counters.batches_done = 0
+            self.counters.epoch_ended()
             self.journal.write(Kind.EPOCH_END, self.step, self.epoch - 1, samples_seen=self.samples_seen,
                                loss=epoch_loss, micro_batch_size=self.knobs.micro_batch_size)
             self.input.epoch_end(self.journal, self.step, self.epoch - 1)
@@ -357,7 +355,7 @@ class AutoTrainer:
         # sharded job's checkpoint reads the weights and the optimizer state by parameter name, as the
         # sharded job wrote them (DCP assembles each whole tensor from every rank's shards).
         state = self.state_dict()
-        if not self.ranks.writes_shards:
+        if not self.ranks.job.writes_shards:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
             state["core"]["model"] = get_model_state_dict(self.model)

@@ -18,8 +18,9 @@ Two faces. Yours (a custom loop): `step`, `accumulate`, `step_scheduler`, `state
 A host's (AutoTrainer, the HF and Lightning integrations): one run lifecycle, `begin`,
 `train_batch`, `after_batch`, `end`, with `fire`, `listens`, `carry_out`, `checkpoint`,
 `give_up_on_the_step`, `average_gradients`, `agree_on_micro_batch`, `tuning_state` /
-`load_tuning_state`, and the parts a host reads (`HOST_PARTS`). What a host lends the Tuner is a
-`Host`, passed at construction. `HOST_FACE` names all of it; tests/test_faces.py holds the hosts to it.
+`load_tuning_state`, and the parts a host reads: host_face.py's `HostFace`, which
+tests/test_faces.py holds the hosts (and the Tuner) to. What a host lends the Tuner is a `Host`
+(host_face.py too), passed at construction.
 
 Owns: the step core, the knobs and the policies' dispatcher, the run log, the monitor link, the
 relief ladder, and the rooms a batch goes through: batch.py (attempts and the agreement),
@@ -36,10 +37,9 @@ import functools
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Protocol, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
-from loguru import logger
 from torch import nn
 
 from autotune.actions import Relief
@@ -55,6 +55,7 @@ from autotune.demand import StepDemand
 from autotune.dispatch import Dispatcher
 from autotune.distributed import Ranks, Solo, from_environment
 from autotune.events import Event
+from autotune.host_face import Host
 from autotune.journal import RunLog
 from autotune.knobs import Knobs
 from autotune.memory import one_arena_under_an_address_space_cap, warm_up_oom_path
@@ -69,20 +70,8 @@ from autotune.records import Kind
 from autotune.recovery import OOMRecovery, read_at_failure
 from autotune.relief.ladder import ReliefLadder
 from autotune.rng import rng_state, set_rng_state
-from autotune.snapshot import InputState, StepTiming
+from autotune.snapshot import StepTiming
 from autotune.step import LossFn, StepCore, StepFn
-
-
-class Host(Protocol):
-    """What a host (AutoTrainer, an integration) lends the Tuner it drives, held weakly (the host
-    holds the Tuner, not the other way round). Without one, the Tuner checkpoints `state_dict()`
-    into run_dir/checkpoints itself and knows nothing of the input."""
-
-    def checkpoint_now(self, reason: str, report_failure: bool = True) -> Path | None:
-        """Write a checkpoint now (before a relief, before an OOM error); its path, or None."""
-
-    def input_state(self) -> InputState | None:
-        """The input pipeline's figures, for the policies' snapshots (None: not known)."""
 
 
 def default_run_dir(ranks: Solo | Ranks) -> Path:
@@ -94,15 +83,6 @@ def default_run_dir(ranks: Solo | Ranks) -> Path:
 class Tuner:
     """OOM-resilient steps on your model and optimizer, in your own loop. Its arguments are
     documented in arguments.py (`TUNER`, then those it shares with `AutoTrainer`), appended here."""
-
-    # The host face (module docstring): the lifecycle and the parts a host reads. A host uses
-    # nothing else of a Tuner (tests/test_faces.py); the user's face is the rest of the public names.
-    HOST_PARTS = ("core", "stepper", "knobs", "log", "journal", "ranks", "counters", "demand", "model", "device", "run_dir",
-                  "monitor_process")
-    HOST_FACE = ("begin", "train_batch", "after_batch", "end", "fire", "listens", "carry_out", "checkpoint",
-                 "give_up_on_the_step", "average_gradients", "agree_on_micro_batch", "tuning_state",
-                 "load_tuning_state", "state_dict", "load_state_dict", "accumulate", "micro_batch_size", "reliefs",
-                 "close", *HOST_PARTS)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, *,
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None, scheduler: Any = None,
@@ -121,9 +101,7 @@ class Tuner:
                               batch_size=batch_size, memory_snapshot=memory_snapshot, precision=precision,
                               clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
                               scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
-        if one_arena_under_an_address_space_cap():  # before any thread of ours allocates
-            logger.info("RLIMIT_AS is set: every thread allocates from one malloc arena (a thread's own arena "
-                        "would reserve 64 MiB of the cap)")
+        one_arena_under_an_address_space_cap()  # before any thread of ours allocates
         self.ranks = ranks if ranks is not None else from_environment()
         self.device = resolve_device(self.ranks.device_for(device, keep_effective_batch))
         if ranks is None:  # ranks given: the caller joined the job
@@ -143,7 +121,7 @@ class Tuner:
         self.log = RunLog(self.run_dir, writes=self.is_main, tensorboard=tensorboard, progress=progress)
         self.journal = self.log.journal  # rank 0 writes
         self.counters = counters if counters is not None else Progress()
-        self.counters.world = self.counters.epoch_world = self.ranks.world
+        self.counters.on_ranks(self.ranks.world, epoch_too=True)
         self.stepper = OptimizerStep(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
                                      device=self.device, ranks=self.ranks, counters=self.counters, scaler=None,
                                      clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
@@ -155,9 +133,9 @@ class Tuner:
         # Sizes are known once batches are: the first one sets them unless given here.
         self.knobs = Knobs(batch_size=batch_size or micro_batch_size or 1,
                            micro_batch_size=micro_batch_size or batch_size or 1, device=self.device,
-                           memory_cap_bytes=resolve_memory_cap(memory_cap, self.device))
-        self._sized = batch_size is not None or micro_batch_size is not None
-        self._batch_size_fixed = batch_size is not None
+                           memory_cap_bytes=resolve_memory_cap(memory_cap, self.device),
+                           sized=batch_size is not None or micro_batch_size is not None,
+                           batch_size_fixed=batch_size is not None)
         self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
         self.ladder = ReliefLadder(self.model, self.core, self.stepper, self.ranks, self.journal)
         self.monitor_link = MonitorLink(self.run_dir, self.device, enabled=monitor and self.is_main,
@@ -209,7 +187,7 @@ class Tuner:
         # optimizer step: a failed attempt's gradients are dropped by the Tuner itself, never
         # through an optimizer wrapper's zero_grad (Accelerate's skips it between sync steps).
         # Under DDP, the gradients zeroed at the last step and untouched since are nothing to hold.
-        bucket = self.ranks.bucket
+        bucket = self.ranks.job.bucket
         held = (set_aside_gradients(core.parameters())
                 if self.keep_effective_batch and (bucket is None or not bucket.untouched()) else None)
         outcome = self.train_batch(batch, n, held=held)
@@ -226,7 +204,7 @@ class Tuner:
         held = set_aside_gradients(self.core.parameters())  # a retry drops the failed attempt's gradients, never these
         outcome = self.train_batch(batch, n, optimizer_step=False, held=held)
         add_gradients(held)
-        self.counters.samples_seen += n * self.ranks.world
+        self.counters.accumulated(n * self.ranks.world)
         self._after_own_batch(n, outcome)
         return outcome
 
@@ -244,15 +222,11 @@ class Tuner:
 
     def _begin_batch(self, batch: Any, n: int | None = None) -> int:
         n = batch_len(batch) if n is None else n
-        if self._started and self._sized and n <= self.knobs.batch_size:  # most batches: nothing to set up
+        if self._started and self.knobs.sized and n <= self.knobs.batch_size:  # most batches: nothing to set up
             return n
         if self._closed:
             raise RuntimeError("this Tuner was closed: build a new one to train again")
-        if not self._sized:  # the first batch: start at the whole batch
-            self.knobs.size_to(n, whole=True)
-            self._sized = True
-        elif n > self.knobs.batch_size and not self._batch_size_fixed:
-            self.knobs.size_to(n)
+        self.knobs.size_for(n)
         if not self._started:  # your loop's (or an integration's) run starts at its first batch
             self.begin(batch_size=self.knobs.batch_size, tuner=True)
         return n
@@ -341,7 +315,7 @@ class Tuner:
         state are this rank's shards (DTensors): save them with `torch.distributed.checkpoint`, as
         autotune's own checkpoints do."""
         self.settle()  # a checkpoint holds exact counts and the scheduler's last step
-        weights, optimizer = self.ranks.model_state(self.model, self.stepper.optimizer)
+        weights, optimizer = self.ranks.job.model_state(self.model, self.stepper.optimizer)
         return checkpoint_format.build(core={**self.core.state_dict(), "model": weights, "optimizer": optimizer},
                                        tuning=self.tuning_state(), progress=self.counters.state_dict(),
                                        rng=rng_state())
@@ -360,22 +334,20 @@ class Tuner:
         state = checkpoint_format.migrate(state)
         self.load_tuning_state(state["tuning"])
         core = state["core"]
-        self.ranks.load_model_state(self.model, self.stepper.optimizer, core["model"], core["optimizer"])
+        self.ranks.job.load_model_state(self.model, self.stepper.optimizer, core["model"], core["optimizer"])
         self.core.load_state_dict(core)
         self.counters.load_state_dict(state["progress"])
         # The counters are this job's from here; a host whose data position is per rank re-splits it
         # where the saving job had another number of ranks (AutoTrainer, from the state's own `world`).
-        self.counters.world = self.ranks.world
+        self.counters.on_ranks(self.ranks.world)
         set_rng_state(checkpoint_format.rank_rng(state, self.ranks.rank, self.ranks.world))
 
     def load_tuning_state(self, tuning: dict[str, Any]) -> None:
         """Restore what `tuning_state` returned (an older autotune's too)."""
         tuning = checkpoint_format.migrate_tuning(tuning)
         self.ladder.load_state_dict(tuning["reliefs"])
-        self.knobs.restore(tuning["micro_batch_size"], batch_size=None if self._batch_size_fixed else tuning["batch_size"])
-        for name, value in tuning["counters"].items():
-            setattr(self.counters, name, value)
-        self._sized = True
+        self.knobs.restore(tuning["micro_batch_size"], batch_size=tuning["batch_size"])
+        self.counters.restore_totals(**tuning["counters"])
         self.dispatcher.load_state_dict(tuning["policies"])
 
     def checkpoint(self, reason: str, report_failure: bool = True) -> Path | None:

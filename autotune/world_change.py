@@ -35,7 +35,7 @@ def go_on_with_this_world(counters: Progress, knobs: Knobs, input: Any, journal:
                           saved_world: int, world: int, batch_size: int, run_dir: Path) -> None:
     """After loading a checkpoint made by `saved_world` ranks: this job's batch (`batch_size`,
     from `batch_on_this_world`) and the job's position in the epoch's order, said once."""
-    counters.position = counters.position * saved_world // world  # a whole number of global batches
+    counters.regroup(saved_world, world)
     knobs.rebatch(batch_size)
     input.set_batch_size(batch_size)
     global_batch = batch_size * world

@@ -1,11 +1,13 @@
 """The seams between the core and its hosts hold: AutoTrainer and the integrations use only the
-Tuner's documented host face (`Tuner.HOST_FACE`) and write nothing into it; only the job's own
+Tuner's host face (host_face.HostFace) and write nothing into it, nor into its parts; only the job's own
 modules ask whether the job is sharded."""
 
 import ast
+import inspect
 import subprocess
 from pathlib import Path
 
+from autotune.host_face import HostFace
 from autotune.tuner import Tuner
 
 PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
@@ -18,40 +20,72 @@ def _is_tuner(node: ast.AST) -> bool:
         isinstance(node, ast.Attribute) and node.attr == "tuner")
 
 
+def _face() -> set[str]:
+    # HostFace's names: the parts (annotated) and the lifecycle (its methods)
+    return set(HostFace.__annotations__) | {name for name, value in vars(HostFace).items()
+                                            if callable(value) and not name.startswith("_")}
+
+
 def uses_of_the_tuner(path: Path) -> tuple[set[str], list[str]]:
-    """(the Tuner attributes `path` reads or calls, what it assigns into a Tuner)"""
+    """(the Tuner attributes `path` reads or calls, what it writes into a Tuner or into a part of
+    one, directly or through a name it bound to the part: `self.core = self.tuner.core`, then
+    `self.core.on_failure = None`)"""
+    tree = ast.parse(path.read_text())
     used, written = set(), []
-    for node in ast.walk(ast.parse(path.read_text())):
+    aliases: set[str] = set()  # what the host bound to a tuner's part ("self.core", "core")
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _is_tuner(node.value):
             used.add(node.attr)
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                chain = target
-                while isinstance(chain, ast.Attribute):
-                    if _is_tuner(chain.value):
-                        written.append(f"{path.name}:{node.lineno}: {ast.unparse(target)}")
-                    chain = chain.value
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                pairs = (zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple)
+                         and isinstance(node.value, ast.Tuple) else [(target, node.value)])
+                for name, value in pairs:
+                    if isinstance(value, ast.Attribute) and _is_tuner(value.value):
+                        aliases.add(ast.unparse(name))
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                   if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            targets = [ast.Attribute(value=node.args[0], attr="?")]
+        for target in targets:
+            chain = target
+            while isinstance(chain, (ast.Attribute, ast.Subscript)):
+                chain = chain.value
+                if _is_tuner(chain) or ast.unparse(chain) in aliases:
+                    written.append(f"{path.name}:{node.lineno}: {ast.unparse(target)}")
+                    break
     return used, written
 
 
-def test_hosts_use_only_the_tuners_host_face_and_write_nothing_into_it():
+def test_hosts_use_only_the_tuners_host_face_and_write_nothing_into_it(tmp_path):
     for path in HOSTS:
         used, written = uses_of_the_tuner(path)
         assert used, path  # the scan sees the host's uses at all
-        assert used <= set(Tuner.HOST_FACE), (path.name, sorted(used - set(Tuner.HOST_FACE)))
+        assert used <= _face(), (path.name, sorted(used - _face()))
         assert not written, written
+    # The scan sees a write into a part through the name a host bound it to, and a name outside the face.
+    probe = tmp_path / "host.py"
+    probe.write_text("class H:\n    def __init__(self, t):\n        self.core, self.knobs = self.tuner.core, self.tuner.knobs\n"
+                     "        self.core.on_failure = None\n        setattr(self.knobs, 'relief', None)\n"
+                     "        self.tuner.dispatcher.policies = []\n")
+    used, written = uses_of_the_tuner(probe)
+    assert len(written) == 3 and "dispatcher" in used - _face(), (used, written)
 
 
-def test_every_name_of_the_host_face_is_a_tuner_attribute(tmp_path):
+def test_the_tuner_satisfies_the_host_face(tmp_path):
     from torch import nn
 
     with Tuner(nn.Linear(2, 2), device="cpu", monitor=False, run_dir=tmp_path) as tuner:
-        missing = [name for name in Tuner.HOST_FACE if not hasattr(tuner, name)]
+        missing = [name for name in _face() if not hasattr(tuner, name)]
     assert not missing, missing
+    for name in _face() - set(HostFace.__annotations__):  # the methods, with the face's parameters
+        face, actual = inspect.signature(getattr(HostFace, name)), inspect.signature(getattr(Tuner, name))
+        assert list(face.parameters) == list(actual.parameters), (name, face, actual)
 
 
-def _writes_into_knobs(path: Path) -> list[str]:
-    # Assignments whose target goes through something called `knobs` (`self.knobs.x = `,
+def _writes_into(path: Path, names: tuple[str, ...] = ("knobs",)) -> list[str]:
+    # Assignments whose target goes through something called one of `names` (`self.knobs.x = `,
     # `knobs.x += `), and setattr on one.
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -66,10 +100,10 @@ def _writes_into_knobs(path: Path) -> list[str]:
                 chain = target.value  # `chain.x = `: a write into chain
             else:
                 continue  # `knobs = ...` binds a name, writes nothing
-            while isinstance(chain, ast.Attribute) and chain.attr != "knobs":
+            while isinstance(chain, ast.Attribute) and chain.attr not in names:
                 chain = chain.value
-            if (isinstance(chain, ast.Attribute) and chain.attr == "knobs") or (
-                    isinstance(chain, ast.Name) and chain.id == "knobs"):
+            if (isinstance(chain, ast.Attribute) and chain.attr in names) or (
+                    isinstance(chain, ast.Name) and chain.id in names):
                 found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
     return found
 
@@ -77,13 +111,25 @@ def _writes_into_knobs(path: Path) -> list[str]:
 def test_only_knobs_py_changes_the_knobs(tmp_path):
     # knobs.py's docstring: the one place what policies control is changed (through its methods).
     written = [line for path in sorted(PACKAGE.rglob("*.py")) if path.name != "knobs.py"
-               for line in _writes_into_knobs(path)]
+               for line in _writes_into(path)]
     assert not written, written
     # The scan sees a write where there is one.
     probe = tmp_path / "probe.py"
     probe.write_text("def f(self):\n    self.knobs.micro_batch_size = 2\n    knobs.batch_size += 1\n"
                      "    setattr(self.knobs, 'relief', None)\n    self.knobs = None\n")
-    assert len(_writes_into_knobs(probe)) == 3, _writes_into_knobs(probe)
+    assert len(_writes_into(probe)) == 3, _writes_into(probe)
+
+
+def test_only_progress_py_changes_the_counters(tmp_path):
+    # progress.py's docstring: every change to the run's counters is one of Progress's methods.
+    counters = ("counters", "_counters", "progress")
+    written = [line for path in sorted(PACKAGE.rglob("*.py")) if path.name != "progress.py"
+               for line in _writes_into(path, counters)]
+    assert not written, written
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(self, progress):\n    self.counters.step += 1\n    self._counters.epoch = 2\n"
+                     "    progress.position = 0\n")
+    assert len(_writes_into(probe, counters)) == 3
 
 
 def test_only_the_jobs_own_modules_ask_whether_the_job_is_sharded():

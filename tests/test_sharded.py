@@ -183,7 +183,7 @@ def own_loop(run_dir, data):
     micro = tuner.agree_on_micro_batch()
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"micro": micro, "ooms": tuner.ooms, "samples": tuner.samples_seen,
-                   "checks": tuner.ranks.strategy.checks}, f)
+                   "checks": tuner.ranks.job.checks}, f)
     tuner.close()
 
 for name in names:  # the cases one after another in one job: its start-up is paid once
@@ -240,7 +240,7 @@ for name in names:  # the cases one after another in one job: its start-up is pa
                 said["eval_by_hand"] = loss_fn(whole(eval_tokens[:, :-1]), eval_tokens[:, 1:]).item()
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"micro": result.micro_batch_size, "ooms": result.ooms, "samples": result.samples_seen,
-                   "steps": result.steps, "checks": trainer.ranks.strategy.checks if sharded else None, **said}, f)
+                   "steps": result.steps, "checks": trainer.ranks.job.checks if sharded else None, **said}, f)
     trainer.close()
 '''
 

@@ -119,7 +119,7 @@ class _TunedSteps:
             share = (n if micro is batch else batch_len(micro)) / n * scale
             return loss if share == 1 else loss * share  # the whole batch, no accumulation: as it is
 
-        self._counters.step, self._counters.epoch = trainer.global_step, trainer.current_epoch
+        self._counters.follow(trainer.global_step, trainer.current_epoch)
         # Lightning zeroes gradients after training_step, before backward (on an optimizer step's
         # first batch): the batch's gradients are computed apart from those already there, and
         # added to them where Lightning then calls backward (below), as a plain backward would.
@@ -203,7 +203,7 @@ class _TunedSteps:
 
     def teardown(self) -> None:
         if self.tuner is not None:
-            self._counters.step = self.lightning_module.trainer.global_step if self.lightning_module else 0
+            self._counters.follow(self.lightning_module.trainer.global_step if self.lightning_module else 0)
             self.tuner.end()
         super().teardown()  # type: ignore[misc]
 

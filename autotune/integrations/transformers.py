@@ -123,7 +123,7 @@ class AutoTuneTrainer(Trainer):
             self.tuner.agree_on_micro_batch()  # one size on every rank at the end, as AutoTrainer's fits
             return result
         finally:
-            self._counters.step = self.state.global_step
+            self._counters.follow(self.state.global_step)
             self.tuner.end()
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
@@ -150,7 +150,7 @@ class AutoTuneTrainer(Trainer):
                     loss = loss * share
             return loss
 
-        self._counters.step = self.state.global_step
+        self._counters.follow(self.state.global_step)
         outcome = self.tuner.accumulate(inputs, micro_loss, n=n)
         if self.accelerator.sync_gradients:
             self.tuner.average_gradients()  # HF clips and steps its optimizer after this batch (alone: nothing)
@@ -198,7 +198,7 @@ class AutoTuneTrainer(Trainer):
 
     def checkpoint_now(self, reason: str, report_failure: bool = True) -> Path | None:
         """HF's own checkpoint at the last completed optimizer step, with the tuner's state beside
-        it (`autotune.tuner.Host`: the Tuner asks before an OOM error, once the failed attempt's
+        it (`autotune.host_face.Host`: the Tuner asks before an OOM error, once the failed attempt's
         memory is freed); a resume redoes the accumulation in progress from its first batch."""
         # HF's save serializes the weights in native code (safetensors), which aborts the process
         # where an allocation fails: under memory that is still too short for that copy, it is
@@ -219,7 +219,7 @@ class AutoTuneTrainer(Trainer):
         return save_tuning(self.tuner, self.args, self.state, reason)
 
     def input_state(self) -> None:
-        """HF's loader is its own: nothing known of it (`autotune.tuner.Host`)."""
+        """HF's loader is its own: nothing known of it (`autotune.host_face.Host`)."""
         return None
 
 

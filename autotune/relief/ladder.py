@@ -159,8 +159,8 @@ class ReliefLadder:
         return {"blocks": checkpoint_blocks(self.model)}
 
     def _prune(self, ratio: float, save_checkpoint: Callable[[str], Any]) -> dict[str, Any]:
-        if self.ranks.why_not_prunable is not None:
-            raise UnsafePruning(self.ranks.why_not_prunable)
+        if self.ranks.job.why_not_prunable is not None:
+            raise UnsafePruning(self.ranks.job.why_not_prunable)
         if self._inputs.example is None:
             raise UnsafePruning("the model has not run yet: there is no input to trace it with")
         save_checkpoint("before_pruning")  # the unpruned model can be restored from here
