@@ -32,11 +32,10 @@ from autotune.actions import Relief
 from autotune.agreement import Agreement
 from autotune.cadence import MeasureCadence
 from autotune.demand import StepDemand
-from autotune.distributed import Ranks, Solo
-from autotune.knobs import Knobs
 from autotune.losses import Losses
 from autotune.optimizer_step import OptimizerStep
 from autotune.recovery import OOMRecovery
+from autotune.run import Run
 from autotune.step import Attempt, StepCore
 
 
@@ -67,10 +66,10 @@ class BatchOutcome:
 class BatchRunner:
     """Runs batches on one Tuner's step core (see the module docstring)."""
 
-    def __init__(self, core: StepCore, stepper: OptimizerStep, knobs: Knobs, ranks: Solo | Ranks, cadence: MeasureCadence,
-                 demand: StepDemand, recovery: OOMRecovery, keep_effective_batch: bool):
-        self.core, self.stepper, self.knobs, self.ranks, self.cadence = core, stepper, knobs, ranks, cadence
-        self.demand, self.recovery, self.keep_effective_batch = demand, recovery, keep_effective_batch
+    def __init__(self, run: Run, core: StepCore, stepper: OptimizerStep, cadence: MeasureCadence, demand: StepDemand,
+                 recovery: OOMRecovery):
+        self.knobs, self.ranks, self.keep_effective_batch = run.knobs, run.ranks, run.keep_effective_batch
+        self.core, self.stepper, self.cadence, self.demand, self.recovery = core, stepper, cadence, demand, recovery
         self.measured = False  # whether the last batch was measured (its demand read, BATCH_MEASURED fired)
         self.last_good_micro: int | None = None  # the micro-batch of the last batch that completed
         self.holding = False  # gradients of earlier batches set aside during this one
@@ -110,8 +109,8 @@ class BatchRunner:
             # Where nothing else is added to them, the gradients may carry the agreement (see above).
             agreed, reduced = ranks.agree(mine, attempt if optimizer_step and not held else None)
             if agreed.failed_micro_batch is not None and (self.keep_effective_batch or additive):
-                # Another rank ran out of memory: this rank's whole attempt is retried with
-                # it, so its losses go too (kept, they were counted twice).
+                # This rank or another ran out of memory: the whole attempt is retried, so its
+                # losses go (kept, they would count twice). keep_effective_batch=False keeps its stepped chunks.
                 attempt.discard()
             if losses is None:
                 losses = attempt.losses

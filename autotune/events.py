@@ -8,9 +8,8 @@ batch of it, with FIT_START at their first batch and FIT_END at `Tuner.end`)::
       for epoch:                                    EPOCH_START
         for batch in loader:                        (time blocked in next() = data wait)
           measured = cadence says so (cadence.py)   # a changing run: every batch; steady: 1 in 32
-          steady path (batch.py; alone, not measured): the attempt and the step below, nothing else
-          while the batch is not done:              # retry the same batch until it fits
-            measured: the step's peak memory from here (memory.py's StepDemand)
+          while the batch is not done (batch.py):   # retry the same batch until it fits
+            measured: the step's peak memory from here (demand.py's StepDemand)
             sharded (FSDP2): every rank takes rank 0's micro-batch first (sharded.py)
             attempt (step.py):
               for micro in split(batch, micro_batch_size):
@@ -19,8 +18,9 @@ batch of it, with FIT_START at their first batch and FIT_END at `Tuner.end`)::
               except OOM: note the size that failed (keep no reference to the exception)
               (sharded: a check before each FSDP2 exchange; another rank's failure stops this one there)
             agree (distributed.py): under torchrun every rank joins one small all-reduce,
-              failed or not; alone, the agreement is this process's own proposal
-            no failure: average gradients (torchrun; by items when the step counts them);
+              failed or not (a quiet one rides in the gradients' all-reduce); alone, the
+              agreement is this process's own proposal
+            no failure (optimizer_step.py): average gradients (torchrun; by items when the step counts them);
               a NaN/inf gradient: skip the step (journaled, said once) or stop (on_nonfinite);
               unscale, clip; optimizer.step(); zero_grad()
             failure (recovery.py): clean up outside `except`: zero_grad(set_to_none), gc, empty_cache

@@ -13,33 +13,30 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
-import torch
 
 from autotune.actions import Relief
 from autotune.batch import BatchRunner
 from autotune.cadence import MeasureCadence
 from autotune.demand import StepDemand
 from autotune.dispatch import Dispatcher
-from autotune.distributed import Ranks, Solo
 from autotune.events import Event
-from autotune.knobs import Knobs
 from autotune.monitor.link import MonitorLink
-from autotune.progress import Progress
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
+from autotune.run import Run
 from autotune.snapshot import Snapshot, StepTiming
 
 
 class Reactions:
     """Events to the policies, reliefs to the model, for one Tuner (see the module docstring)."""
 
-    def __init__(self, dispatcher: Dispatcher, ladder: ReliefLadder, monitor_link: MonitorLink, knobs: Knobs,
-                 counters: Progress, demand: StepDemand, cadence: MeasureCadence, batches: BatchRunner, *,
-                 ranks: Solo | Ranks, device: torch.device, host: weakref.ref | None, keep_effective_batch: bool,
+    def __init__(self, run: Run, dispatcher: Dispatcher, ladder: ReliefLadder, monitor_link: MonitorLink,
+                 demand: StepDemand, cadence: MeasureCadence, batches: BatchRunner, *, host: weakref.ref | None,
                  reliefs_allowed: bool):
-        self.dispatcher, self.ladder, self.monitor_link, self.knobs = dispatcher, ladder, monitor_link, knobs
-        self.counters, self.demand, self.cadence, self.batches = counters, demand, cadence, batches
-        self.ranks, self.device, self.host, self.keep_effective_batch = ranks, device, host, keep_effective_batch
-        self.reliefs_allowed = reliefs_allowed
+        self.knobs, self.counters, self.ranks, self.device = run.knobs, run.counters, run.ranks, run.device
+        self.keep_effective_batch = run.keep_effective_batch
+        self.dispatcher, self.ladder, self.monitor_link = dispatcher, ladder, monitor_link
+        self.demand, self.cadence, self.batches = demand, cadence, batches
+        self.host, self.reliefs_allowed = host, reliefs_allowed
         self.allocator = None  # the last measured step's allocator figures (CUDA)
         self.hears_every_batch = Event.BATCH_END in dispatcher.events  # a policy listens to BATCH_END
 

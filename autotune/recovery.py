@@ -23,7 +23,6 @@ pending relief), the counters' `ooms`, the journal. The Tuner lends what needs t
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 import torch
@@ -35,15 +34,14 @@ from autotune.cadence import MeasureCadence
 from autotune.demand import StepDemand
 from autotune.dispatch import Dispatcher
 from autotune.events import Event
-from autotune.knobs import Knobs
 from autotune.losses import Losses
 from autotune.memory import describe_memory, free_memory
 from autotune.memory_history import AllocationHistory
 from autotune.notices import warn
 from autotune.oom import OutOfMemory
-from autotune.progress import Progress
 from autotune.optimizer_step import OptimizerStep
 from autotune.records import Kind
+from autotune.run import Run
 from autotune.step import Attempt
 
 Checkpoint = Callable[..., Any]  # (reason, report_failure=True) -> Path | None
@@ -52,13 +50,12 @@ Checkpoint = Callable[..., Any]  # (reason, report_failure=True) -> Path | None
 class OOMRecovery:
     """What a failed attempt leaves to clean up and to record, for one Tuner's model."""
 
-    def __init__(self, model: nn.Module, stepper: OptimizerStep, demand: StepDemand, history: AllocationHistory | None,
-                 journal: Any, counters: Progress, run_dir: Path, *, knobs: Knobs, dispatcher: Dispatcher,
-                 cadence: MeasureCadence, reliefs_allowed: bool):
-        self.model, self.stepper, self.demand, self.history = model, stepper, demand, history
-        self.journal, self.counters, self.run_dir = journal, counters, run_dir
-        self.knobs, self.dispatcher, self.cadence, self.reliefs_allowed = knobs, dispatcher, cadence, reliefs_allowed
-        self.device, self.ranks = stepper.device, stepper.ranks
+    def __init__(self, run: Run, stepper: OptimizerStep, demand: StepDemand, history: AllocationHistory | None, *,
+                 dispatcher: Dispatcher, cadence: MeasureCadence, reliefs_allowed: bool):
+        self.model, self.device, self.ranks, self.knobs = run.model, run.device, run.ranks, run.knobs
+        self.journal, self.counters, self.run_dir = run.journal, run.counters, run.run_dir
+        self.stepper, self.demand, self.history = stepper, demand, history
+        self.dispatcher, self.cadence, self.reliefs_allowed = dispatcher, cadence, reliefs_allowed
         # The batch's first OOM retried once at the same size (CUDA; the module docstring says why).
         # The ranks agree on it without a collective: every rank has the same agreed failures.
         self.retries_same_size = self.device.type == "cuda"

@@ -167,7 +167,7 @@ class StepCore:
             result.peer_failed = True
             result.discard()
         except Exception as exc:
-            self._note_failure(exc, result, size, keep_stepped=stepping)
+            self._note_failure(exc, result, size)
         return result
 
     def _accumulate(self, result: Attempt, loss: torch.Tensor, items: Any, m: int, n: int) -> None:
@@ -186,7 +186,7 @@ class StepCore:
             result.items = items if result.items is None else result.items + items
         result.losses.parts.append((loss.detach(), m if items is None else items))
 
-    def _note_failure(self, exc: Exception, result: Attempt, size: int, keep_stepped: bool) -> None:
+    def _note_failure(self, exc: Exception, result: Attempt, size: int) -> None:
         # An attempt's exception: an OOM is noted in `result` (never the exception itself, whose
         # frames pin the failed attempt's tensors); anything else goes on up.
         if not is_oom(exc):
@@ -199,8 +199,6 @@ class StepCore:
             if size <= 1:
                 raise exc  # nothing smaller to try, and it may not be memory: the error as it is
             result.not_supported = exc.with_traceback(None)
-        if not keep_stepped:
-            result.discard()
 
     def _draw_injection(self, size: int) -> str | None:
         # Never at micro-batch 1: an OOM there ends the run, and injected faults are meant

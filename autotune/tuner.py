@@ -70,6 +70,7 @@ from autotune.records import Kind
 from autotune.recovery import OOMRecovery, read_at_failure
 from autotune.relief.ladder import ReliefLadder
 from autotune.rng import rng_state, set_rng_state
+from autotune.run import Run
 from autotune.snapshot import StepTiming
 from autotune.step import LossFn, StepCore, StepFn
 
@@ -136,23 +137,21 @@ class Tuner:
                            memory_cap_bytes=resolve_memory_cap(memory_cap, self.device),
                            sized=batch_size is not None or micro_batch_size is not None,
                            batch_size_fixed=batch_size is not None)
+        run = Run(self.model, self.device, self.ranks, self.knobs, self.counters, self.journal, self.run_dir,
+                  keep_effective_batch)  # what the rooms below share
         self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
-        self.ladder = ReliefLadder(self.model, self.core, self.stepper, self.ranks, self.journal)
+        self.ladder = ReliefLadder(run, self.core, self.stepper)
         self.monitor_link = MonitorLink(self.run_dir, self.device, enabled=monitor and self.is_main,
                                         interval=monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
                                         journal=self.journal)
         self.demand = StepDemand(self.device, self.knobs.memory_cap_bytes)
         self.cadence = MeasureCadence()
-        self.recovery = OOMRecovery(self.model, self.stepper, self.demand, self.history, self.journal, self.counters,
-                                    self.run_dir, knobs=self.knobs, dispatcher=self.dispatcher, cadence=self.cadence,
-                                    reliefs_allowed=reliefs)
-        self.batches = BatchRunner(self.core, self.stepper, self.knobs, self.ranks, self.cadence, self.demand, self.recovery,
-                                   keep_effective_batch)
+        self.recovery = OOMRecovery(run, self.stepper, self.demand, self.history, dispatcher=self.dispatcher,
+                                    cadence=self.cadence, reliefs_allowed=reliefs)
+        self.batches = BatchRunner(run, self.core, self.stepper, self.cadence, self.demand, self.recovery)
         self._host = weakref.ref(host) if host is not None else None
-        self.reactions = Reactions(self.dispatcher, self.ladder, self.monitor_link, self.knobs, self.counters,
-                                   self.demand, self.cadence, self.batches, ranks=self.ranks, device=self.device,
-                                   host=self._host,
-                                   keep_effective_batch=keep_effective_batch, reliefs_allowed=reliefs)
+        self.reactions = Reactions(run, self.dispatcher, self.ladder, self.monitor_link, self.demand, self.cadence,
+                                   self.batches, host=self._host, reliefs_allowed=reliefs)
         # A host writes its own checkpoints; alone, the Tuner writes state_dict() into run_dir/checkpoints.
         self._checkpointer = None if host is not None else Checkpointer(
             self.run_dir / "checkpoints", keep=3, every=None, interval=None, ranks=self.ranks, journal=self.journal)
@@ -228,16 +227,19 @@ class Tuner:
             raise RuntimeError("this Tuner was closed: build a new one to train again")
         self.knobs.size_for(n)
         if not self._started:  # your loop's (or an integration's) run starts at its first batch
-            self.begin(batch_size=self.knobs.batch_size, tuner=True)
+            # The gradients your loop holds are its own: `step` adds them into its step.
+            self.begin(keep_gradients=True, batch_size=self.knobs.batch_size, tuner=True)
         return n
 
     # ------------------------------------------------------------------------- a host's run
-    def begin(self, **fit_start: Any) -> None:
-        """Before the first batch of a run: the OOM path warmed up, the run's start journaled
-        (with the host's `fit_start` fields), the monitor started, FIT_START."""
+    def begin(self, *, keep_gradients: bool = False, **fit_start: Any) -> None:
+        """Before the first batch of a run: the OOM path warmed up, stale gradients dropped (unless
+        `keep_gradients`), the run's start journaled (with the host's `fit_start` fields), the
+        monitor started, FIT_START."""
         self._started = True
         warm_up_oom_path(self.device, self.knobs.memory_cap_bytes)
-        self.stepper.zero_grad()
+        if not keep_gradients:
+            self.stepper.zero_grad()
         self.demand.measure_room()
         self.journal.write(Kind.FIT_START, self.step_count, self.counters.epoch, device=str(self.device),
                            micro_batch_size=self.knobs.micro_batch_size, keep_effective_batch=self.keep_effective_batch,

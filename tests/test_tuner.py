@@ -156,6 +156,73 @@ def test_state_dict_continues_a_custom_loop_exactly(tmp_path):
         torch.testing.assert_close(value, expected[key], rtol=1e-6, atol=1e-7)
 
 
+def test_state_dict_brings_the_random_streams_back(tmp_path):
+    # A resumed run's dropout masks and shuffles are the uninterrupted run's only if the random
+    # states come back with the weights.
+    model, data = _problem()
+    with _tuner(model, tmp_path, "rng") as tuner:
+        tuner.step(next(iter(DataLoader(data, batch_size=16))))
+        state = tuner.state_dict()
+        expected = torch.rand(4), torch.randint(0, 1000, (4,))
+        tuner.load_state_dict(state)
+        assert torch.equal(torch.rand(4), expected[0]) and torch.equal(torch.randint(0, 1000, (4,)), expected[1])
+
+
+def test_a_failed_attempt_leaves_nothing_in_its_retry(tmp_path):
+    # Batch 2's third micro-batch of 8 is refused by the allocator (real: a tensor no machine can
+    # hold) after two micro-batches went through backward: their gradients and losses must not
+    # reach the retry at 4, or the weights and the batch's loss differ from a hand loop's.
+    from autotune.policies import HalveOnOOM
+
+    model, data = _problem()
+    batches = list(DataLoader(data, batch_size=32))
+    reference = _problem()[0]
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    expected = []
+    for x, y in batches:
+        loss = nn.functional.cross_entropy(reference(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    calls = []
+
+    def step_fn(module, micro):
+        x, y = micro
+        calls.append(len(x))
+        if tuner.step_count == 2 and calls[-3:] == [8, 8, 8] and len(calls) == 3:
+            torch.empty(1 << 62, dtype=torch.uint8)  # DefaultCPUAllocator: can't allocate memory
+        return nn.functional.cross_entropy(module(x), y)
+
+    with _tuner(model, tmp_path, "retry", micro_batch_size=8, policies=[HalveOnOOM()]) as tuner:
+        losses = []
+        for batch in batches:
+            calls.clear()
+            losses.append(tuner.step(batch, step_fn).item())
+        assert tuner.ooms == 1 and tuner.micro_batch_size == 4
+    assert losses == pytest.approx(expected, rel=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_the_loop_holds_go_into_the_step(tmp_path):
+    # A loop that accumulates a batch's gradients by hand before `Tuner.step` (Accelerate's
+    # accumulate does): the step is over both batches' gradients, once each.
+    model, data = _problem()
+    x, y = data.tensors
+    reference = _problem()[0]
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.functional.cross_entropy(reference(x[:16]), y[:16]).backward()
+    nn.functional.cross_entropy(reference(x[16:32]), y[16:32]).backward()
+    optimizer.step()
+    with Tuner(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy,
+               device="cpu", run_dir=tmp_path / "held", monitor=False, micro_batch_size=8) as tuner:
+        nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+        tuner.step((x[16:32], y[16:32]))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_a_tuner_that_loads_another_jobs_checkpoint_counts_as_its_own_job(tmp_path):
     # A checkpoint of two ranks (issue 33) loaded by a Tuner alone: its counters, and so its next
     # checkpoints, are of this job's one rank, or a later resume would re-split for a change never made.

@@ -25,8 +25,6 @@ from torch import nn
 
 from autotune.actions import RELIEF_NAMES, PruneChannels, Relief
 from autotune.batching import map_tensors
-from autotune.distributed import Ranks, Solo
-from autotune.journal import Journal
 from autotune.memory import free_memory
 from autotune.notices import warn
 from autotune.oom import is_oom, oom_message
@@ -35,6 +33,7 @@ from autotune.records import Kind
 from autotune.relief.checkpointing import checkpoint_blocks
 from autotune.relief.pruning import (UnsafePruning, adopt_unrecorded, prune_channels, rebind_scheduler,
                                      rebuild_optimizer, replay_pruning)
+from autotune.run import Run
 from autotune.step import StepCore, to_device
 
 
@@ -98,13 +97,13 @@ def _put_back(structure: list[tuple[nn.Module, dict[str, Any], dict, dict]]) -> 
 class ReliefLadder:
     """The reliefs of one trainer's model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, core: StepCore, stepper: OptimizerStep, ranks: Solo | Ranks,
-                 journal: Journal):
-        self.model, self.core, self.stepper, self.ranks, self.journal = model, core, stepper, ranks, journal
+    def __init__(self, run: Run, core: StepCore, stepper: OptimizerStep):
+        self.model, self.ranks, self.journal = run.model, run.ranks, run.journal
+        self.core, self.stepper = core, stepper
         self.applied: list[str] = []  # "autocast", "checkpointing", "pruning", in order
         self.last_step: int | None = None  # the step the last relief was applied at
         self.pruned_fraction = 0.0  # share of the model's parameters removed so far
-        self._inputs = _InputCatcher(model)
+        self._inputs = _InputCatcher(run.model)
         self._watch: dict[str, Any] | None = None
         self._history: list[dict[str, Any]] = []  # each prune: the traced example and Torch-Pruning's history
 
