@@ -19,7 +19,8 @@ rank's random state is saved as that rank's: `checkpoint_format.rank_rng`.)
 The DCP keys are "model/<name>" and "optimizer/<path>" in every format: format 2 keeps the two
 entries in its "core" section, format 1 at the top (checkpoint_format.py), and both are read alike.
 
-Owns: the folder's layout (DCP's files and rest.pt). Touches nothing else.
+Owns: the folder's layout (DCP's files and rest.pt), and the state a checkpoint is read into. Touches
+nothing else.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 SHARDED_ENTRIES = ("model", "optimizer")  # the entries of a state whose tensors are sharded
 IN_DCP = "<a tensor in the .distcp files>"
@@ -120,3 +122,17 @@ def read_shards(folder: Path, rest: dict[str, Any], template: dict[str, Any]) ->
     wanted = {path: places[path] for path in paths}
     dcp.load(wanted, checkpoint_id=folder)
     return join(rest, wanted)
+
+
+def template_for_shards(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                        writes_shards: bool) -> dict[str, Any]:
+    """`state` (a host's state now) as where a sharded checkpoint's shards are read into. One
+    process reading a sharded job's checkpoint reads the weights and the optimizer state by
+    parameter name, as the sharded job wrote them (DCP assembles each whole tensor from every
+    rank's shards); a sharded job reads into its own shards as they are."""
+    if not writes_shards:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state["core"]["model"] = get_model_state_dict(model)
+        state["core"]["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state

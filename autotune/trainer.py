@@ -47,6 +47,7 @@ from autotune.progress import FitResult, Progress
 from autotune.records import Kind
 from autotune.snapshot import InputState, StepTiming
 from autotune.losses import LossSum
+from autotune.sharded_checkpoint import template_for_shards
 from autotune.step import LossFn, StepFn, compile_count
 from autotune.tuner import Tuner
 from autotune.validate import check_int
@@ -153,7 +154,8 @@ class AutoTrainer:
         if resume is not False:
             path = None if resume is True else Path(resume)
             self.checkpointer.resume(self.load_state_dict, self.counters, self.device, path=path,
-                                     template=self._template_for_shards)
+                                     template=lambda: template_for_shards(self.state_dict(), self.model,
+                                                                          self.optimizer, self.ranks.job.writes_shards))
         self._stop_request.clear()
         started = time.perf_counter()
         self.checkpointer.restart_clock(self.step)
@@ -349,18 +351,6 @@ class AutoTrainer:
         if host.get("evaluation"):
             self.evaluator.load_state_dict(host["evaluation"])
         self.callbacks.load_state_dict(host.get("callbacks", {}))
-
-    def _template_for_shards(self) -> dict[str, Any]:
-        # The state now, where a sharded checkpoint's shards are read into. One process reading a
-        # sharded job's checkpoint reads the weights and the optimizer state by parameter name, as the
-        # sharded job wrote them (DCP assembles each whole tensor from every rank's shards).
-        state = self.state_dict()
-        if not self.ranks.job.writes_shards:
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-            state["core"]["model"] = get_model_state_dict(self.model)
-            state["core"]["optimizer"] = get_optimizer_state_dict(self.model, self.tuner.stepper.optimizer)
-        return state
 
     # ----------------------------------------------------------------------------- what a host lends its Tuner
     def checkpoint_now(self, reason: str, report_failure: bool = True, background: bool = False) -> Path | None:
