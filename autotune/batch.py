@@ -117,8 +117,7 @@ class BatchRunner:
             else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
                 losses.parts += attempt.losses.parts
             knobs.follow(agreed.micro_batch_size)  # rank 0's
-            if agreed.relief is not None or knobs.relief is not None:  # most batches: none to settle
-                self.recovery.settle_relief(agreed.relief)
+            self.recovery.settle_relief(agreed.relief)
             if agreed.fatal:
                 self.recovery.give_up_on_the_step(agreed.fatal, checkpoint)
             if agreed.failed_micro_batch is None:

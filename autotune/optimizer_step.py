@@ -32,12 +32,13 @@ class OptimizerStep:
     """Steps the optimizer on accumulated gradients (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, *,
-                 device: torch.device, ranks: Solo | Ranks, counters: Progress, scaler: torch.amp.GradScaler | None,
+                 device: torch.device, ranks: Solo | Ranks, counters: Progress,
                  clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
                  scheduler_interval: str = "step", on_nonfinite: str = "skip"):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.ranks, self.counters = device, ranks, counters
-        self.scaler = scaler  # fp16's (step.py's backward scales the loss with it); None without
+        # fp16's, set by step.py where the precision needs one (its backward scales the loss); None without
+        self.scaler: torch.amp.GradScaler | None = None
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
         self.scheduler_interval, self.on_nonfinite = scheduler_interval, on_nonfinite
         # Optimizer steps not taken since the caller last looked: (step, why, by whom).

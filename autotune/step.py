@@ -140,7 +140,7 @@ class StepCore:
                 for micro, m in pieces:
                     seen += m
                     self.ranks.job.micro_batch(last=seen >= n)
-                    inject = self._draw_injection(size) if self.inject_oom else None
+                    inject = self._draw_injection(size)
                     if inject == "forward":
                         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
                     loss, items = loss_and_items(self.loss(to_device(micro, self.device)), self.source)

@@ -124,7 +124,7 @@ class Tuner:
         self.counters = counters if counters is not None else Progress()
         self.counters.on_ranks(self.ranks.world, epoch_too=True)
         self.stepper = OptimizerStep(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
-                                     device=self.device, ranks=self.ranks, counters=self.counters, scaler=None,
+                                     device=self.device, ranks=self.ranks, counters=self.counters,
                                      clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
                                      scheduler_interval=scheduler_interval, on_nonfinite=on_nonfinite)
         self.core = StepCore(self.model, self.stepper, loss_fn=loss_fn, step_fn=step_fn, split_fn=split_fn,

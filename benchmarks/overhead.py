@@ -296,8 +296,7 @@ def finite_check_cost(model: nn.Module) -> float:
     from autotune.progress import Progress
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    stepper = OptimizerStep(model, optimizer, None, device=torch.device("cpu"), ranks=Solo(), counters=Progress(),
-                            scaler=None)
+    stepper = OptimizerStep(model, optimizer, None, device=torch.device("cpu"), ranks=Solo(), counters=Progress())
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     times = []

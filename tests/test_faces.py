@@ -43,18 +43,15 @@ def uses_of_the_tuner(path: Path) -> tuple[set[str], list[str]]:
                 for name, value in pairs:
                     if isinstance(value, ast.Attribute) and _is_tuner(value.value):
                         aliases.add(ast.unparse(name))
-    for node in ast.walk(tree):
-        targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
-                   if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
-            targets = [ast.Attribute(value=node.args[0], attr="?")]
-        for target in targets:
-            chain = target
-            while isinstance(chain, (ast.Attribute, ast.Subscript)):
-                chain = chain.value
-                if _is_tuner(chain) or ast.unparse(chain) in aliases:
-                    written.append(f"{path.name}:{node.lineno}: {ast.unparse(target)}")
-                    break
+    for node, into in _writes(tree):
+        chain = into
+        while True:
+            if _is_tuner(chain) or ast.unparse(chain) in aliases:
+                written.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
+                break
+            if not isinstance(chain, (ast.Attribute, ast.Subscript)):
+                break
+            chain = chain.value
     return used, written
 
 
@@ -84,27 +81,30 @@ def test_the_tuner_satisfies_the_host_face(tmp_path):
         assert list(face.parameters) == list(actual.parameters), (name, face, actual)
 
 
-def _writes_into(path: Path, names: tuple[str, ...] = ("knobs",)) -> list[str]:
-    # Assignments whose target goes through something called one of `names` (`self.knobs.x = `,
-    # `knobs.x += `), and setattr on one.
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+def _writes(tree: ast.AST):
+    """(statement, what it writes into) for every assignment into an attribute or an item (a
+    tuple's elements each) and every setattr: `a.b.c = 1` writes into `a.b`."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            yield node, node.args[0]
+            continue
         targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
                    if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
-            targets = [node.args[0]]
         for target in targets:
-            if isinstance(node, ast.Call):
-                chain = target  # setattr(chain, ...)
-            elif isinstance(target, (ast.Attribute, ast.Subscript)):
-                chain = target.value  # `chain.x = `: a write into chain
-            else:
-                continue  # `knobs = ...` binds a name, writes nothing
-            while isinstance(chain, ast.Attribute) and chain.attr not in names:
-                chain = chain.value
-            if (isinstance(chain, ast.Attribute) and chain.attr in names) or (
-                    isinstance(chain, ast.Name) and chain.id in names):
-                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
+            for one in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(one, (ast.Attribute, ast.Subscript)):
+                    yield node, one.value  # `knobs = ...` binds a name and writes nothing
+
+
+def _writes_into(path: Path, names: tuple[str, ...] = ("knobs",)) -> list[str]:
+    # Writes into something called one of `names` (`self.knobs.x = `, `knobs.x += `, setattr on one).
+    found = []
+    for node, chain in _writes(ast.parse(path.read_text())):
+        while isinstance(chain, ast.Attribute) and chain.attr not in names:
+            chain = chain.value
+        if (isinstance(chain, ast.Attribute) and chain.attr in names) or (
+                isinstance(chain, ast.Name) and chain.id in names):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
     return found
 
 
