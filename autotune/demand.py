@@ -36,6 +36,7 @@ class StepPeak:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.on_cuda = device.type == "cuda"  # asked once: a torch.device's .type is a slow read (~0.25 us)
         # Opened once and kept: an open() per step costs more than the read itself (a ~1 ms step
         # pays for every microsecond here). Unbuffered: each read regenerates the figures.
         self._clear: Any = None
@@ -58,21 +59,21 @@ class StepPeak:
             return False
 
     def start(self) -> None:
-        if self.device.type == "cuda":
+        if self.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.available:
             self._reset_host()
 
     def current(self) -> int | None:
         """Memory in use now, in the same measure as `peak`."""
-        if self.device.type == "cuda":
+        if self.on_cuda:
             return torch.cuda.memory_allocated(self.device)
         status = self.status()
         return status.resident if status else None
 
     def peak(self) -> int | None:
         """The peak since `start`."""
-        if self.device.type == "cuda":
+        if self.on_cuda:
             return torch.cuda.max_memory_allocated(self.device)
         status = self.status()
         return status.resident_peak if status else None
@@ -182,6 +183,7 @@ class StepDemand:
 
     def __init__(self, device: torch.device, cap_bytes: int | None):
         self.device, self.cap_bytes = device, cap_bytes
+        self.on_cuda = device.type == "cuda"  # asked once: a torch.device's .type is a slow read (~0.25 us)
         self.peak = StepPeak(device)
         self.last: float | None = None  # the last step's need over its room
         self.last_memory: StepMemory | None = None
@@ -207,7 +209,7 @@ class StepDemand:
         a relief changed what stays resident. Later steps are measured against it cheaply."""
         self._exact_sizes.clear()
         self._cap = self._room_at = None
-        if self.device.type == "cuda":
+        if self.on_cuda:
             self._cap, self._others = cuda_reserved_cap(self.device, self.cap_bytes)
             self._in_use = torch.cuda.memory_allocated(self.device)
             return
@@ -236,7 +238,7 @@ class StepDemand:
         # What `_measure` keeps from one measured step for the next, read now.
         if self._in_use is None:
             return  # nothing to measure against (no cap, no peak)
-        if self.device.type == "cuda":
+        if self.on_cuda:
             self._in_use = torch.cuda.memory_allocated(self.device)
             return
         status = self.peak.status()
@@ -248,7 +250,7 @@ class StepDemand:
     @property
     def measure(self) -> str:
         """What the cap binds, in which `need_bytes` and `held_now()` are counted."""
-        return "cuda" if self.device.type == "cuda" else "virtual" if self._virtual else "resident"
+        return "cuda" if self.on_cuda else "virtual" if self._virtual else "resident"
 
     @property
     def held_at_start(self) -> int | None:
@@ -258,7 +260,7 @@ class StepDemand:
     @property
     def binding_cap(self) -> int | None:
         """The cap in the same measure: on CUDA on this process's reserved bytes (cuda_reserved_cap)."""
-        if self.device.type == "cuda" or self._virtual:
+        if self.on_cuda or self._virtual:
             return self._cap
         return None if self._room_at is None else self._room_at[0] + self._room_at[1]
 
@@ -267,7 +269,7 @@ class StepDemand:
         what is held (`held_now`), the `gradients` among it, and on CUDA what the caching allocator
         holds beside live tensors (reserved - allocated: its cache and fragments)."""
         cached = (torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-                  if self.device.type == "cuda" else None)
+                  if self.on_cuda else None)
         self.at_failure = (self.held_now(), gradients, cached)
 
     def take_failure(self) -> tuple[int | None, int, int | None]:
@@ -278,11 +280,11 @@ class StepDemand:
     @property
     def others_bytes(self) -> int | None:
         """CUDA: what the device holds outside this process's allocator (the context, other processes)."""
-        return self._others if self.device.type == "cuda" and self._cap is not None else None
+        return self._others if self.on_cuda and self._cap is not None else None
 
     def held_now(self) -> int | None:
         """What is in use now, in the measure the cap binds (one read: cheap enough for an OOM's except block)."""
-        if self.device.type == "cuda":
+        if self.on_cuda:
             return torch.cuda.memory_allocated(self.device)
         status = self.peak.status()
         if status is None:
@@ -294,7 +296,7 @@ class StepDemand:
         the last measured one, so what is in use now is read afresh."""
         if rebase:
             self._rebase()
-        if self.device.type == "cuda":
+        if self.on_cuda:
             self._reserved_start = torch.cuda.memory_reserved(self.device)
         self.peak.start()
         self._micro = micro_batch_size
@@ -311,7 +313,7 @@ class StepDemand:
         return self.last
 
     def _measure(self) -> "StepMemory | None":
-        if self.device.type == "cuda":
+        if self.on_cuda:
             stats = self.allocator = allocator_stats(self.device, reset_peak=False)
             in_use, self._in_use = self._in_use, stats.allocated_bytes
             if in_use is None or self._cap is None:

@@ -11,7 +11,7 @@ makes; it touches the model only to wrap it.
 
 The rule that keeps every rank out of a deadlock: no collective runs while a rank may still
 fail. Each rank runs all micro-batches of its batch with DDP's gradient sync off
-(`no_sync`); then every rank joins one small all-reduce, the `Agreement`, that says whether
+(for good, from `wrap`); then every rank joins one small all-reduce, the `Agreement`, that says whether
 anyone ran out of memory. Only if nobody did are gradients averaged and the optimizer
 stepped, on every rank; otherwise every rank drops its gradients and retries the same batch
 with the same new micro-batch size. A rank that failed in backward therefore never owes the
@@ -29,12 +29,11 @@ next checkpoint's gather, and every rank stops with the same error.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import gc
 import inspect
 import os
 import weakref
-from typing import Any, ContextManager, Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -46,9 +45,6 @@ from autotune.agreement import Agreement, rank0s
 from autotune.gradient_bucket import GradientBucket
 from autotune.job import Job
 from autotune.sharded import Sharded, is_sharded, shard as shard_blocks
-
-
-_NOTHING_TO_SYNC = contextlib.nullcontext()  # reusable: one for every step alone
 
 
 class Solo:
@@ -71,9 +67,6 @@ class Solo:
     def module(self, model: nn.Module) -> nn.Module:
         """The module to call in forward (alone: the model itself)."""
         return model
-
-    def no_sync(self) -> ContextManager[Any]:
-        return _NOTHING_TO_SYNC
 
     # The job's strategy alone (job.py says what each answer means): the null answers.
     forwards_are_collective = writes_shards = sums_in_backward = news_rides_gradients = False
@@ -203,13 +196,16 @@ class Ranks:
             self.job = Sharded(model)
             return
         # DDP broadcasts rank 0's weights and buffers now; its own gradient sync is never
-        # used (always no_sync): gradients are averaged after the ranks agree.
+        # used (switched off below): gradients are averaged after the ranks agree.
         # Buffers are synced once at init, never in forward (a forward-time broadcast is a
         # collective a failing rank could miss). torch >= 2.14 spells it forward_sync_buffers.
         ddp = nn.parallel.DistributedDataParallel
         no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters
                            else {"broadcast_buffers": False})
         self.ddp = ddp(model, **no_forward_sync, device_ids=[device.index] if device.type == "cuda" else None)
+        # DDP must never all-reduce inside backward (a rank may still fail): its sync off for good,
+        # as its own no_sync() sets it for a while, so no step enters a context to say so.
+        self.ddp.require_backward_grad_sync = False
         self.bucket_gradients(model.parameters())
 
     def bucket_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
@@ -221,10 +217,6 @@ class Ranks:
     def module(self, model: nn.Module) -> nn.Module:
         """The module to call in forward: the DDP wrapper (held only here, so it can be dropped at exit)."""
         return self.ddp if self.ddp is not None else model
-
-    def no_sync(self) -> ContextManager[Any]:
-        # DDP must not all-reduce inside backward: a rank may still fail.
-        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
 
     def agree(self, mine: Agreement, attempt: Any = None) -> tuple[Agreement, bool]:
         """One small all-reduce (element-wise maximum) per attempt; every rank must call it. The
@@ -319,7 +311,7 @@ class Replicated:
         return micro_batch_size
 
     def micro_batch(self, last: bool) -> None:
-        pass  # DDP's own sync is never used (no_sync): nothing to switch
+        pass  # DDP's own sync is off for good (wrap): nothing to switch
 
     def check(self, flag: bool) -> bool:
         return _any_rank(flag, self.device)

@@ -20,8 +20,8 @@ import torch
 def loss_and_items(out: Any, source: str = "step_fn") -> tuple[torch.Tensor, Any]:
     """A step's result as `(mean loss, n_items or None)`; a clear error naming `source` (the
     function the user passed: "loss_fn" or "step_fn") for anything else."""
-    if isinstance(out, torch.Tensor):
-        return _scalar(out, source), None
+    if isinstance(out, torch.Tensor):  # most steps: a loss, already a 0-d tensor
+        return (out if not out.ndim else _scalar(out, source)), None
     if source == "step_fn" and isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor):
         items = out[1]
         if isinstance(items, bool) or not isinstance(items, (int, torch.Tensor)):

@@ -46,6 +46,8 @@ class OptimizerStep:
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
         self.grad_norm: torch.Tensor | None = None  # the last step's gradient norm before clipping
         self._flag = finite.flag_for(device)  # the non-finite check's, for the model's device (all_finite)
+        # Asked once: torch.device.type builds its string anew at each read (~0.25 us, every step).
+        self._reads_late_here = device.type in finite.READ_LATE_ON
         self._late: finite.LateRead | None = None  # fused optimizers' checks, read a step late (see `settle`)
         self._told_fused = False  # the hint that a fused optimizer avoids the check's wait, given once
         self._stepped: tuple[Any, int, tuple[nn.Parameter, ...], bool] | None = None  # see `_stepped_parameters`
@@ -68,7 +70,7 @@ class OptimizerStep:
         clipping = self.clip_grad_norm is not None or self.clip_grad_value is not None
         if self._late is not None and self._late.pending:
             self.settle()  # the last step's check first: its scheduler step sets this step's LR
-        late = (scaler is None and self.device.type in finite.READ_LATE_ON and self._may_read_late()
+        late = (scaler is None and self._reads_late_here and self._may_read_late()
                 and self._check_late(optimizer))
         if scaler is None and not late and not self._gradients_finite():
             # Never trained on: the weights stay those of the last finite step.

@@ -128,7 +128,7 @@ class StepCore:
         that normalises its own loss); each is backpropagated as it is, and nothing steps."""
         stepping = not (self.keep_effective_batch or additive)
         size = min(micro_batch_size, n) if stepping else micro_batch_size
-        result = Attempt(None, done, Losses(additive=additive), started=time.perf_counter())
+        result = Attempt(None, done, Losses([], additive), started=time.perf_counter())
         if self.stepper.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
         seen = done
@@ -136,32 +136,31 @@ class StepCore:
         pieces = (((batch, n),) if done == 0 and size >= n and self.split_fn is None
                   else micro_batches(batch, size, start=done, split_fn=self.split_fn, total=n))
         try:
-            with self.ranks.no_sync():
-                for micro, m in pieces:
-                    seen += m
-                    self.ranks.job.micro_batch(last=seen >= n)
-                    inject = self._draw_injection(size)
-                    if inject == "forward":
-                        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
-                    loss, items = loss_and_items(self.loss(to_device(micro, self.device)), self.source)
-                    if inject == "backward":
-                        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune before backward, p={self.inject_oom})")
-                    if additive:
-                        self._backward(loss)
-                        result.losses.parts.append((loss.detach(), 1))  # the losses add up to the batch's
-                        del loss
-                        continue
-                    if stepping:
-                        self._backward(loss)
-                        self.stepper.step(m)
-                        if self.stepper.failure is not None:
-                            return result
-                        result.done += m
-                        result.started = time.perf_counter()  # this chunk is stepped: kept
-                        result.losses.parts.append((loss.detach(), m if items is None else items))
-                    else:
-                        self._accumulate(result, loss, items, m, n)
+            for micro, m in pieces:
+                seen += m
+                self.ranks.job.micro_batch(last=seen >= n)
+                inject = self._draw_injection(size) if self.inject_oom else None
+                if inject == "forward":
+                    raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
+                loss, items = loss_and_items(self.loss(to_device(micro, self.device)), self.source)
+                if inject == "backward":
+                    raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune before backward, p={self.inject_oom})")
+                if additive:
+                    self._backward(loss)
+                    result.losses.parts.append((loss.detach(), 1))  # the losses add up to the batch's
                     del loss
+                    continue
+                if stepping:
+                    self._backward(loss)
+                    self.stepper.step(m)
+                    if self.stepper.failure is not None:
+                        return result
+                    result.done += m
+                    result.started = time.perf_counter()  # this chunk is stepped: kept
+                    result.losses.parts.append((loss.detach(), m if items is None else items))
+                else:
+                    self._accumulate(result, loss, items, m, n)
+                del loss
         except PeerFailed:
             # Another rank ran out of memory: this one's attempt stops at the same check, and is retried with it.
             result.peer_failed = True
@@ -203,7 +202,7 @@ class StepCore:
     def _draw_injection(self, size: int) -> str | None:
         # Never at micro-batch 1: an OOM there ends the run, and injected faults are meant
         # to exercise recovery. The phase decides whether a forward graph is left to free.
-        if not self.inject_oom or size <= 1 or self._injector.random() >= self.inject_oom:
+        if size <= 1 or self._injector.random() >= self.inject_oom:
             return None
         return "forward" if self._injector.random() < 0.5 else "backward"
 
