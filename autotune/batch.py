@@ -28,7 +28,6 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from autotune.actions import Relief
 from autotune.agreement import Agreement
 from autotune.cadence import MeasureCadence
 from autotune.demand import StepDemand
@@ -75,13 +74,11 @@ class BatchRunner:
         self.holding = False  # gradients of earlier batches set aside during this one
 
     def run(self, batch: Any, n: int, *, optimizer_step: bool, proposal: Callable[[], dict[str, Any]] | None,
-            held: list[tuple[nn.Parameter, torch.Tensor]] | None, fire: Callable[..., None],
-            carry_out: Callable[[Relief], bool], checkpoint: Callable[..., Any]) -> BatchOutcome:
+            held: list[tuple[nn.Parameter, torch.Tensor]] | None) -> BatchOutcome:
         """Train on one batch until every sample of it is in a completed optimizer step (or, with
         `optimizer_step=False`, in the accumulated gradients); see `Tuner.train_batch`. While
         `held` gradients are set aside, a failed attempt's gradients are dropped from the
-        parameters directly. `fire`, `carry_out` and `checkpoint` are the Tuner's, lent for the
-        OOM recovery of this batch (recovery.py)."""
+        parameters directly."""
         self.holding = held is not None
         additive = not optimizer_step
         core, stepper, knobs, ranks, cadence = self.core, self.stepper, self.knobs, self.ranks, self.cadence
@@ -117,23 +114,22 @@ class BatchRunner:
             else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
                 losses.parts += attempt.losses.parts
             knobs.follow(agreed.micro_batch_size)  # rank 0's
-            self.recovery.settle_relief(agreed.relief)
+            if agreed.relief is not None or knobs.relief is not None:  # most attempts: none asked, none agreed
+                self.recovery.settle_relief(agreed.relief)
             if agreed.fatal:
-                self.recovery.give_up_on_the_step(agreed.fatal, checkpoint)
+                self.recovery.give_up_on_the_step(agreed.fatal)
             if agreed.failed_micro_batch is None:
-                self._complete(attempt, n, optimizer_step, held, checkpoint, reduced)
+                self._complete(attempt, n, optimizer_step, held, reduced)
                 return self._outcome(losses, len(tried), agreed, measured)
             # Out of the `except` block now, so the exception and its frames are gone and
             # the tensors they pinned (activations, partial gradients) can be freed.
             tried.append(agreed.failed_micro_batch)
-            self.recovery.recover(agreed.failed_micro_batch, tried, attempt, holding=self.holding, fire=fire,
-                                  carry_out=carry_out, checkpoint=checkpoint,
+            self.recovery.recover(agreed.failed_micro_batch, tried, attempt, holding=self.holding,
                                   last_good_micro_batch=self.last_good_micro)
             measured = self.measured = True  # the retry is measured, whatever the cadence said
 
     def _complete(self, attempt: Attempt, n: int, optimizer_step: bool,
-                  held: list[tuple[nn.Parameter, torch.Tensor]] | None, checkpoint: Callable[..., Any],
-                  reduced: bool) -> None:
+                  held: list[tuple[nn.Parameter, torch.Tensor]] | None, reduced: bool) -> None:
         # The attempt every rank agreed fit: its gradients reduced (`reduced`: already, with the
         # news), the held ones added, the step.
         if reduced:
@@ -149,9 +145,9 @@ class BatchRunner:
                 add_gradients(held)
             self.stepper.step(n)
         # The optimizer step ran out of memory, here or (known to every rank now) on another rank.
-        failure = self.ranks.known_to_all(self.stepper.failure)
-        if failure:
-            self.recovery.give_up_on_the_step(failure, checkpoint)
+        failure = self.stepper.failure
+        if failure is not None and self.ranks.known_to_all(failure):
+            self.recovery.give_up_on_the_step(failure)
 
     def _outcome(self, losses: Losses, retries: int, agreed: Agreement, measured: bool) -> BatchOutcome:
         if self.stepper.skipped:

@@ -4,15 +4,13 @@ monitor's samples add after each batch (MEMORY_HIGH, MEMORY_PRESSURE).
 
 Owns: the last step's allocator figures the snapshots carry. Touches: the dispatcher (it asks
 the policies), the relief ladder (it changes the model), the monitor link (its samples), the
-demand's room and the cadence after a relief. The Tuner lends its `checkpoint` per call (before
-a relief that prunes), so nothing here holds the Tuner.
+demand's room and the cadence after a relief. A checkpoint before a relief that prunes is the
+Tuner's, lent through `run.lent` (run.py).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
-
 
 from autotune.actions import Relief
 from autotune.batch import BatchRunner
@@ -33,7 +31,7 @@ class Reactions:
                  demand: StepDemand, cadence: MeasureCadence, batches: BatchRunner, *, host: weakref.ref | None,
                  reliefs_allowed: bool):
         self.knobs, self.counters, self.ranks, self.device = run.knobs, run.counters, run.ranks, run.device
-        self.keep_effective_batch = run.keep_effective_batch
+        self.keep_effective_batch, self.lent = run.keep_effective_batch, run.lent
         self.dispatcher, self.ladder, self.monitor_link = dispatcher, ladder, monitor_link
         self.demand, self.cadence, self.batches = demand, cadence, batches
         self.host, self.reliefs_allowed = host, reliefs_allowed
@@ -48,7 +46,7 @@ class Reactions:
         return (not self.batches.measured and not self.hears_every_batch and knobs.relief is None
                 and knobs.relief_agreed is None and not self.monitor_link.news())
 
-    def after_batch(self, timing: StepTiming, checkpoint: Callable[..., Any]) -> None:
+    def after_batch(self, timing: StepTiming) -> None:
         """BATCH_END, BATCH_MEASURED (a measured batch: cadence.py), an agreed relief carried out,
         and what the monitor's samples show sent to the policies."""
         counters, measured = self.counters, self.batches.measured
@@ -58,12 +56,12 @@ class Reactions:
             self.ladder.effect(self.demand.last, counters.step, counters.epoch)
         relief = self.ranks.relief_now(self.knobs)
         if relief is not None:
-            self.carry_out(relief, checkpoint)
+            self.carry_out(relief)
         # The allocator's figures are fresh only on a measured step: the detectors see those.
         for event in self.monitor_link.watch(self.allocator if measured else None, counters.step, counters.epoch):
             self.fire(event, force=True)
 
-    def carry_out(self, relief: Relief | None, checkpoint: Callable[..., Any]) -> bool:
+    def carry_out(self, relief: Relief | None) -> bool:
         """Carry out a relief a policy asked for; False if there was none or it failed."""
         if relief is not None and not self.reliefs_allowed:
             self.dispatcher.relief_failed(relief, "reliefs are off here: the model and optimizer are another "
@@ -71,7 +69,7 @@ class Reactions:
             return False
         try:
             applied = self.ladder.apply(relief, self.counters.step, self.counters.epoch, self.demand.last,
-                                        save_checkpoint=checkpoint)
+                                        save_checkpoint=self.lent.checkpoint)
         except ReliefFailed as exc:
             self.dispatcher.relief_failed(relief, str(exc))  # the policy that asked learns not to ask again
             return False

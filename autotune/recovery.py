@@ -16,14 +16,14 @@
 
 Owns: the last failure's breakdown and snapshot. Touches: the model's gradients (dropped), the
 allocator (freed), the demand's room (measured again), the cadence, the knobs (rank 0's size, the
-pending relief), the counters' `ooms`, the journal. The Tuner lends what needs the whole run (its
-`fire`, `carry_out` and `checkpoint`) per call, so nothing here holds the Tuner.
+pending relief), the counters' `ooms`, the journal. What needs the whole run (the policies told,
+a relief carried out, a checkpoint) is the Tuner's, lent through `run.lent` (run.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -44,16 +44,13 @@ from autotune.records import Kind
 from autotune.run import Run
 from autotune.step import Attempt
 
-Checkpoint = Callable[..., Any]  # (reason, report_failure=True) -> Path | None
-
-
 class OOMRecovery:
     """What a failed attempt leaves to clean up and to record, for one Tuner's model."""
 
     def __init__(self, run: Run, stepper: OptimizerStep, demand: StepDemand, history: AllocationHistory | None, *,
                  dispatcher: Dispatcher, cadence: MeasureCadence, reliefs_allowed: bool):
         self.model, self.device, self.ranks, self.knobs = run.model, run.device, run.ranks, run.knobs
-        self.journal, self.counters, self.run_dir = run.journal, run.counters, run.run_dir
+        self.journal, self.counters, self.run_dir, self.lent = run.journal, run.counters, run.run_dir, run.lent
         self.stepper, self.demand, self.history = stepper, demand, history
         self.dispatcher, self.cadence, self.reliefs_allowed = dispatcher, cadence, reliefs_allowed
         # The batch's first OOM retried once at the same size (CUDA; the module docstring says why).
@@ -64,9 +61,8 @@ class OOMRecovery:
         self.last_breakdown: dict[str, Any] | None = None  # where the memory went at the last OOM
 
     def recover(self, failed_micro_batch: int, tried: list[int], attempt: Attempt, *, holding: bool,
-                fire: Callable[..., None], carry_out: Callable[[Relief], bool], checkpoint: Checkpoint,
                 last_good_micro_batch: int | None = None) -> None:
-        """Clean up and record the failed attempt, ask the policies (`fire`), and go on with what
+        """Clean up and record the failed attempt, ask the policies (OOM), and go on with what
         rank 0 decided: a smaller micro-batch, or at the smallest a relief; else give up.
         `last_good_micro_batch`: the size the last batch completed at (every rank's alike)."""
         same_size = (self.retries_same_size and len(tried) == 1 and not attempt.injected
@@ -78,7 +74,7 @@ class OOMRecovery:
             self.journal.write(Kind.OOM_RETRY, self.counters.step, self.counters.epoch,
                                micro_batch_size=failed_micro_batch, retries=self.same_size_retries)
             return
-        fire(Event.OOM, failed_micro_batch=failed_micro_batch, force=True)
+        self.lent.fire(Event.OOM, failed_micro_batch=failed_micro_batch, force=True)
         # Every rank's next move is rank 0's: the size to retry at, and any relief first.
         micro, relief = self.ranks.follow_rank0(self.knobs.micro_batch_size, self.ranks.offer_relief(self.knobs),
                                                 self.device)
@@ -98,10 +94,10 @@ class OOMRecovery:
             # kernels it runs, under memory that is already exhausted: save the progress first
             # (where reliefs are off, carry_out only says so: no checkpoint for nothing).
             if self.reliefs_allowed:
-                checkpoint("before_relief")
-            if carry_out(relief):
+                self.lent.checkpoint("before_relief")
+            if self.lent.carry_out(relief):
                 return  # the same batch again, with the relief
-        self.give_up(failed_micro_batch, tried, attempt, checkpoint)
+        self.give_up(failed_micro_batch, tried, attempt)
 
     def settle_relief(self, agreed: Relief | None) -> None:
         """After an agreement: rank 0's relief is every rank's; one asked on another rank goes no further."""
@@ -141,7 +137,7 @@ class OOMRecovery:
              f"{'the same micro-batch once, the cache emptied' if same_size else 'a smaller micro-batch'} (every OOM "
              "is in the run's journal)", key=f"oom {failed_micro_batch} {same_size} {self.run_dir}")
 
-    def give_up(self, failed_micro_batch: int, tried: list[int], attempt: Attempt, checkpoint: Checkpoint) -> NoReturn:
+    def give_up(self, failed_micro_batch: int, tried: list[int], attempt: Attempt) -> NoReturn:
         """Nothing is left to try at the smallest size: record it, checkpoint the progress so far, raise."""
         memory = describe_memory(self.device)
         if self.last_breakdown is not None:
@@ -149,20 +145,20 @@ class OOMRecovery:
         self.journal.write(Kind.OUT_OF_MEMORY, self.counters.step, self.counters.epoch,
                            micro_batch_size=failed_micro_batch, device=str(self.device), tried=tried, memory=memory,
                            breakdown=self.last_breakdown)
-        checkpoint("out_of_memory")  # the progress so far survives the error
+        self.lent.checkpoint("out_of_memory")  # the progress so far survives the error
         raise OutOfMemory(
             f"out of memory on {self.device} even at micro-batch {failed_micro_batch} "
             f"(sizes tried on this batch: {', '.join(map(str, tried))}); no policy could make more room. "
             f"Memory: {memory}. Last error: {attempt.message}")
 
-    def give_up_on_the_step(self, why: str, checkpoint: Checkpoint) -> NoReturn:
+    def give_up_on_the_step(self, why: str) -> NoReturn:
         """The optimizer step ran out of memory (on this rank or another): record, checkpoint, raise."""
         # A smaller micro-batch cannot help an optimizer state that does not fit. Every rank
         # knows by now (alone at once; under torchrun through an agreement or a gather).
         memory = describe_memory(self.device)
         self.journal.write(Kind.OUT_OF_MEMORY, self.counters.step, self.counters.epoch, phase="optimizer_step",
                            device=str(self.device), memory=memory, error=why)
-        checkpoint("out_of_memory", report_failure=False)  # the weights may hold part of the failed step
+        self.lent.checkpoint("out_of_memory", report_failure=False)  # the weights may hold part of the failed step
         raise OutOfMemory(f"out of memory on {self.device} in optimizer.step(): the optimizer state does not fit, "
                           f"whatever the micro-batch. Memory: {memory}. {why}")
 

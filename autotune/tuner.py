@@ -70,7 +70,7 @@ from autotune.records import Kind
 from autotune.recovery import OOMRecovery, read_at_failure
 from autotune.relief.ladder import ReliefLadder
 from autotune.rng import rng_state, set_rng_state
-from autotune.run import Run
+from autotune.run import Lent, Run
 from autotune.snapshot import StepTiming
 from autotune.step import LossFn, StepCore, StepFn
 
@@ -138,7 +138,7 @@ class Tuner:
                            sized=batch_size is not None or micro_batch_size is not None,
                            batch_size_fixed=batch_size is not None)
         run = Run(self.model, self.device, self.ranks, self.knobs, self.counters, self.journal, self.run_dir,
-                  keep_effective_batch)  # what the rooms below share
+                  keep_effective_batch, Lent(self))  # what the rooms below share
         self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
         self.ladder = ReliefLadder(run, self.core, self.stepper)
         self.monitor_link = MonitorLink(self.run_dir, self.device, enabled=monitor and self.is_main,
@@ -262,12 +262,11 @@ class Tuner:
         the host's fields to each attempt's agreement (a stop signal, a checkpoint due). `held`:
         gradients set aside before the batch (`set_aside_gradients`), added to the batch's
         before its optimizer step."""
-        return self.batches.run(batch, n, optimizer_step=optimizer_step, proposal=proposal, held=held,
-                                fire=self.fire, carry_out=self.carry_out, checkpoint=self.checkpoint)
+        return self.batches.run(batch, n, optimizer_step=optimizer_step, proposal=proposal, held=held)
 
     def give_up_on_the_step(self, why: str) -> NoReturn:
         """The optimizer step ran out of memory (on this rank or another): checkpoint, raise."""
-        self.recovery.give_up_on_the_step(why, self.checkpoint)
+        self.recovery.give_up_on_the_step(why)
 
     def average_gradients(self) -> None:
         """Average the gradients over the ranks now (alone: nothing): an integration's, on the
@@ -293,11 +292,11 @@ class Tuner:
                           loss=outcome.mean_loss, sample=self.monitor_link.latest,
                           grad_norm=self.stepper.grad_norm)
         if not self.reactions.quiet():
-            self.reactions.after_batch(timing, self.checkpoint)
+            self.reactions.after_batch(timing)
 
     def carry_out(self, relief: Relief | None) -> bool:
         """Carry out a relief a policy asked for; False if there was none or it failed."""
-        return self.reactions.carry_out(relief, self.checkpoint)
+        return self.reactions.carry_out(relief)
 
     def listens(self, event: Event) -> bool:
         """Whether a policy subscribed to `event` (a host skips the work of one nobody hears)."""
