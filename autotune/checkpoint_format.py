@@ -63,6 +63,25 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
     return {**state, "tuning": migrate_tuning(state["tuning"]), "progress": progress, "host": host}
 
 
+def tuning(knobs: Any, ladder: Any, dispatcher: Any, counters: Any) -> dict[str, Any]:
+    """The "tuning" section, from its parts: only what the tuner itself decided (micro-batch,
+    batch, reliefs, policy states) and what the run has done so far, so a resumed integration's
+    report counts all of it (`Tuner.tuning_state`)."""
+    return {"micro_batch_size": knobs.micro_batch_size, "batch_size": knobs.batch_size,
+            "reliefs": ladder.state_dict(), "policies": dispatcher.state_dict(),
+            "counters": {"samples_seen": counters.samples_seen, "ooms": counters.ooms}}
+
+
+def restore_tuning(section: dict[str, Any], knobs: Any, ladder: Any, dispatcher: Any, counters: Any) -> None:
+    """Put a "tuning" section (of any format) back into its parts: the reliefs first (a pruned
+    model's weights fit only a pruned model)."""
+    section = migrate_tuning(section)
+    ladder.load_state_dict(section["reliefs"])
+    knobs.restore(section["micro_batch_size"], batch_size=section["batch_size"])
+    counters.restore_totals(**section["counters"])
+    dispatcher.load_state_dict(section["policies"])
+
+
 def migrate_tuning(tuning: dict[str, Any]) -> dict[str, Any]:
     """The "tuning" section (`Tuner.tuning_state`, what an integration's checkpoint holds) with
     every field present."""

@@ -100,6 +100,15 @@ class Knobs:
         self.num_workers = num_workers
         return True
 
+    @classmethod
+    def given(cls, batch_size: int | None, micro_batch_size: int | None, device: torch.device,
+              memory_cap_bytes: int | None) -> "Knobs":
+        """The knobs of a run given these sizes (either, both or none: the first batch sets what is
+        missing, `size_for`); a micro-batch alone is the batch too until a larger batch comes."""
+        return cls(batch_size=batch_size or micro_batch_size or 1, micro_batch_size=micro_batch_size or batch_size or 1,
+                   device=device, memory_cap_bytes=memory_cap_bytes, batch_size_fixed=batch_size is not None,
+                   sized=batch_size is not None or micro_batch_size is not None)
+
     def size_for(self, n: int) -> None:
         """A batch of `n`: the first one sizes the run (it starts in one piece); one larger than
         any before is the batch the micro-batch may grow up to, unless the batch size was given."""

@@ -30,6 +30,14 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 class AllocationHistory:
     """The allocation history of one CUDA device, on from `start()` to `stop()`."""
 
+    @classmethod
+    def asked(cls, memory_snapshot: bool | int, device: torch.device) -> "AllocationHistory | None":
+        """The history `memory_snapshot` asks for (True: the last 100,000 allocations; a number:
+        that many), or None for False."""
+        if not memory_snapshot:
+            return None
+        return cls(device, max_entries=100_000 if memory_snapshot is True else memory_snapshot)
+
     def __init__(self, device: torch.device, max_entries: int = 100_000):
         if device.type != "cuda":
             raise ValueError(f"memory_snapshot=True needs a CUDA device (its allocator keeps the history); "

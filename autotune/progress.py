@@ -75,6 +75,13 @@ class Progress:
         if ooms is not None:
             self.ooms = ooms
 
+    def fit_result(self, knobs: Any, keep_effective_batch: bool, **fit: Any) -> "FitResult":
+        """What a fit did, by these counters and the sizes it ended at (`knobs`); `fit`: the
+        loss, wall time, run folder, metrics and stop reason, as `FitResult` names them."""
+        step_size = knobs.batch_size if keep_effective_batch else min(knobs.micro_batch_size, knobs.batch_size)
+        return FitResult(samples_seen=self.samples_seen, steps=self.step, epochs=self.epoch, batch_size=step_size,
+                         micro_batch_size=knobs.micro_batch_size, ooms=self.ooms, **fit)
+
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -1,11 +1,12 @@
-"""The policies' side of a run: what they are told (an event, with a snapshot of the run), what
-they ask for that changes the model (a relief, carried out at a safe point), and what the
-monitor's samples add after each batch (MEMORY_HIGH, MEMORY_PRESSURE).
+"""What follows a batch, and the policies' side of a run: the batch's figures to the run log, what
+the policies are told (an event, with a snapshot of the run), what they ask for that changes the
+model (a relief, carried out at a safe point), and what the monitor's samples add after each
+batch (MEMORY_HIGH, MEMORY_PRESSURE).
 
-Owns: the last step's allocator figures the snapshots carry. Touches: the dispatcher (it asks
-the policies), the relief ladder (it changes the model), the monitor link (its samples), the
-demand's room and the cadence after a relief. A checkpoint before a relief that prunes is the
-Tuner's, lent through `run.lent` (run.py).
+Owns: the last step's allocator figures the snapshots and the log carry. Touches: the run log
+(a step's line when due), the dispatcher (it asks the policies), the relief ladder (it changes
+the model), the monitor link (its samples), the demand's room and the cadence after a relief.
+A checkpoint before a relief that prunes is the Tuner's, lent through `run.lent` (run.py).
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from __future__ import annotations
 import weakref
 
 from autotune.actions import Relief
-from autotune.batch import BatchRunner
+from autotune.batch import BatchOutcome, BatchRunner
 from autotune.cadence import MeasureCadence
 from autotune.demand import StepDemand
 from autotune.dispatch import Dispatcher
 from autotune.events import Event
+from autotune.journal import RunLog
 from autotune.monitor.link import MonitorLink
+from autotune.optimizer_step import OptimizerStep
 from autotune.relief.ladder import ReliefFailed, ReliefLadder
 from autotune.run import Run
 from autotune.snapshot import Snapshot, StepTiming
@@ -28,12 +31,12 @@ class Reactions:
     """Events to the policies, reliefs to the model, for one Tuner (see the module docstring)."""
 
     def __init__(self, run: Run, dispatcher: Dispatcher, ladder: ReliefLadder, monitor_link: MonitorLink,
-                 demand: StepDemand, cadence: MeasureCadence, batches: BatchRunner, *, host: weakref.ref | None,
-                 reliefs_allowed: bool):
+                 demand: StepDemand, cadence: MeasureCadence, batches: BatchRunner, *, log: RunLog,
+                 stepper: OptimizerStep, host: weakref.ref | None, reliefs_allowed: bool):
         self.knobs, self.counters, self.ranks, self.device = run.knobs, run.counters, run.ranks, run.device
         self.keep_effective_batch, self.lent = run.keep_effective_batch, run.lent
         self.dispatcher, self.ladder, self.monitor_link = dispatcher, ladder, monitor_link
-        self.demand, self.cadence, self.batches = demand, cadence, batches
+        self.demand, self.cadence, self.batches, self.log, self.stepper = demand, cadence, batches, log, stepper
         self.host, self.reliefs_allowed = host, reliefs_allowed
         self.allocator = None  # the last measured step's allocator figures (CUDA)
         self.hears_every_batch = Event.BATCH_END in dispatcher.events  # a policy listens to BATCH_END
@@ -46,10 +49,25 @@ class Reactions:
         return (not self.batches.measured and not self.hears_every_batch and knobs.relief is None
                 and knobs.relief_agreed is None and not self.monitor_link.news())
 
-    def after_batch(self, timing: StepTiming) -> None:
-        """BATCH_END, BATCH_MEASURED (a measured batch: cadence.py), an agreed relief carried out,
-        and what the monitor's samples show sent to the policies."""
-        counters, measured = self.counters, self.batches.measured
+    def after_batch(self, timing: StepTiming, n: int, outcome: BatchOutcome) -> None:
+        """After a batch of `n` samples: its figures logged (a line when due; the bar), then, unless
+        `quiet`, BATCH_END, BATCH_MEASURED (a measured batch: cadence.py), an agreed relief
+        carried out, and what the monitor's samples show sent to the policies."""
+        log, counters, measured = self.log, self.counters, self.batches.measured
+        if log.moves_bar:
+            log.advance()
+        if measured:  # one memory_stats() call a measured step (CUDA), made when its need was
+            self.allocator = self.demand.allocator
+        if log.step_due():  # most steps of a long run write nothing: their figures are not gathered
+            allocator = self.allocator
+            log.step(counters.step, counters.epoch, samples=n, samples_seen=counters.samples_seen,
+                     micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
+                     data_wait_fraction=timing.data_wait_fraction, demand=self.demand.last if measured else None,
+                     allocated_bytes=allocator.allocated_bytes if allocator else None,
+                     reserved_bytes=allocator.reserved_bytes if allocator else None,
+                     loss=outcome.mean_loss, sample=self.monitor_link.latest, grad_norm=self.stepper.grad_norm)
+        if self.quiet():
+            return
         self.fire(Event.BATCH_END, timing=timing)
         if measured:
             self.fire(Event.BATCH_MEASURED, timing=timing)

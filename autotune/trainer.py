@@ -181,19 +181,14 @@ class AutoTrainer:
             saved = self._in_hand.save_before_raising(exc, self.step, self.checkpoint_now) \
                 if isinstance(exc, Exception) else None
             self.input.stop_workers()  # now, not when the exception is collected
-            self.journal.write(Kind.FIT_FAILED, self.step, self.epoch, error=f"{type(exc).__name__}: {exc}"[:500],
-                               samples_seen=self.samples_seen, **({"checkpoint": str(saved)} if saved else {}))
-            self.tuner.end(failed=True)
+            self.tuner.end(error=exc, **({"checkpoint": str(saved)} if saved else {}))  # on the record: fit_failed
             raise
         finally:
             self.log.close_bar()
         wall = time.perf_counter() - started
-        step_size = self.knobs.batch_size if self.keep_effective_batch else min(self.knobs.micro_batch_size,
-                                                                                 self.knobs.batch_size)
-        result = FitResult(samples_seen=self.samples_seen, steps=self.step, epochs=self.epoch, batch_size=step_size,
-                           micro_batch_size=self.knobs.micro_batch_size, ooms=self.ooms, loss=epoch_loss,
-                           wall_seconds=wall, run_dir=self.run_dir, metrics=dict(self.metrics),
-                           stopped=self._stop_request.reason)
+        result = self.counters.fit_result(self.knobs, self.keep_effective_batch, loss=epoch_loss, wall_seconds=wall,
+                                          run_dir=self.run_dir, metrics=dict(self.metrics),
+                                          stopped=self._stop_request.reason)
         compiled = {"compiles": compile_count() - compiles} if self.core.compiled_model else {}
         self.tuner.end(batch_size=result.batch_size, wall_seconds=wall, loss=epoch_loss, metrics=result.metrics,
                        stopped=result.stopped, **compiled)
@@ -201,10 +196,9 @@ class AutoTrainer:
         return result
 
     def evaluate(self, dataset: Dataset | DataLoader | None = None) -> dict[str, float]:
-        """The mean loss (`"loss"`) and every metric over `dataset` (default: `eval_dataset`),
-        in eval mode under `torch.no_grad()`, averaged over items where the step reports them.
-        Evaluation has a micro-batch of its own: an OOM halves it and runs the same samples
-        again (none is lost), and the training micro-batch stays as it is."""
+        """The mean loss (`"loss"`) and every metric over `dataset` (default: `eval_dataset`), in eval
+        mode under `torch.no_grad()`, over items where the step reports them. With a micro-batch of
+        its own: an OOM halves it and runs the same samples again; the training one stays as it is."""
         dataset = self.evaluation.dataset if dataset is None else dataset
         if dataset is None:
             raise ValueError("evaluate() needs a dataset: pass one, or eval_dataset= to AutoTrainer")
@@ -225,9 +219,8 @@ class AutoTrainer:
         self._stop_request.ask(reason)
 
     def close(self) -> None:
-        """Leave the user's model as it was given (the trainer's hook off it), give back the CUDA
-        memory fraction, remove the sample cache's shared memory, and close the journal, steps log
-        and TensorBoard. Idempotent."""
+        """Leave the user's model as given (the trainer's hook off it), give back the CUDA memory fraction,
+        remove the sample cache's shared memory, close the journal, steps log and TensorBoard. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -311,8 +304,7 @@ class AutoTrainer:
         return epoch_loss
 
     def _proposal(self) -> dict[str, Any]:
-        # Each attempt's agreement also carries a stop signal any rank received, and whether a
-        # checkpoint is due by the step this batch ends at.
+        # Each agreement also carries a stop signal any rank received, and a checkpoint due by the batch's step.
         return {"stop_signal": self._stop.signum or 0,
                 "checkpoint_due": self.checkpointer.due(self.step + (1 if self.keep_effective_batch else 0))}
 

@@ -110,12 +110,10 @@ class Tuner:
         self.model = model.to(self.device)
         if owns_optimizer:
             self.ranks.wrap(self.model, self.device, shard=shard)
-        # Before any file is written: a bad optimizer is an error with nothing left behind
-        # (and the first optimizer of a process imports torch._dynamo: seconds).
+        # Before any file is written, so that an error leaves nothing behind: a bad optimizer (and the first
+        # optimizer of a process imports torch._dynamo: seconds), memory_snapshot where the allocator keeps no history.
         optimizer = make_optimizer(optimizer, self.model) if owns_optimizer else None
-        # Before any file is written too: memory_snapshot where the allocator keeps no history is an error.
-        self.history = (AllocationHistory(self.device, max_entries=100_000 if memory_snapshot is True else memory_snapshot)
-                        if memory_snapshot else None)
+        self.history = AllocationHistory.asked(memory_snapshot, self.device)
         self.keep_effective_batch = keep_effective_batch
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(self.ranks)
         self.is_main = self.ranks.is_main
@@ -132,11 +130,7 @@ class Tuner:
                              keep_effective_batch=keep_effective_batch, inject_oom=injection_rate(inject_oom),
                              seed=seed, precision=precision, compile=compile)
         # Sizes are known once batches are: the first one sets them unless given here.
-        self.knobs = Knobs(batch_size=batch_size or micro_batch_size or 1,
-                           micro_batch_size=micro_batch_size or batch_size or 1, device=self.device,
-                           memory_cap_bytes=resolve_memory_cap(memory_cap, self.device),
-                           sized=batch_size is not None or micro_batch_size is not None,
-                           batch_size_fixed=batch_size is not None)
+        self.knobs = Knobs.given(batch_size, micro_batch_size, self.device, resolve_memory_cap(memory_cap, self.device))
         run = Run(self.model, self.device, self.ranks, self.knobs, self.counters, self.journal, self.run_dir,
                   keep_effective_batch, Lent(self))  # what the rooms below share
         self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
@@ -151,7 +145,8 @@ class Tuner:
         self.batches = BatchRunner(run, self.core, self.stepper, self.cadence, self.demand, self.recovery)
         self._host = weakref.ref(host) if host is not None else None
         self.reactions = Reactions(run, self.dispatcher, self.ladder, self.monitor_link, self.demand, self.cadence,
-                                   self.batches, host=self._host, reliefs_allowed=reliefs)
+                                   self.batches, log=self.log, stepper=self.stepper, host=self._host,
+                                   reliefs_allowed=reliefs)
         # A host writes its own checkpoints; alone, the Tuner writes state_dict() into run_dir/checkpoints.
         self._checkpointer = None if host is not None else Checkpointer(
             self.run_dir / "checkpoints", keep=3, every=None, interval=None, ranks=self.ranks, journal=self.journal)
@@ -181,11 +176,10 @@ class Tuner:
         core = self.core
         core.use(step_fn, loss_fn)
         n = self._begin_batch(batch)
-        # What the loop accumulated before this call (Accelerate's accumulate() holds gradients
-        # back over several batches) is kept out of the attempts and added back before the
-        # optimizer step: a failed attempt's gradients are dropped by the Tuner itself, never
-        # through an optimizer wrapper's zero_grad (Accelerate's skips it between sync steps).
-        # Under DDP, the gradients zeroed at the last step and untouched since are nothing to hold.
+        # What the loop accumulated before (Accelerate's accumulate() holds gradients back over
+        # batches) is kept out of the attempts and added back before the step: a failed attempt's
+        # gradients are dropped here, never by an optimizer wrapper's zero_grad (Accelerate's
+        # skips it between sync steps). Under DDP, gradients untouched since the last step are none.
         bucket = self.ranks.job.bucket
         held = (set_aside_gradients(core.parameters())
                 if self.keep_effective_batch and (bucket is None or not bucket.untouched()) else None)
@@ -226,8 +220,7 @@ class Tuner:
         if self._closed:
             raise RuntimeError("this Tuner was closed: build a new one to train again")
         self.knobs.size_for(n)
-        if not self._started:  # your loop's (or an integration's) run starts at its first batch
-            # The gradients your loop holds are its own: `step` adds them into its step.
+        if not self._started:  # your loop's run starts at its first batch; the gradients it holds are its own
             self.begin(keep_gradients=True, batch_size=self.knobs.batch_size, tuner=True)
         return n
 
@@ -257,11 +250,9 @@ class Tuner:
     def train_batch(self, batch: Any, n: int, *, optimizer_step: bool = True,
                     proposal: Callable[[], dict[str, Any]] | None = None,
                     held: list[tuple[nn.Parameter, torch.Tensor]] | None = None) -> BatchOutcome:
-        """Train on one batch until every sample of it is in a completed optimizer step (or, with
-        `optimizer_step=False`, in the accumulated gradients): batch.py's loop. `proposal()` adds
-        the host's fields to each attempt's agreement (a stop signal, a checkpoint due). `held`:
-        gradients set aside before the batch (`set_aside_gradients`), added to the batch's
-        before its optimizer step."""
+        """Train on one batch until every sample of it is in a completed optimizer step (or the
+        accumulated gradients: `optimizer_step=False`): batch.py. `proposal()`: the host's fields of
+        each agreement (a stop signal, a checkpoint due); `held`: gradients set aside, added before the step."""
         return self.batches.run(batch, n, optimizer_step=optimizer_step, proposal=proposal, held=held)
 
     def give_up_on_the_step(self, why: str) -> NoReturn:
@@ -269,30 +260,14 @@ class Tuner:
         self.recovery.give_up_on_the_step(why)
 
     def average_gradients(self) -> None:
-        """Average the gradients over the ranks now (alone: nothing): an integration's, on the
-        batch after which its framework clips and steps."""
+        """Average the gradients over the ranks now (alone: nothing), before a framework clips and steps."""
         self.ranks.average_gradients()
 
     def after_batch(self, timing: StepTiming, n: int, outcome: BatchOutcome) -> None:
-        """After a batch: its figures logged, BATCH_END, BATCH_MEASURED (a measured batch: see
-        cadence.py), an agreed relief carried out, and what the monitor's samples show
-        (MEMORY_HIGH, MEMORY_PRESSURE) sent to the policies."""
-        if self.log.moves_bar:
-            self.log.advance()
-        if self.batches.measured:  # one memory_stats() call a measured step (CUDA), made when its need was
-            self.reactions.allocator = self.demand.allocator
-        if self.log.step_due():  # most steps of a long run write nothing: their figures are not gathered
-            allocator = self.reactions.allocator
-            demand = self.demand.last if self.batches.measured else None
-            self.log.step(self.step_count, self.counters.epoch, samples=n, samples_seen=self.samples_seen,
-                          micro_batch_size=self.knobs.micro_batch_size, step_seconds=timing.step_seconds,
-                          data_wait_fraction=timing.data_wait_fraction, demand=demand,
-                          allocated_bytes=allocator.allocated_bytes if allocator else None,
-                          reserved_bytes=allocator.reserved_bytes if allocator else None,
-                          loss=outcome.mean_loss, sample=self.monitor_link.latest,
-                          grad_norm=self.stepper.grad_norm)
-        if not self.reactions.quiet():
-            self.reactions.after_batch(timing)
+        """After a batch: its figures logged, then what the policies hear and ask (reactions.py:
+        BATCH_END, BATCH_MEASURED, an agreed relief carried out, the monitor's MEMORY_HIGH and
+        MEMORY_PRESSURE)."""
+        self.reactions.after_batch(timing, n, outcome)
 
     def carry_out(self, relief: Relief | None) -> bool:
         """Carry out a relief a policy asked for; False if there was none or it failed."""
@@ -309,12 +284,10 @@ class Tuner:
 
     # ------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """What continuing exactly needs, for your own checkpoints: the model's weights, the
-        optimizer, scheduler and gradient scaler, the micro-batch, reliefs, policy states,
-        counters and random states, as one versioned record (checkpoint_format.py). Load it with
-        `load_state_dict` on a Tuner built alike. A sharded (FSDP2) model's weights and optimizer
-        state are this rank's shards (DTensors): save them with `torch.distributed.checkpoint`, as
-        autotune's own checkpoints do."""
+        """What continuing exactly needs, for your own checkpoints (`load_state_dict` on a Tuner built
+        alike): weights, optimizer, scheduler, scaler, micro-batch, reliefs, policy states, counters and
+        random states, one versioned record (checkpoint_format.py). Sharded (FSDP2): this rank's shards
+        (DTensors), for `torch.distributed.checkpoint`, as autotune's own checkpoints save them."""
         self.settle()  # a checkpoint holds exact counts and the scheduler's last step
         weights, optimizer = self.ranks.job.model_state(self.model, self.stepper.optimizer)
         return checkpoint_format.build(core={**self.core.state_dict(), "model": weights, "optimizer": optimizer},
@@ -324,10 +297,7 @@ class Tuner:
     def tuning_state(self) -> dict[str, Any]:
         """Only what the tuner itself decided: micro-batch, reliefs, policy states (an integration's
         checkpoint, beside the weights and optimizer its trainer saves)."""
-        return {"micro_batch_size": self.knobs.micro_batch_size, "batch_size": self.knobs.batch_size,
-                "reliefs": self.ladder.state_dict(), "policies": self.dispatcher.state_dict(),
-                # what the run has done so far, so a resumed integration's report counts all of it
-                "counters": {"samples_seen": self.counters.samples_seen, "ooms": self.counters.ooms}}
+        return checkpoint_format.tuning(self.knobs, self.ladder, self.dispatcher, self.counters)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned, by this autotune or an older one (the reliefs
@@ -338,18 +308,12 @@ class Tuner:
         self.ranks.job.load_model_state(self.model, self.stepper.optimizer, core["model"], core["optimizer"])
         self.core.load_state_dict(core)
         self.counters.load_state_dict(state["progress"])
-        # The counters are this job's from here; a host whose data position is per rank re-splits it
-        # where the saving job had another number of ranks (AutoTrainer, from the state's own `world`).
-        self.counters.on_ranks(self.ranks.world)
+        self.counters.on_ranks(self.ranks.world)  # this job's from here (AutoTrainer re-splits its position)
         set_rng_state(checkpoint_format.rank_rng(state, self.ranks.rank, self.ranks.world))
 
     def load_tuning_state(self, tuning: dict[str, Any]) -> None:
         """Restore what `tuning_state` returned (an older autotune's too)."""
-        tuning = checkpoint_format.migrate_tuning(tuning)
-        self.ladder.load_state_dict(tuning["reliefs"])
-        self.knobs.restore(tuning["micro_batch_size"], batch_size=tuning["batch_size"])
-        self.counters.restore_totals(**tuning["counters"])
-        self.dispatcher.load_state_dict(tuning["policies"])
+        checkpoint_format.restore_tuning(tuning, self.knobs, self.ladder, self.dispatcher, self.counters)
 
     def checkpoint(self, reason: str, report_failure: bool = True) -> Path | None:
         """A checkpoint now (before a relief, before an OOM error): the host's, or, without one,
@@ -372,22 +336,24 @@ class Tuner:
 
     # ------------------------------------------------------------------------- the end
     def agree_on_micro_batch(self) -> int:
-        """At the end of a run, on every rank: take rank 0's micro-batch (one broadcast under
-        torchrun). A policy may have moved this rank's size after the last agreement; a run
-        ends, and is checkpointed, at one size everywhere. Returns it."""
+        """At a run's end, on every rank: rank 0's micro-batch (a policy may have moved this rank's since
+        the last agreement; a run ends, and is checkpointed, at one size everywhere). Returns it."""
         self.knobs.follow(self.ranks.follow_rank0(self.knobs.micro_batch_size, None, self.device)[0])
         return self.knobs.micro_batch_size
 
-    def end(self, failed: bool = False, **fit_end: Any) -> None:
+    def end(self, error: BaseException | None = None, **fit_end: Any) -> None:
         """The end of a run of steps: journaled as `fit_end` (with the host's `fit_end` fields;
-        none: a Tuner's own run, marked `tuner`), FIT_END, the monitor stopped. `failed`: the host
-        journaled why its run ended (`fit_failed`), so no `fit_end` and no FIT_END. A later
-        batch starts a new run in the same journal."""
+        none: a Tuner's own run, marked `tuner`), FIT_END, the monitor stopped. With the `error`
+        that ended it: `fit_failed` (with the host's fields: the checkpoint saved before), no
+        FIT_END. A later batch starts a new run in the same journal."""
         if not self._started:
             return
         self._started = False
+        if error is not None:
+            self.journal.write(Kind.FIT_FAILED, self.step_count, self.counters.epoch, samples_seen=self.samples_seen,
+                               error=f"{type(error).__name__}: {error}"[:500], **fit_end)
         self.settle()
-        if not failed:
+        if error is None:
             self.journal.write(Kind.FIT_END, self.step_count, self.counters.epoch, samples_seen=self.samples_seen,
                                ooms=self.ooms, micro_batch_size=self.knobs.micro_batch_size,
                                **(fit_end or {"tuner": True}))
