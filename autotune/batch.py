@@ -105,10 +105,14 @@ class BatchRunner:
                              fatal=stepper.failure, **(proposal() if proposal is not None else _NOTHING_PROPOSED))
             # Where nothing else is added to them, the gradients may carry the agreement (see above).
             agreed, reduced = ranks.agree(mine, attempt if optimizer_step and not held else None)
-            if agreed.failed_micro_batch is not None and (self.keep_effective_batch or additive):
-                # This rank or another ran out of memory: the whole attempt is retried, so its
-                # losses go (kept, they would count twice). keep_effective_batch=False keeps its stepped chunks.
-                attempt.discard()
+            if agreed.failed_micro_batch is not None:
+                # This rank or another ran out of memory: what the attempt drew from the random
+                # streams and wrote into buffers (running statistics) is put back for the retry;
+                # its losses go too (kept, they would count twice), but with
+                # keep_effective_batch=False its stepped chunks stay, and so do their buffers.
+                core.rewind.restore()
+                if self.keep_effective_batch or additive:
+                    attempt.discard()
             if losses is None:
                 losses = attempt.losses
             else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too

@@ -21,7 +21,8 @@ Owns: forward and backward, the loss weights, precision (autocast; it makes the 
 scaler), torch.compile, fault injection. Its rooms: losses.py (the loss records it fills) and
 optimizer_step.py (the step after the attempt). May touch: the model's gradients. Does not
 decide anything: the micro-batch size comes in, what failed goes out; OOM recovery is
-recovery.py's.
+recovery.py's. What an attempt changes besides gradients (random streams, running statistics) is
+kept before it by rewind.py, for batch.py to put back when it fails.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from autotune.losses import Losses, loss_and_items
 from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.optimizer_step import OptimizerStep
 from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
+from autotune.rewind import Rewind
 from autotune.sharded import PeerFailed
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -119,6 +121,7 @@ class StepCore:
         # (the OOM breakdown) and the CUDA allocator's state are read there (the Tuner's).
         self.on_failure: Callable[[], None] | None = None
         self._parameters: tuple[nn.Parameter, ...] | None = None  # the model's, walked once (see `parameters`)
+        self.rewind = Rewind(model, device)  # the random streams and buffers an attempt changes, kept before it
 
     # ------------------------------------------------------------------------- the attempt
     def attempt(self, batch: Any, n: int, done: int, micro_batch_size: int, additive: bool = False) -> Attempt:
@@ -131,6 +134,7 @@ class StepCore:
         result = Attempt(None, done, Losses([], additive), started=time.perf_counter())
         if self.stepper.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
+        self.rewind.keep()  # what a failed attempt must not leave behind (rewind.py)
         seen = done
         # The whole batch in one piece (most steps): as it came, no split
         pieces = (((batch, n),) if done == 0 and size >= n and self.split_fn is None
@@ -157,6 +161,7 @@ class StepCore:
                         return result
                     result.done += m
                     result.started = time.perf_counter()  # this chunk is stepped: kept
+                    self.rewind.keep()  # a failure from here rewinds to this chunk's end, not the attempt's start
                     result.losses.parts.append((loss.detach(), m if items is None else items))
                 else:
                     self._accumulate(result, loss, items, m, n)
@@ -280,6 +285,7 @@ class StepCore:
         forward is compiled again."""
         self._parameters = None
         self.stepper.forget_parameters()
+        self.rewind.forget()
         if self.compiled is not None:
             self.compiled = torch.compile(self.ranks.module(self.model), **self.compile_options)
         elif self.compiled_model:

@@ -1,0 +1,102 @@
+"""What an attempt changes besides gradients, put back when it fails: the random streams and the
+buffers a forward updates, so that the retry runs as if the failed attempt never had.
+
+    keep()      before an attempt (stepping every micro-batch: before each chunk): the CPU stream
+                and the device's, and a copy of each buffer a forward changes (BatchNorm's running
+                statistics and `num_batches_tracked`, any buffer written in place)
+    restore()   after a failed attempt, before its retry: all of them as kept
+
+A run whose OOMs are retried at the same split is then bit-equal to one without them: the retry's
+dropout masks are the ones the failed attempt drew, and running statistics are updated once per
+forward that counts. autotune's own fault-injection stream is not rewound (the retry would draw
+the same fault).
+
+Which buffers a forward changes is learned, not guessed, because a model may hold large ones it
+never writes (a GPT's causal mask: megabytes a step to copy): every buffer is copied before the
+first attempt, and those whose values moved during it are copied from then on, with the running
+statistics of every normalisation module (in eval mode at first, they may train later). A buffer
+written later for the first time (its in-place version moved) joins them at the next attempt.
+BatchNorm's kernels write the running statistics without moving that version, which is why the
+first attempt compares values. `forget()`: a relief changed the model's modules; learn again.
+
+Owns: the copies and the kept streams. Touches: the model's buffers and the random streams, only
+in `restore`. Used by step.py (keep) and batch.py (restore, once every rank agreed an attempt failed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+
+class Rewind:
+    """The state an attempt may change outside its gradients, kept and put back (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.model = model
+        self.on_cuda = device.type == "cuda"  # asked once: a torch.device's .type is a slow read
+        self.device = device
+        self._cpu_stream: torch.Tensor | None = None
+        self._device_stream: torch.Tensor | None = None
+        self._watched: list[torch.Tensor] | None = None  # the buffers copied before each attempt
+        self._copies: list[torch.Tensor] = []
+        self._learning = False  # the first attempt's copies are of every buffer, to see which move
+        self._others: list[tuple[torch.Tensor, int]] = []  # the rest, with their in-place versions
+        self._restored = False  # the last attempt was put back (it taught nothing of what moves)
+
+    def keep(self) -> None:
+        """Before an attempt: the random streams and the changing buffers as they are now."""
+        self._cpu_stream = torch.get_rng_state()
+        if self.on_cuda:
+            self._device_stream = torch.cuda.get_rng_state(self.device)
+        if self._watched is None:  # the first attempt: every buffer, once
+            self._watched = list(self.model.buffers())
+            self._copies = [b.detach().clone() for b in self._watched]
+            self._learning = True
+            return
+        if self._learning and not self._restored:
+            self._learn()  # an attempt ran to its end since every buffer was copied
+        self._restored = False
+        moved = [b for b, version in self._others if b._version != version]
+        if moved:  # written in place for the first time since the first attempt
+            self._watch(moved)
+        if self._watched:
+            torch._foreach_copy_(self._copies, self._watched)
+
+    def restore(self) -> None:
+        """After a failed attempt: the random streams and the changing buffers as `keep` found them."""
+        if self._cpu_stream is None:
+            return  # nothing kept: no attempt ran
+        torch.set_rng_state(self._cpu_stream)
+        if self._device_stream is not None:
+            torch.cuda.set_rng_state(self._device_stream, self.device)
+        if self._watched:
+            torch._foreach_copy_(self._watched, self._copies)
+        self._restored = True  # learning waits for an attempt that runs to its end
+
+    def forget(self) -> None:
+        """The model's modules changed (a relief): its buffers are learned again at the next attempt."""
+        self._watched, self._copies, self._others, self._learning = None, [], [], False
+
+    def _learn(self) -> None:
+        # The buffers whose values the first whole attempt changed, and the norms' own (a model in
+        # eval mode at first trains later); the rest are watched by their in-place versions.
+        norms = {id(b) for m in self.model.modules() if isinstance(m, _NormBase) for b in m.buffers()}
+        moved = [(b, c) for b, c in zip(self._watched, self._copies) if id(b) in norms or not _same(b, c)]
+        kept = {id(b) for b, _ in moved}
+        self._others = [(b, b._version) for b in self._watched if id(b) not in kept]
+        self._watched, self._copies = [b for b, _ in moved], [c for _, c in moved]
+        self._learning = False
+
+    def _watch(self, buffers: list[torch.Tensor]) -> None:
+        ids = {id(b) for b in buffers}
+        self._watched += buffers
+        self._copies += [b.detach().clone() for b in buffers]
+        self._others = [(b, v) for b, v in self._others if id(b) not in ids]
+
+
+def _same(a: torch.Tensor, b: Any) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a, b))
