@@ -4,7 +4,8 @@
       the last step's late check read first (settle), where a fused optimizer left one
       non-finite gradients: never trained on ("skip": the step is not taken, said; "stop": raise)
       fp16: unscale; clip the whole batch's gradient; optimizer.step(); zero_grad
-      counters: step, samples seen; the scheduler when it steps per optimizer step
+      counters: step, samples seen; the scheduler when it steps per optimizer step (a wrapper that
+        held the step back, as Accelerate's does between its sync steps: the samples only)
     an OOM inside optimizer.step(): kept in `failure` (a smaller micro-batch cannot help it)
 
 Owns: the optimizer, the LR scheduler, the gradient scaler, gradient clipping, the non-finite
@@ -51,6 +52,7 @@ class OptimizerStep:
         self._late: finite.LateRead | None = None  # fused optimizers' checks, read a step late (see `settle`)
         self._told_fused = False  # the hint that a fused optimizer avoids the check's wait, given once
         self._stepped: tuple[Any, int, tuple[nn.Parameter, ...], bool] | None = None  # see `_stepped_parameters`
+        self._watched_steps: tuple[Any, list[int]] | None = None  # see `_inner_steps`
 
     @property
     def plateau(self) -> bool:
@@ -68,6 +70,8 @@ class OptimizerStep:
         the trainer (under torchrun every rank must learn of it before anyone stops)."""
         scaler, optimizer = self.scaler, self.optimizer
         clipping = self.clip_grad_norm is not None or self.clip_grad_value is not None
+        inner_steps = self._inner_steps(optimizer)
+        steps_before = inner_steps[0] if inner_steps is not None else 0
         if self._late is not None and self._late.pending:
             self.settle()  # the last step's check first: its scheduler step sets this step's LR
         late = (scaler is None and self._reads_late_here and self._may_read_late()
@@ -109,12 +113,33 @@ class OptimizerStep:
         self.zero_grad()
         counters = self.counters
         samples = n_samples * self.ranks.world
+        if inner_steps is not None and inner_steps[0] == steps_before:
+            # A wrapper that steps every N calls (Accelerate's, between its sync steps) held this
+            # one back: the samples wait in the accumulated gradients, and no step is counted.
+            counters.accumulated(samples)
+            return
         counters.stepped(samples)
         owed = self.scheduler is not None and self.scheduler_interval == "step" and not self.plateau
         if late:
             self._late.taken(counters.step, samples, owed)  # its scheduler step once the check is read
         elif owed:
             self.scheduler.step()
+
+    def _inner_steps(self, optimizer: Any) -> list[int] | None:
+        """For an optimizer that wraps another (Accelerate's `AcceleratedOptimizer` holds the
+        user's in `.optimizer`), a one-element count of the inner one's steps, moved by a post-step
+        hook: whether a call stepped is read there. None for a plain optimizer (every call steps)."""
+        watched = self._watched_steps
+        if watched is None or watched[0] is not optimizer:
+            inner = optimizer
+            while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+                inner = inner.optimizer
+            count: list[int] | None = None
+            if inner is not optimizer:
+                count = [0]
+                inner.register_step_post_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+            watched = self._watched_steps = (optimizer, count)
+        return watched[1]
 
     def _may_read_late(self) -> bool:
         # Alone (the ranks' agreement reads the host anyway), plain parameters, and only to skip:

@@ -1,7 +1,8 @@
 """An Accelerate loop with gradient accumulation 2 (a prepared model, optimizer and DataLoader,
 `accelerator.accumulate`), trained through `Tuner.step` or `Tuner.accumulate` with OOMs injected
 in 30% of micro-batches, ends with the weights of the same loop without autotune (SGD, 1e-6).
-The OOMs land on batches where Accelerate holds gradients back and on its sync batches alike."""
+The OOMs land on batches where Accelerate holds gradients back and on its sync batches alike;
+`step_count` counts the optimizer steps Accelerate took, not the calls."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ pytest.importorskip("accelerate")
 pytestmark = pytest.mark.slow  # an interpreter a case (Accelerate's state is one per process)
 
 SCRIPT = """
+import json
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -52,9 +54,10 @@ with Tuner(model, optimizer, device="cpu", inject_oom=0.3, seed=SEED, monitor=Fa
                     tuner.accumulate(batch, lambda m, b: loss_of(m, b) * len(b[0]) / len(batch[0]) / 2)
                     optimizer.step()
                     optimizer.zero_grad()
-    ooms = tuner.ooms
+    ooms, steps, samples = tuner.ooms, tuner.step_count, tuner.samples_seen
+fit_end = [r for r in map(json.loads, open(RUN_DIR + "/events.jsonl")) if r["kind"] == "fit_end"]
 apart = max((model.state_dict()[k] - v).abs().max().item() for k, v in plain.items())
-save({"apart": apart, "ooms": ooms})
+save({"apart": apart, "ooms": ooms, "steps": steps, "samples": samples, "fit_end_step": fit_end[-1]["step"]})
 """
 
 
@@ -64,3 +67,6 @@ def test_an_accelerate_loop_with_accumulation_ends_with_the_plain_loops_weights(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert result["ooms"] >= 5  # on sync batches and between them
     assert result["apart"] < 1e-6, result
+    if mode == "step":  # optimizer steps, not calls: Accelerate steps every second one (was 20, 20)
+        assert (result["steps"], result["fit_end_step"]) == (10, 10), result
+        assert result["samples"] == 2 * 320, result  # every sample trained, held back or stepped
