@@ -3,9 +3,11 @@
 An error that is not an OOM (a sample that cannot be read, a bug in step_fn or a callback, a
 non-finite step with on_nonfinite="stop") loses nothing: between optimizer steps the weights
 are those of the last completed step, so that is checkpointed, and the error gets a note
-naming the batch and the checkpoint. An OOM error and a preemption have written theirs
-already. Under torchrun a checkpoint needs every rank, and the others are not here: the note
-says so. (A second Ctrl-C is not an Exception: it aborts at once.)
+naming the batch and the checkpoint. An error while the batch was loading also names the
+sample: the batch's samples are fetched again one at a time, and the first that fails is named
+with its own error (in the note, and for the journal's `fit_failed`). An OOM error and a
+preemption have written theirs already. Under torchrun a checkpoint needs every rank, and the
+others are not here: the note says so. (A second Ctrl-C is not an Exception: it aborts at once.)
 
 Owns: which batch is in hand (its place in the epoch, and the step it started at). Touches: the
 error's notes, the user's warnings (notices.py); it saves through the function it is given.
@@ -14,7 +16,7 @@ error's notes, the user's warnings (notices.py); it saves through the function i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from autotune.checkpoint import CheckpointFailed, RankFailed
 from autotune.notices import warn
@@ -24,14 +26,21 @@ from autotune.oom import ExchangeFailed, OutOfMemory
 class BatchInHand:
     """Where the loop is, kept cheaply (put in words only when an error needs it)."""
 
-    def __init__(self, describe: Callable[[int, int, int], str], *, world: int, folder: Path):
+    def __init__(self, describe: Callable[[int, int, int], str], *, world: int, folder: Path,
+                 find_bad: Callable[[int, int], tuple[int, Exception] | None] | None = None):
         self._describe = describe  # (epoch, position, batches_done) -> "batch 3 of epoch 0: samples ..."
+        self._find_bad = find_bad  # (epoch, position) -> (index, its error) of the first sample that fails
         self._world, self._folder = world, folder  # the job's size; the checkpoints' folder
         self._batch: tuple[int, int, int] | None = None
+        self._loading = False  # the batch in hand is still being loaded
         self._step_at_start = 0
+        self.bad_sample: dict[str, Any] | None = None  # the sample named at the last error, for the journal
 
     def start(self, epoch: int, position: int, batches_done: int, step: int) -> None:
-        self._batch, self._step_at_start = (epoch, position, batches_done), step
+        self._batch, self._step_at_start, self._loading = (epoch, position, batches_done), step, True
+
+    def loaded(self) -> None:
+        self._loading = False
 
     def done(self) -> None:
         self._batch = None
@@ -41,6 +50,8 @@ class BatchInHand:
         docstring); the checkpoint's path, or None."""
         if self._batch is not None:
             exc.add_note(f"autotune: {self._describe(*self._batch)}")
+            if self._loading and self._find_bad is not None:
+                self._name_bad_sample(exc)
         if isinstance(exc, (OutOfMemory, ExchangeFailed, RankFailed, CheckpointFailed)):
             return None
         if self._world > 1:
@@ -59,3 +70,20 @@ class BatchInHand:
             warn(f"stopped by {type(exc).__name__} at step {step}; checkpoint {path}; continue with "
                  "fit(..., resume=True) once the cause is fixed", key=f"error checkpoint {path}")
         return path
+
+    def failure_fields(self, saved: Path | None) -> dict[str, Any]:
+        """What the journal's `fit_failed` adds: the checkpoint `saved` before raising, the bad sample."""
+        return {**({"checkpoint": str(saved)} if saved else {}),
+                **({"bad_sample": self.bad_sample} if self.bad_sample else {})}
+
+    def _name_bad_sample(self, exc: Exception) -> None:
+        epoch, position, _ = self._batch
+        found = self._find_bad(epoch, position)
+        if found is None:
+            exc.add_note("autotune: each of the batch's samples loads on its own: the batch failed as a whole "
+                         "(its collate_fn, or a worker)")
+            return
+        index, error = found
+        text = f"{type(error).__name__}: {error}"[:300]
+        self.bad_sample = {"index": index, "error": text}
+        exc.add_note(f"autotune: sample {index} of the dataset fails to load (fetched alone): {text}")

@@ -120,8 +120,8 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
           "micro_batch_size:int message:str"),
     _kind(Kind.FIT_END, "a run of steps ended", f"samples_seen:int ooms:int wall_seconds:float loss:float|None "
           f"metrics:dict stopped:str|None compiles:int {_FIT_FIELDS}", shown=True),
-    _kind(Kind.FIT_FAILED, "a run ended by an error (the checkpoint it left, if any)",
-          "error:str samples_seen:int checkpoint:str", shown=True),
+    _kind(Kind.FIT_FAILED, "a run ended by an error (the checkpoint it left, the sample that failed to load, if any)",
+          "error:str samples_seen:int checkpoint:str bad_sample:dict", shown=True),
     _kind(Kind.MONITOR_START, "the memory monitor process started", "pid:int interval:float"),
     _kind(Kind.MONITOR_RESTART, "the monitor process exited and was restarted", "returncode:int|None restarts:int "
           "pid:int|None", shown=True),

@@ -124,7 +124,8 @@ class AutoTrainer:
                                          room_bytes=functools.partial(room_bytes, self.knobs.host_cap_bytes))
         self._stop_request = StopRequest(ranks, device, self.callbacks)
         # Named in the note of an error, and checkpointed before it propagates where that loses nothing.
-        self._in_hand = BatchInHand(self.input.describe_batch, world=ranks.world, folder=self.checkpointer.folder)
+        self._in_hand = BatchInHand(self.input.describe_batch, world=ranks.world, folder=self.checkpointer.folder,
+                                    find_bad=self.input.find_bad_sample)
         self._closed = False
 
     step, epoch, position, batches_done, ooms, samples_seen = map(
@@ -181,7 +182,7 @@ class AutoTrainer:
             saved = self._in_hand.save_before_raising(exc, self.step, self.checkpoint_now) \
                 if isinstance(exc, Exception) else None
             self.input.stop_workers()  # now, not when the exception is collected
-            self.tuner.end(error=exc, **({"checkpoint": str(saved)} if saved else {}))  # on the record: fit_failed
+            self.tuner.end(error=exc, **self._in_hand.failure_fields(saved))  # on the record: fit_failed
             raise
         finally:
             self.log.close_bar()
@@ -250,6 +251,7 @@ class AutoTrainer:
             except StopIteration:
                 self._in_hand.done()
                 break
+            self._in_hand.loaded()
             step_start = time.perf_counter()
             n = batch_len(batch)
             outcome = self.tuner.train_batch(batch, n, proposal=self._proposal)
@@ -267,12 +269,10 @@ class AutoTrainer:
                 del batches  # its workers exit before the new loader's start
                 batches = self.input.rebuild(self.knobs, self.journal, self.step, self.epoch, self.position)
             if self.log.show_due(step_end):
-                self.log.show(step_end, loss=lambda: f"{epoch_loss_sum.mean() or 0:.4f}",
-                              micro=self.knobs.micro_batch_size,
+                self.log.show(step_end, loss=lambda: f"{epoch_loss_sum.mean() or 0:.4f}", micro=self.knobs.micro_batch_size,
                               mem=lambda: memory_text(self.device, self.knobs.memory_cap_bytes))
             agreed = outcome.agreed
-            if agreed.stop_signal:  # agreed by all ranks under torchrun
-                signum = agreed.stop_signal
+            if signum := agreed.stop_signal:  # agreed by all ranks under torchrun
                 raise self.checkpointer.preempted(signum, self.checkpoint_now(f"signal {signal.Signals(signum).name}"),
                                                   self.counters)
             self.callbacks.fire("on_step_end", self)

@@ -260,3 +260,43 @@ def test_a_dataloader_workers_error_checkpoints_first_too(tmp_path):
     assert "samples [160, " in "\n".join(caught.value.__notes__)
     (path,) = kept_checkpoints(tmp_path)
     assert torch.load(path, weights_only=True)["progress"]["step"] == 5
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sample_that_fails_to_load_is_named_with_its_own_error(tmp_path, num_workers):
+    # The sample's error does not say which it is (a truncated image file, say): autotune fetches
+    # the failing batch's samples again, one at a time, and names the first that fails.
+    class Corrupt(torch.utils.data.Dataset):
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            if i == 183:
+                raise OSError("image file is truncated (3 bytes not processed)")
+            return torch.full((8,), i / N), torch.ones(1)
+
+    t = trainer(tmp_path, model(), Corrupt(), num_workers=num_workers)
+    with pytest.raises(OSError, match="truncated") as caught:
+        t.fit(epochs=1)
+    t.close()
+    notes = "\n".join(caught.value.__notes__)
+    assert "sample 183 of the dataset fails to load (fetched alone): OSError: image file is truncated" in notes, notes
+    (failed,) = [r for r in journal(tmp_path / "run") if r["kind"] == "fit_failed"]
+    assert failed["bad_sample"] == {"index": 183, "error": "OSError: image file is truncated (3 bytes not processed)"}
+    assert "checkpoint" in failed  # the five steps before it are saved, as for any error
+
+
+def test_a_batch_whose_samples_load_alone_but_not_together_says_so(tmp_path):
+    def collate(samples):
+        if any(float(x[0]) == 183 / N for x, _ in samples):
+            raise RuntimeError("stack expects each tensor to be equal size")
+        return torch.utils.data.default_collate(samples)
+
+    data = TensorDataset(torch.arange(N, dtype=torch.float32).div(N).unsqueeze(1).expand(N, 8).clone(), torch.ones(N, 1))
+    t = trainer(tmp_path, model(), data, collate_fn=collate)
+    with pytest.raises(RuntimeError, match="equal size") as caught:
+        t.fit(epochs=1)
+    t.close()
+    assert "each of the batch's samples loads on its own" in "\n".join(caught.value.__notes__)
+    (failed,) = [r for r in journal(tmp_path / "run") if r["kind"] == "fit_failed"]
+    assert "bad_sample" not in failed

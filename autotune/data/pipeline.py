@@ -182,6 +182,19 @@ class InputPipeline:
         shown = ", ".join(map(str, indices[:64])) + (", ..." if len(indices) > 64 else "")
         return f"{where}, the dataset's samples [{shown}]"
 
+    def find_bad_sample(self, epoch: int, position: int) -> tuple[int, Exception] | None:
+        """The first sample of the batch at `position` of `epoch` that fails to load, fetched one at
+        a time in this process, with its exception: what a worker's error or a collate's does not
+        name. None where the indices are unknown (a caller's loader) or every sample loads alone."""
+        if self.sampler is None:
+            return None
+        for index in self.sampler.order()[position:position + self._batch_size]:  # the sampler is at `epoch`
+            try:
+                self.dataset[index]
+            except Exception as exc:  # the sample's own error, named for the user (not raised again)
+                return index, exc
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """A caller's loader's position, for a checkpoint (per rank); {} for the loader built here,
         whose order is a function of (seed, epoch, position)."""
