@@ -41,7 +41,7 @@ _EXPORTS = {
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
     "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
     "AutoTrainer": "autotune.trainer", "Tuner": "autotune.tuner", "FitResult": "autotune.progress",
-    "PerSample": "autotune.batching", "Fields": "autotune.batching",
+    "PerSample": "autotune.batching", "Fields": "autotune.batching", "StepResult": "autotune.losses",
     "set_verbosity": "autotune.notices",
 }
 
@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from autotune.batching import Fields, PerSample
     from autotune.checkpoint import CheckpointFailed
     from autotune.events import Event
+    from autotune.losses import StepResult
     from autotune.notices import set_verbosity
     from autotune.oom import ExchangeFailed, NonFiniteStep, OutOfMemory, is_oom
     from autotune.policy import Policy, PolicyBase

@@ -31,7 +31,7 @@ from torch import nn
 from autotune.agreement import Agreement
 from autotune.cadence import MeasureCadence
 from autotune.demand import StepDemand
-from autotune.losses import Losses
+from autotune.losses import Losses, join_outputs
 from autotune.optimizer_step import OptimizerStep
 from autotune.recovery import OOMRecovery
 from autotune.run import Run
@@ -61,6 +61,12 @@ class BatchOutcome:
         """The batch's mean loss (0-d, on the device; no op when the batch ran in one piece)."""
         return self.losses.mean(self.device)
 
+    @property
+    def outputs(self) -> Any:
+        """What the step function handed back (`StepResult.outputs`) for the whole batch, in sample
+        order; None where it handed back none."""
+        return join_outputs(self.losses.outputs)
+
 
 class BatchRunner:
     """Runs batches on one Tuner's step core (see the module docstring)."""
@@ -72,6 +78,7 @@ class BatchRunner:
         self.measured = False  # whether the last batch was measured (its demand read, BATCH_MEASURED fired)
         self.last_good_micro: int | None = None  # the micro-batch of the last batch that completed
         self.holding = False  # gradients of earlier batches set aside during this one
+        self.last: BatchOutcome | None = None  # the last batch trained (its outputs: `Tuner.outputs`)
 
     def run(self, batch: Any, n: int, *, optimizer_step: bool, proposal: Callable[[], dict[str, Any]] | None,
             held: list[tuple[nn.Parameter, torch.Tensor]] | None) -> BatchOutcome:
@@ -117,6 +124,7 @@ class BatchRunner:
                 losses = attempt.losses
             else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
                 losses.parts += attempt.losses.parts
+                losses.outputs += attempt.losses.outputs
             knobs.follow(agreed.micro_batch_size)  # rank 0's
             if agreed.relief is not None or knobs.relief is not None:  # most attempts: none asked, none agreed
                 self.recovery.settle_relief(agreed.relief)
@@ -158,7 +166,8 @@ class BatchRunner:
             self.recovery.report_skipped(losses, self.keep_effective_batch)
         self.last_good_micro = self.knobs.micro_batch_size
         self.cadence.done(measured, self.demand.finish() if measured else None)
-        return BatchOutcome(retries, losses, self.core.device, agreed)
+        self.last = BatchOutcome(retries, losses, self.core.device, agreed)
+        return self.last
 
 
 _NOTHING_PROPOSED: dict[str, Any] = {}

@@ -54,7 +54,7 @@ def _sliceable(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor) or type(obj).__module__ == "numpy" and hasattr(obj, "shape")
 
 
-def _is_namedtuple(obj: Any) -> bool:
+def is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
@@ -81,7 +81,7 @@ def _counts(obj: Any, path: str) -> set[int]:
         return {len(obj)}
     if isinstance(obj, Mapping):
         return _agreed({f"{path}[{k!r}]": v for k, v in obj.items()}, path, strict=True)
-    if isinstance(obj, Fields) or _is_namedtuple(obj):
+    if isinstance(obj, Fields) or is_namedtuple(obj):
         return _agreed({f"{path}[{i}]": v for i, v in enumerate(obj)}, path, strict=True)
     if isinstance(obj, (list, tuple)):
         if not obj:
@@ -181,7 +181,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         return fn(obj)
     if isinstance(obj, Mapping):
         return _rebuild_mapping(obj, {k: map_tensors(fn, v) for k, v in obj.items()})
-    if _is_namedtuple(obj):
+    if is_namedtuple(obj):
         return type(obj)(*(map_tensors(fn, v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(fn, v) for v in obj)
@@ -199,7 +199,7 @@ def _slice(part: Any, start: int, stop: int, n: int) -> Any:
         return part[start:stop] if not isinstance(part, PerSample) else PerSample(part[start:stop])
     if isinstance(part, Mapping):
         return _rebuild_mapping(part, {k: _slice(v, start, stop, n) for k, v in part.items()})
-    if _is_namedtuple(part):
+    if is_namedtuple(part):
         return type(part)(*(_slice(v, start, stop, n) for v in part))
     if isinstance(part, Fields):
         return Fields(_slice(v, start, stop, n) for v in part)

@@ -63,6 +63,7 @@ class HostFace(Protocol):
     monitor_process: MonitorProcess | None
     micro_batch_size: int
     reliefs: list[Relief]
+    outputs: Any  # the last batch's outputs its step function handed back (StepResult)
 
     def begin(self, *, keep_gradients: bool = False, **fit_start: Any) -> None: ...
     def train_batch(self, batch: Any, n: int, *, optimizer_step: bool = True,

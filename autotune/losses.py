@@ -1,5 +1,6 @@
 """A batch's losses: what a step function returned, checked, and the kept micro-batches' losses
-with their weights, combined only when read; an epoch's sum on the device.
+with their weights (and the outputs a step function hands back), combined only when read; an
+epoch's sum on the device.
 
 A micro-batch's loss is its mean over its samples (or the items the step function reports:
 tokens, say); `Losses` keeps each with its weight and sums them when asked, so a batch in one
@@ -15,6 +16,50 @@ import dataclasses
 from typing import Any
 
 import torch
+
+from autotune.batching import is_namedtuple, map_tensors
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """What a step function may return instead of a bare loss: the micro-batch's mean `loss`, the
+    `n_items` it is a mean over (tokens, say; None: its samples, as `(loss, n_items)` says), and the
+    `outputs` your loop wants back (logits for an accuracy): detached, and joined across the batch's
+    micro-batches in sample order (`Tuner.outputs`, `AutoTrainer.outputs`)."""
+
+    loss: torch.Tensor
+    n_items: int | torch.Tensor | None = None
+    outputs: Any = None
+
+
+def read_step(out: Any, source: str = "step_fn") -> tuple[torch.Tensor, Any, Any]:
+    """A step's result as `(mean loss, n_items or None, outputs or None)` (see `loss_and_items`)."""
+    if isinstance(out, torch.Tensor):  # most steps: a loss, already a 0-d tensor
+        return (out if not out.ndim else _scalar(out, source)), None, None
+    if isinstance(out, StepResult):
+        loss, items = loss_and_items(out.loss if out.n_items is None else (out.loss, out.n_items), "step_fn")
+        return loss, items, None if out.outputs is None else map_tensors(torch.Tensor.detach, out.outputs)
+    loss, items = loss_and_items(out, source)
+    return loss, items, None
+
+
+def join_outputs(parts: list[Any]) -> Any:
+    """The micro-batches' outputs as the batch's, in sample order: tensors joined along their first
+    dimension, tuples, lists and mappings leaf by leaf; anything else, a list of one per micro-batch."""
+    if not parts:
+        return None
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts) if first.ndim else list(parts)
+    if isinstance(first, dict):
+        return {key: join_outputs([part[key] for part in parts]) for key in first}
+    if is_namedtuple(first):
+        return type(first)(*(join_outputs(list(leaves)) for leaves in zip(*parts)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(join_outputs(list(leaves)) for leaves in zip(*parts))
+    return list(parts)
 
 
 def loss_and_items(out: Any, source: str = "step_fn") -> tuple[torch.Tensor, Any]:
@@ -54,6 +99,7 @@ class Losses:
 
     parts: list[tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=list)  # (mean loss, weight)
     additive: bool = False  # the parts add up to the batch's loss as they are (a trainer's own scaling)
+    outputs: list[Any] = dataclasses.field(default_factory=list)  # the step function's, by kept micro-batch
 
     @property
     def weight(self) -> Any:

@@ -38,7 +38,7 @@ from torch import nn
 
 from autotune.batching import SplitFn, map_tensors, micro_batches
 from autotune.distributed import Ranks, Solo
-from autotune.losses import Losses, loss_and_items
+from autotune.losses import Losses, loss_and_items, read_step
 from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.optimizer_step import OptimizerStep
 from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
@@ -85,8 +85,9 @@ class Attempt:
     peer_failed: bool = False  # another rank ran out of memory in this attempt (sharded.py)
 
     def discard(self) -> None:
-        """The attempt failed: its accumulated losses and items count for nothing."""
+        """The attempt failed: its accumulated losses, outputs and items count for nothing."""
         self.losses.parts.clear()
+        self.losses.outputs.clear()
         self.items, self.ref = None, None
 
 
@@ -131,7 +132,7 @@ class StepCore:
         that normalises its own loss); each is backpropagated as it is, and nothing steps."""
         stepping = not (self.keep_effective_batch or additive)
         size = min(micro_batch_size, n) if stepping else micro_batch_size
-        result = Attempt(None, done, Losses([], additive), started=time.perf_counter())
+        result = Attempt(None, done, Losses([], additive, []), started=time.perf_counter())
         if self.stepper.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
         self.rewind.keep()  # what a failed attempt must not leave behind (rewind.py)
@@ -146,15 +147,13 @@ class StepCore:
                 inject = self._draw_injection(size) if self.inject_oom else None
                 if inject == "forward":
                     raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune in forward, p={self.inject_oom})")
-                loss, items = loss_and_items(self.loss(to_device(micro, self.device)), self.source)
+                loss, items, outputs = read_step(self.loss(to_device(micro, self.device)), self.source)
                 if inject == "backward":
                     raise torch.OutOfMemoryError(f"CUDA out of memory (injected by autotune before backward, p={self.inject_oom})")
                 if additive:
                     self._backward(loss)
                     result.losses.parts.append((loss.detach(), 1))  # the losses add up to the batch's
-                    del loss
-                    continue
-                if stepping:
+                elif stepping:
                     self._backward(loss)
                     self.stepper.step(m)
                     if self.stepper.failure is not None:
@@ -165,6 +164,8 @@ class StepCore:
                     result.losses.parts.append((loss.detach(), m if items is None else items))
                 else:
                     self._accumulate(result, loss, items, m, n)
+                if outputs is not None:  # handed back (StepResult): kept with the micro-batch's loss
+                    result.losses.outputs.append(outputs)
                 del loss
         except PeerFailed:
             # Another rank ran out of memory: this one's attempt stops at the same check, and is retried with it.

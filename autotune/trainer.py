@@ -135,8 +135,8 @@ class AutoTrainer:
     reliefs = property(lambda self: self.tuner.reliefs, doc="memory reliefs applied, in order")
     monitor = property(lambda self: self.tuner.monitor_process, doc="the monitor process, while one runs")
     demand = property(lambda self: self.tuner.demand, doc="the step's memory demand over the cap")
-    loader = property(lambda self: self.input.loader, doc="the DataLoader in use now (rebuilt when a policy "
-                                                          "changes workers or caching)")
+    loader = property(lambda self: self.input.loader, doc="the DataLoader in use now (rebuilt: workers, caching)")
+    outputs = property(lambda self: self.tuner.outputs, doc="the last batch's outputs step_fn handed back (StepResult)")
 
     # ----------------------------------------------------------------------------- the loop
     def fit(self, epochs: int = 1, max_steps: int | None = None, resume: bool | str | Path = False) -> FitResult:

@@ -153,9 +153,8 @@ class Tuner:
         # The demand's and the history's, not ours: no reference cycle
         self.core.on_failure = functools.partial(read_at_failure, self.demand, self.history, self.model, self.device)
         self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"
-        self._started = False  # between begin() and end(): a run of steps, journaled as fit_start ... fit_end
+        self._started = self._closed = False  # started: between begin() and end(), journaled as fit_start ... fit_end
         self._last_step_end: float | None = None
-        self._closed = False
 
     step_count = property(lambda self: self.counters.step, doc="optimizer steps taken")
     ooms = property(lambda self: self.counters.ooms, doc="out-of-memory errors survived")
@@ -165,6 +164,8 @@ class Tuner:
     scheduler = property(lambda self: self.stepper.scheduler, doc="the LR scheduler, or None")
     reliefs = property(lambda self: self.ladder.applied, doc="memory reliefs applied, in order")
     monitor_process = property(lambda self: self.monitor_link.process, doc="the monitor process, while one runs")
+    outputs = property(lambda self: self.batches.last and self.batches.last.outputs,
+                       doc="the last batch's outputs your step function handed back (`StepResult`), in sample order")
 
     # ------------------------------------------------------------------------- your loop
     def step(self, batch: Any, step_fn: StepFn | None = None, *, loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -204,8 +205,7 @@ class Tuner:
     def _after_own_batch(self, n: int, outcome: BatchOutcome) -> None:
         # Without a loader of our own, a step's time runs from the last one's end (data wait unknown: 0).
         now = time.perf_counter()
-        step_seconds, self._last_step_end = now - self._last_step_end, now
-        log = self.log
+        step_seconds, self._last_step_end, log = now - self._last_step_end, now, self.log
         if log.moves_bar or log.step_due() or not self.reactions.quiet():  # else nothing reads the timing
             self.after_batch(StepTiming(step_seconds=step_seconds, retries=outcome.retries), n, outcome)
 

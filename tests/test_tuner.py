@@ -328,3 +328,42 @@ def test_a_relief_dropped_for_a_smaller_micro_batch_is_journaled_and_its_policy_
     (dropped,) = [r for r in journal(tmp_path) if r["kind"] == "relief_dropped"]
     assert dropped["relief"] == "use_autocast" and "smaller micro-batch (8)" in dropped["why"]
     assert asks.told == [("UseAutocast", dropped["why"])]
+
+
+def test_outputs_come_back_in_sample_order_across_micro_batches_and_a_retry(tmp_path):
+    # A torchvision-style loop reads acc@1 off the logits: at micro-batch 8 of 32, with an OOM
+    # after two micro-batches of batch 2, the logits handed back are the whole batch's, once each.
+    from autotune import StepResult
+    from autotune.policies import HalveOnOOM
+
+    model, data = _problem()
+    batches = list(DataLoader(data, batch_size=32))
+    calls = []
+
+    def step_fn(module, micro):
+        x, y = micro
+        logits = module(x)
+        calls.append(len(x))
+        if tuner.step_count == 1 and len(calls) == 3:
+            torch.empty(1 << 62, dtype=torch.uint8)  # DefaultCPUAllocator: can't allocate memory
+        return StepResult(nn.functional.cross_entropy(logits, y), outputs={"logits": logits, "n": len(x)})
+
+    with _tuner(model, tmp_path, "outputs", micro_batch_size=8, policies=[HalveOnOOM()]) as tuner:
+        for x, y in batches:
+            calls.clear()
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            tuner.step((x, y), step_fn)
+            reference = _problem()[0]
+            reference.load_state_dict(before)
+            with torch.no_grad():
+                expected = reference(x)
+            out = tuner.outputs
+            torch.testing.assert_close(out["logits"], expected, rtol=1e-5, atol=1e-6)
+            assert not out["logits"].requires_grad
+            assert out["n"] == [len(x) // (len(out["n"]))] * len(out["n"])  # not a tensor: one per micro-batch
+        assert tuner.ooms == 1 and tuner.micro_batch_size == 4
+    plain = Tuner(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy,
+                  device="cpu", run_dir=tmp_path / "plain", monitor=False)
+    plain.step(batches[0])
+    assert plain.outputs is None  # a bare loss hands nothing back
+    plain.close()
