@@ -22,6 +22,9 @@ A metric is `fn(outputs, targets) -> value` (with `loss_fn`; targets: the batch'
 part) or `fn(outputs, micro_batch) -> value` (with `step_fn`), where `value` is the mean over
 the micro-batch's samples, or `(mean, n_items)` to be weighted by items.
 
+A loop's own evaluation (`Tuner.evaluate`: nanoGPT's `estimate_loss`, an HF eval loop) takes
+the same pieces one batch at a time (`Evaluator.step`), with its own function of the model.
+
 `EvaluationPlan` says when a fit evaluates (every N steps, or each epoch's end) and what a
 ReduceLROnPlateau scheduler steps on.
 
@@ -38,14 +41,14 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from autotune.batching import batch_len, micro_batches
+from autotune.batching import batch_len, is_namedtuple, micro_batches
 from autotune.memory import describe_memory, free_memory
 from autotune.notices import warn
 from autotune.oom import OutOfMemory, is_oom, oom_message
 from autotune.optimizer_step import OptimizerStep
 from autotune.records import Kind
 from autotune.sharded import PeerFailed
-from autotune.losses import loss_and_items
+from autotune.losses import join_outputs, loss_and_items
 from autotune.step import StepCore, to_device
 
 Metric = Callable[[Any, Any], Any]
@@ -90,10 +93,11 @@ class EvaluationPlan:
 class Evaluator:
     """Runs evaluations for one trainer; remembers its micro-batch between them."""
 
-    def __init__(self, core: StepCore, *, batch_size: int, collate_fn: Callable | None,
+    def __init__(self, core: StepCore, *, batch_size: int | None, collate_fn: Callable | None,
                  metrics: Mapping[str, Metric] | None, journal: Any, grow_after: int = 16, forget_after: int = 256):
         self.core, self.journal = core, journal
-        self.batch_size = batch_size
+        self.batch_size = batch_size or 1  # the largest micro-batch it grows back to
+        self.sized = batch_size is not None  # None: the first batch of `step` sizes it
         self.collate_fn = collate_fn
         self.metrics = dict(metrics or {})
         self.micro_batch_size = batch_size
@@ -183,6 +187,38 @@ class Evaluator:
                 self._shrink(size, failed, step, epoch)
                 self.calm = self.since_failure = 0
         return results
+
+    def step(self, batch: Any, fn: Callable[[Any, Any], Any], step: int, epoch: int) -> Any:
+        """`fn(model, micro)` over one batch of a loop's own evaluation (`Tuner.evaluate`): in eval
+        mode, under no_grad and the training's autocast, in pieces of the evaluation's own
+        micro-batch (`in_pieces`). The pieces' results in sample order: numbers and 0-d tensors as
+        their mean weighted by samples, tensors joined along their first dimension, tuples and
+        dicts leaf by leaf."""
+        core = self.core
+        if core.ranks.job.forwards_are_collective:
+            raise NotImplementedError("Tuner.evaluate under FSDP2 (every forward is collective) is not supported "
+                                      "yet: evaluate with AutoTrainer.evaluate, or unsharded")
+        n = batch_len(batch)
+        if not self.sized or n > self.batch_size:  # the first batch sizes it; a larger one raises the cap
+            self.micro_batch_size = n if not self.sized else self.micro_batch_size
+            self.batch_size, self.sized = n, True
+
+        def piece(micro: Any, m: int) -> Any:
+            micro = to_device(micro, core.device)
+            if core.autocast is None:
+                return fn(core.model, micro)
+            with core.autocast.context():
+                return fn(core.model, micro)
+
+        model = core.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                pieces = self.in_pieces(batch, piece, step, epoch, n=n)
+        finally:
+            model.train(was_training)
+        return _combined([value for value, _ in pieces], [m for _, m in pieces])
 
     def _lockstep(self, loader: DataLoader, sums: torch.Tensor, outputs: list, step: int, epoch: int) -> int:
         # A sharded model's evaluation, in rounds of one forward on every rank (module docstring).
@@ -286,3 +322,15 @@ class Evaluator:
         self.micro_batch_size = min(state["micro_batch_size"], self.batch_size)
         self.failed_micro_batch, self.ooms = state["failed_micro_batch"], state["ooms"]
         self.calm, self.since_failure = state["calm"], state["since_failure"]
+
+
+def _combined(values: list[Any], weights: list[int]) -> Any:
+    # Pieces' results as one batch's: scalars averaged by their samples, the rest joined in order.
+    first = values[0]
+    if isinstance(first, (int, float)) or (isinstance(first, torch.Tensor) and first.ndim == 0):
+        return sum(value * m for value, m in zip(values, weights)) / sum(weights)
+    if isinstance(first, dict):
+        return {key: _combined([value[key] for value in values], weights) for key in first}
+    if isinstance(first, tuple) and not is_namedtuple(first):
+        return tuple(_combined(list(leaves), weights) for leaves in zip(*values))
+    return join_outputs(values)

@@ -54,6 +54,7 @@ from autotune.config import (OptimizerFactory, check_tuner_arguments, injection_
 from autotune.demand import StepDemand
 from autotune.dispatch import Dispatcher
 from autotune.distributed import Ranks, Solo, from_environment
+from autotune.evaluation import Evaluator
 from autotune.events import Event
 from autotune.host_face import Host
 from autotune.journal import RunLog
@@ -143,6 +144,7 @@ class Tuner:
         self.recovery = OOMRecovery(run, self.stepper, self.demand, self.history, dispatcher=self.dispatcher,
                                     cadence=self.cadence, reliefs_allowed=reliefs)
         self.batches = BatchRunner(run, self.core, self.stepper, self.cadence, self.demand, self.recovery)
+        self.evaluator = Evaluator(self.core, batch_size=None, collate_fn=None, metrics=None, journal=self.journal)
         self._host = weakref.ref(host) if host is not None else None
         self.reactions = Reactions(run, self.dispatcher, self.ladder, self.monitor_link, self.demand, self.cadence,
                                    self.batches, log=self.log, stepper=self.stepper, host=self._host,
@@ -153,8 +155,8 @@ class Tuner:
         # The demand's and the history's, not ours: no reference cycle
         self.core.on_failure = functools.partial(read_at_failure, self.demand, self.history, self.model, self.device)
         self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"
-        self._started = self._closed = False  # started: between begin() and end(), journaled as fit_start ... fit_end
-        self._last_step_end: float | None = None
+        self._started = self._closed = False  # started: between begin() and end() (fit_start ... fit_end)
+        self._last_step_end: float | None = None  # a step's end: the next one's time runs from it
 
     step_count = property(lambda self: self.counters.step, doc="optimizer steps taken")
     ooms = property(lambda self: self.counters.ooms, doc="out-of-memory errors survived")
@@ -170,10 +172,8 @@ class Tuner:
     # ------------------------------------------------------------------------- your loop
     def step(self, batch: Any, step_fn: StepFn | None = None, *, loss_fn: LossFn | None = None) -> torch.Tensor:
         """Train on `batch` until every sample of it is in a completed optimizer step: split into
-        micro-batches, retried at a smaller size on OOM, accumulated, then one optimizer step.
-
-        Returns the batch's mean loss as a 0-d tensor (read it with `.item()` when you log:
-        that waits for the device). `step_fn`/`loss_fn` default to the constructor's."""
+        micro-batches, retried smaller on OOM, accumulated, one optimizer step. Returns the batch's mean
+        loss, 0-d (`.item()` waits for the device). `step_fn`/`loss_fn` default to the constructor's."""
         core = self.core
         core.use(step_fn, loss_fn)
         n = self._begin_batch(batch)
@@ -209,6 +209,13 @@ class Tuner:
         if log.moves_bar or log.step_due() or not self.reactions.quiet():  # else nothing reads the timing
             self.after_batch(StepTiming(step_seconds=step_seconds, retries=outcome.retries), n, outcome)
 
+    def evaluate(self, batch: Any, eval_fn: Callable[[nn.Module, Any], Any]) -> Any:
+        """`eval_fn(model, micro_batch)` over `batch` in eval mode under `torch.no_grad()`, with a
+        micro-batch of its own: an OOM halves it and runs the same samples again, calm grows it back,
+        and the training micro-batch never moves. Returns the results in sample order (numbers and
+        0-d tensors: their mean over the samples; tensors: joined; tuples, dicts: leaf by leaf)."""
+        return self.evaluator.step(batch, eval_fn, self.step_count, self.counters.epoch)
+
     def step_scheduler(self, metric: float | None = None) -> None:
         """Step the scheduler yourself (scheduler_interval="epoch"; a ReduceLROnPlateau's metric)."""
         self.stepper.step_scheduler(metric)
@@ -226,9 +233,8 @@ class Tuner:
 
     # ------------------------------------------------------------------------- a host's run
     def begin(self, *, keep_gradients: bool = False, **fit_start: Any) -> None:
-        """Before the first batch of a run: the OOM path warmed up, stale gradients dropped (unless
-        `keep_gradients`), the run's start journaled (with the host's `fit_start` fields), the
-        monitor started, FIT_START."""
+        """Before a run's first batch: the OOM path warmed up, stale gradients dropped (unless `keep_gradients`),
+        `fit_start` journaled (with the host's fields), the monitor started, FIT_START."""
         self._started = True
         warm_up_oom_path(self.device, self.knobs.memory_cap_bytes)
         if not keep_gradients:
@@ -264,9 +270,8 @@ class Tuner:
         self.ranks.average_gradients()
 
     def after_batch(self, timing: StepTiming, n: int, outcome: BatchOutcome) -> None:
-        """After a batch: its figures logged, then what the policies hear and ask (reactions.py:
-        BATCH_END, BATCH_MEASURED, an agreed relief carried out, the monitor's MEMORY_HIGH and
-        MEMORY_PRESSURE)."""
+        """After a batch: its figures logged, then what the policies hear and ask (reactions.py: BATCH_END,
+        BATCH_MEASURED, an agreed relief carried out, the monitor's MEMORY_HIGH and MEMORY_PRESSURE)."""
         self.reactions.after_batch(timing, n, outcome)
 
     def carry_out(self, relief: Relief | None) -> bool:
@@ -300,8 +305,7 @@ class Tuner:
         return checkpoint_format.tuning(self.knobs, self.ladder, self.dispatcher, self.counters)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned, by this autotune or an older one (the reliefs
-        first: a pruned model's weights fit only a pruned model)."""
+        """Restore what `state_dict` returned, by this autotune or an older one (the reliefs first)."""
         state = checkpoint_format.migrate(state)
         self.load_tuning_state(state["tuning"])
         core = state["core"]
@@ -316,8 +320,7 @@ class Tuner:
         checkpoint_format.restore_tuning(tuning, self.knobs, self.ladder, self.dispatcher, self.counters)
 
     def checkpoint(self, reason: str, report_failure: bool = True) -> Path | None:
-        """A checkpoint now (before a relief, before an OOM error): the host's, or, without one,
-        `state_dict()` in run_dir/checkpoints."""
+        """A checkpoint now (before a relief, an OOM error): the host's, else `state_dict()` in run_dir/checkpoints."""
         if self._host is not None:
             host = self._host()
             return host.checkpoint_now(reason, report_failure) if host is not None else None
@@ -328,8 +331,7 @@ class Tuner:
             self.give_up_on_the_step(str(exc))
 
     def settle(self) -> None:
-        """Read the last optimizer step's non-finite check where a fused optimizer left it on the
-        device (`StepCore.settle`): the counts are exact after, and a skipped step is journaled."""
+        """Read a fused optimizer's non-finite check left on the device: exact counts, a skipped step journaled."""
         self.stepper.settle()
         if self.stepper.skipped:
             self.recovery.report_skipped(None, self.keep_effective_batch)
@@ -362,8 +364,7 @@ class Tuner:
         self.log.flush()
 
     def close(self) -> None:
-        """End the run, take the tuner's hook off the model, give back the CUDA memory fraction,
-        and close the journal and logs. Idempotent."""
+        """End the run, take the reliefs' hooks off, give back the CUDA memory fraction, close the logs. Idempotent."""
         if self._closed:
             return
         self.end()

@@ -126,10 +126,13 @@ def main() -> None:
             for _ in range(args.epochs):
                 for batch in loader:
                     loss = tuner.step(batch, step_fn)  # autotune: forward, backward, clip, step, schedule
+                # autotune: eval mode, no_grad, an OOM-resilient micro-batch of its own
+                eval_loss = tuner.evaluate(batch, step_fn)
     finally:
         lift_address_space_cap()
     print(f"done: {tuner.samples_seen} samples, {tuner.step_count} steps, {tuner.ooms} OOMs survived, "
-          f"micro-batch {tuner.micro_batch_size}, loss {loss.item():.3f}; `autotune report {args.run_dir}`")
+          f"micro-batch {tuner.micro_batch_size}, loss {loss.item():.3f}, last batch's eval loss "
+          f"{float(eval_loss):.3f}; `autotune report {args.run_dir}`")
 
 
 if __name__ == "__main__":

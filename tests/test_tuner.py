@@ -367,3 +367,36 @@ def test_outputs_come_back_in_sample_order_across_micro_batches_and_a_retry(tmp_
     plain.step(batches[0])
     assert plain.outputs is None  # a bare loss hands nothing back
     plain.close()
+
+
+def test_evaluate_survives_ooms_with_its_own_micro_batch_and_leaves_training_alone(tmp_path):
+    # nanoGPT's estimate_loss through the Tuner: eval_fn returns the micro-batch's mean loss; pieces
+    # over 8 samples are refused by the allocator (real: a tensor no machine holds), so the batch of
+    # 32 runs at 8 after two halvings, and its mean loss and logits are the whole batch's.
+    model, data = _problem()
+    x, y = data.tensors[0][:32], data.tensors[1][:32]
+    sizes = []
+
+    def eval_fn(module, micro):
+        inputs, targets = micro
+        sizes.append(len(inputs))
+        assert not torch.is_grad_enabled() and not module.training
+        if len(inputs) > 8:
+            torch.empty(1 << 62, dtype=torch.uint8)  # DefaultCPUAllocator: can't allocate memory
+        logits = module(inputs)
+        return nn.functional.cross_entropy(logits, targets), logits
+
+    with _tuner(model, tmp_path, "eval", micro_batch_size=16) as tuner:
+        tuner.step((x, y))
+        loss, logits = tuner.evaluate((x, y), eval_fn)
+        assert sizes == [32, 16, 8, 8, 8, 8] and tuner.micro_batch_size == 16 and model.training
+        with torch.no_grad():
+            expected = model.eval()(x)
+        model.train()
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss, nn.functional.cross_entropy(expected, y), rtol=1e-5, atol=1e-6)
+        sizes.clear()
+        tuner.evaluate((x, y), eval_fn)
+        assert sizes == [8, 8, 8, 8]  # its micro-batch is remembered between calls
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "eval" / "events.jsonl").read_text().splitlines()]
+    assert kinds.count("eval_oom") == 2 and "oom" not in kinds
