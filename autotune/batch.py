@@ -33,6 +33,8 @@ from autotune.cadence import MeasureCadence
 from autotune.demand import StepDemand
 from autotune.losses import Losses, join_outputs
 from autotune.optimizer_step import OptimizerStep
+from autotune.notices import warn
+from autotune.records import Kind
 from autotune.recovery import OOMRecovery
 from autotune.run import Run
 from autotune.step import Attempt, StepCore
@@ -79,6 +81,8 @@ class BatchRunner:
         self.last_good_micro: int | None = None  # the micro-batch of the last batch that completed
         self.holding = False  # gradients of earlier batches set aside during this one
         self.last: BatchOutcome | None = None  # the last batch trained (its outputs: `Tuner.outputs`)
+        self.journal, self.counters, self.run_dir = run.journal, run.counters, run.run_dir
+        self._said_norms = False  # BatchNorm at a micro-batch below the batch: said once a run
 
     def run(self, batch: Any, n: int, *, optimizer_step: bool, proposal: Callable[[], dict[str, Any]] | None,
             held: list[tuple[nn.Parameter, torch.Tensor]] | None) -> BatchOutcome:
@@ -118,6 +122,7 @@ class BatchRunner:
                 # its losses go too (kept, they would count twice), but with
                 # keep_effective_batch=False its stepped chunks stay, and so do their buffers.
                 core.rewind.restore()
+                core.norms.drop()
                 if self.keep_effective_batch or additive:
                     attempt.discard()
             if losses is None:
@@ -131,6 +136,8 @@ class BatchRunner:
             if agreed.fatal:
                 self.recovery.give_up_on_the_step(agreed.fatal)
             if agreed.failed_micro_batch is None:
+                if core.norms.active:
+                    self._settle_norms(n)
                 self._complete(attempt, n, optimizer_step, held, reduced)
                 return self._outcome(losses, len(tried), agreed, measured)
             # Out of the `except` block now, so the exception and its frames are gone and
@@ -160,6 +167,19 @@ class BatchRunner:
         failure = self.stepper.failure
         if failure is not None and self.ranks.known_to_all(failure):
             self.recovery.give_up_on_the_step(failure)
+
+    def _settle_norms(self, n: int) -> None:
+        # The batch ran in micro-batches through BatchNorm in training: its running statistics are
+        # the whole batch's now; each micro-batch was normalised over itself, which is said once.
+        modules = len(self.core.norms.active)
+        self.core.norms.settle()
+        if not self._said_norms:
+            self._said_norms = True
+            change = (f"BatchNorm ({modules} modules) normalises each micro-batch of {self.knobs.micro_batch_size} over "
+                      f"its own samples, not the batch of {n}; its running statistics are the whole batch's")
+            self.journal.write(Kind.NUMERICS, self.counters.step, self.counters.epoch, change=change,
+                               micro_batch_size=self.knobs.micro_batch_size, batch_size=n, modules=modules)
+            warn(f"{change} (docs: getting-started, what stays exact)", key=f"batchnorm micro {self.run_dir}")
 
     def _outcome(self, losses: Losses, retries: int, agreed: Agreement, measured: bool) -> BatchOutcome:
         if self.stepper.skipped:

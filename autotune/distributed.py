@@ -188,6 +188,11 @@ class Ranks:
         replaced its parameters (every rank prunes alike, at the same step). A model sharded
         with FSDP2 (by its user, or here with `shard=True`) is not wrapped: its exchanges are
         checked instead (sharded.py)."""
+        synced = next((name for name, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)), None)
+        if synced is not None:  # its forward all-reduces: a rank out of memory would leave the others in it
+            raise ValueError(f"{synced or 'the model'} is a SyncBatchNorm, whose forward is a collective: under "
+                             "torchrun autotune needs forwards a rank can fail alone. Use BatchNorm (its running "
+                             "statistics are combined over each batch's micro-batches, per rank)")
         if shard and not is_sharded(model):
             blocks = shard_blocks(model)
             logger.info(f"sharded with FSDP2: {len(blocks)} blocks ({', '.join(blocks[:3])}"

@@ -33,6 +33,7 @@ class Kind:
     RELIEF_FAILED = "relief_failed"
     RELIEF_DROPPED = "relief_dropped"
     NONFINITE = "nonfinite"
+    NUMERICS = "numerics"
     CHECKPOINT = "checkpoint"
     CHECKPOINT_FAILED = "checkpoint_failed"
     CHECKPOINT_REFUSED = "checkpoint_refused"
@@ -99,6 +100,8 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
     _kind(Kind.RELIEF_DROPPED, "a relief asked, then not carried out (a smaller micro-batch went first; another "
           "rank's policies decide)", "relief:str reason:str why:str", shown=True),
     _kind(Kind.NONFINITE, "an optimizer step not taken on NaN or inf gradients", "at_step:int error:str action:str"),
+    _kind(Kind.NUMERICS, "training computes differently from a whole-batch forward (BatchNorm at a micro-batch below "
+          "the batch)", "change:str micro_batch_size:int batch_size:int modules:int", shown=True),
     _kind(Kind.CHECKPOINT, "a checkpoint on disk", "reason:str path:str seconds:float background:bool "
           "write_seconds:float position:int samples_seen:int micro_batch_size:int", shown=True),
     _kind(Kind.CHECKPOINT_FAILED, "a checkpoint that could not be written (retried at the next due time)",

@@ -42,6 +42,7 @@ from autotune.losses import Losses, loss_and_items, read_step
 from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.optimizer_step import OptimizerStep
 from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
+from autotune.norm_stats import BatchNormStats
 from autotune.rewind import Rewind
 from autotune.sharded import PeerFailed
 
@@ -123,6 +124,7 @@ class StepCore:
         self.on_failure: Callable[[], None] | None = None
         self._parameters: tuple[nn.Parameter, ...] | None = None  # the model's, walked once (see `parameters`)
         self.rewind = Rewind(model, device)  # the random streams and buffers an attempt changes, kept before it
+        self.norms = BatchNormStats(model)  # BatchNorm's running statistics over a batch in micro-batches
 
     # ------------------------------------------------------------------------- the attempt
     def attempt(self, batch: Any, n: int, done: int, micro_batch_size: int, additive: bool = False) -> Attempt:
@@ -140,6 +142,8 @@ class StepCore:
         # The whole batch in one piece (most steps): as it came, no split
         pieces = (((batch, n),) if done == 0 and size >= n and self.split_fn is None
                   else micro_batches(batch, size, start=done, split_fn=self.split_fn, total=n))
+        # Split into micro-batches of one optimizer batch: BatchNorm's statistics over the whole batch (norm_stats.py)
+        self.norms.begin(split=size < n and self.keep_effective_batch and not additive)
         try:
             for micro, m in pieces:
                 seen += m
@@ -173,6 +177,8 @@ class StepCore:
             result.discard()
         except Exception as exc:
             self._note_failure(exc, result, size)
+        finally:
+            self.norms.pause()
         return result
 
     def _accumulate(self, result: Attempt, loss: torch.Tensor, items: Any, m: int, n: int) -> None:
@@ -287,6 +293,7 @@ class StepCore:
         self._parameters = None
         self.stepper.forget_parameters()
         self.rewind.forget()
+        self.norms.forget()
         if self.compiled is not None:
             self.compiled = torch.compile(self.ranks.module(self.model), **self.compile_options)
         elif self.compiled_model:

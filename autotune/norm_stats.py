@@ -1,0 +1,108 @@
+"""BatchNorm's running statistics under micro-batches: updated once per optimizer batch, from the
+statistics of the whole batch, as a whole-batch forward would have updated them.
+
+    begin(split)   at an attempt's start, where the batch runs in several micro-batches: each
+                   BatchNorm in training mode keeps its running statistics still (momentum 0 for
+                   the attempt) and a hook sums its input per channel (count, sum, sum of squares)
+    pause()        at the attempt's end, failed or not: hooks off, momentum back
+    settle()       once every rank agreed the attempt fit: running mean and unbiased variance
+                   moved by the module's momentum (None: the cumulative average) toward the whole
+                   batch's, and `num_batches_tracked` + 1
+    drop()         the attempt failed: the sums go (rewind.py puts the buffers back)
+
+Normalisation inside a micro-batch still uses that micro-batch's own statistics: a numerics
+change from a whole-batch forward, said once on stderr and in the journal (`numerics`). Only
+`torch.nn.BatchNorm*d` (and its lazy forms) follow this rule; InstanceNorm with running
+statistics keeps updating per micro-batch (its statistics are per sample already), and
+SyncBatchNorm, whose forward is a collective, is refused under torchrun where an attempt may
+fail on one rank (its name in the error).
+
+Owns: the sums and the momenta it set aside. Touches: the BatchNorm modules' momentum (during an
+attempt) and running buffers (in `settle`), hooks on them while an attempt runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+class BatchNormStats:
+    """The whole batch's statistics for each training BatchNorm (see the module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._modules: list[_BatchNorm] | None = None  # walked once (`forget` after a relief)
+        self._hooks: list[Any] = []
+        self._momenta: list[float | None] = []
+        self._sums: dict[int, list[torch.Tensor]] = {}  # id(module) -> [count, sum, sum of squares]
+        self._tracked: list[torch.Tensor] = []  # num_batches_tracked before the attempt
+        self.active: list[_BatchNorm] = []
+
+    def modules(self) -> list[_BatchNorm]:
+        """The model's BatchNorm modules that keep running statistics."""
+        if self._modules is None:
+            self._modules = [m for m in self.model.modules()
+                             if isinstance(m, _BatchNorm) and m.track_running_stats and m.running_mean is not None]
+        return self._modules
+
+    def begin(self, split: bool) -> None:
+        """At an attempt's start: `split`, the batch runs in several micro-batches."""
+        self._sums.clear()
+        self.active = [m for m in self.modules() if m.training] if split else []
+        if not self.active:
+            return
+        self._momenta = [m.momentum for m in self.active]
+        self._tracked = [m.num_batches_tracked.clone() for m in self.active]
+        for module in self.active:
+            module.momentum = 0.0  # its running statistics stay as they are during the attempt
+            self._hooks.append(module.register_forward_pre_hook(self._sum_input))
+
+    def _sum_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0].detach()
+        dims = [0, *range(2, x.ndim)]
+        x = x.float()
+        count = torch.tensor(float(x.numel() // x.shape[1]), device=x.device)
+        figures = [count, x.sum(dims), (x * x).sum(dims)]
+        sums = self._sums.get(id(module))
+        if sums is None:
+            self._sums[id(module)] = figures
+        else:
+            for total, value in zip(sums, figures):
+                total.add_(value)
+
+    def pause(self) -> None:
+        """At an attempt's end, failed or not: the hooks off and each module's momentum back."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for module, momentum in zip(self.active, self._momenta):
+            module.momentum = momentum
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """The attempt fit: each module's running statistics moved toward the whole batch's."""
+        for module, momentum, tracked in zip(self.active, self._momenta, self._tracked):
+            sums = self._sums.get(id(module))
+            if sums is None:
+                continue  # a module the forward did not reach
+            count, total, squares = sums
+            mean = total / count
+            variance = (squares / count - mean * mean).clamp_min(0) * (count / (count - 1).clamp_min(1))
+            module.num_batches_tracked.copy_(tracked + 1)
+            factor = momentum if momentum is not None else 1.0 / float(module.num_batches_tracked)
+            module.running_mean.mul_(1 - factor).add_(mean.to(module.running_mean.dtype), alpha=factor)
+            module.running_var.mul_(1 - factor).add_(variance.to(module.running_var.dtype), alpha=factor)
+        self.drop()
+
+    def drop(self) -> None:
+        """The attempt failed (or is settled): its sums go."""
+        self._sums.clear()
+        self.active = []
+
+    def forget(self) -> None:
+        """A relief changed the model's modules: walked again."""
+        self._modules = None
