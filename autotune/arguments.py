@@ -25,9 +25,11 @@ SHARED = """        device: "cpu", "cuda", "cuda:1" or a `torch.device`; default
             epoch end ("epoch"; with a Tuner, `tuner.step_scheduler()` is yours to call).
         precision: "fp32", or "bf16" / "fp16" (autocast; fp16 with a gradient scaler, saved in
             checkpoints). With either, the autocast relief changes nothing.
-        clip_grad_norm, clip_grad_value: clip the whole batch's gradient once per optimizer
-            step (after every micro-batch, the ranks' average and unscaling); the norm before
+        clip_grad_norm: clip the whole batch's gradient norm to this once per optimizer step
+            (after every micro-batch, the ranks' average and unscaling); the norm before
             clipping goes to steps.jsonl and TensorBoard.
+        clip_grad_value: clip each gradient element to +-this, once per optimizer step, as
+            `clip_grad_norm` is.
         compile: `torch.compile` the model (the batch dimension marked dynamic, so micro-batch
             changes do not recompile each time); a dict is passed to torch.compile as options
             (`{"backend": "aot_eager"}`). A model the user compiled is trained as it is.
@@ -78,8 +80,9 @@ TRAINER = """        model: the `nn.Module` to train; moved to `device`.
         progress: show a tqdm bar with loss, micro-batch and memory.
         scheduler: an LR scheduler over `optimizer` (or a factory optimizer -> scheduler),
             saved in checkpoints; stepped per `scheduler_interval` ("step": each optimizer
-            step, "epoch": each epoch end). A ReduceLROnPlateau steps on `scheduler_metric`
-            (default: the evaluation loss, or the epoch's training loss without `eval_dataset`).
+            step, "epoch": each epoch end).
+        scheduler_metric: what a ReduceLROnPlateau scheduler steps on: an evaluation's figure
+            (default "loss"), or, without an `eval_dataset`, the epoch's training loss ("train_loss").
         eval_dataset: a dataset (or DataLoader) to evaluate on, with an eval micro-batch of its
             own; see `evaluate`.
         eval_every: evaluate every this many steps, or each "epoch" (the default with an
@@ -92,7 +95,8 @@ TRAINER = """        model: the `nn.Module` to train; moved to `device`.
         checkpoint_every: write a checkpoint every this many optimizer steps (at steps N, 2N, ...).
         checkpoint_interval: and/or every this many seconds (default 900; None: off). A
             checkpoint is also written at the end of `fit`, on SIGTERM/SIGINT, and before
-            giving up on an OOM. `run_dir/checkpoints/`, the last `keep_checkpoints` kept.
+            giving up on an OOM, in `run_dir/checkpoints/`.
+        keep_checkpoints: how many of the newest checkpoints are kept (older ones are removed).
 """
 
 TUNER = """        model: the `nn.Module` to train; moved to `device` (wrapped in DDP under torchrun).

@@ -2,6 +2,7 @@
 docs/ is run here (Python), or is a file's text line for line, or is marked with the reason it is not
 run (shell, TOML); `text` blocks are output. Every public name has a docstring the API reference shows."""
 
+import inspect
 import os
 import re
 import subprocess
@@ -85,3 +86,12 @@ def test_the_site_builds_strict(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-5000:]
     assert (tmp_path / "site" / "reference" / "trainer" / "index.html").exists()
+    # Every parameter of the two front doors is in its page's table, with its type and default (the
+    # docstrings are completed at import: docs/hooks/runtime_docstrings.py).
+    from autotune import AutoTrainer, Tuner
+
+    for cls, page in ((AutoTrainer, "trainer"), (Tuner, "tuner")):
+        html = (tmp_path / "site" / "reference" / page / "index.html").read_text()
+        shown = set(re.findall(r'<tr class="doc-section-item">\s*<td>\s*<code>(\w+)</code>', html))
+        missing = [name for name in inspect.signature(cls).parameters if name not in shown]
+        assert not missing, f"{cls.__name__}'s reference page lacks {missing}"
