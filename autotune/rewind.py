@@ -11,7 +11,9 @@ dropout masks are the ones the failed attempt drew, and running statistics are u
 forward that counts. autotune's own fault-injection stream is not rewound (the retry would draw
 the same fault).
 
-Which buffers a forward changes is learned, not guessed, because a model may hold large ones it
+Whether an attempt draws from the streams is learned from the first one (a model without dropout
+never pays for a copy of them again; `forget` learns anew). Which buffers a forward changes is
+learned too, not guessed, because a model may hold large ones it
 never writes (a GPT's causal mask: megabytes a step to copy): every buffer is copied before the
 first attempt, and those whose values moved during it are copied from then on, with the running
 statistics of every normalisation module (in eval mode at first, they may train later). A buffer
@@ -46,12 +48,17 @@ class Rewind:
         self._learning = False  # the first attempt's copies are of every buffer, to see which move
         self._others: list[tuple[torch.Tensor, int]] = []  # the rest, with their in-place versions
         self._restored = False  # the last attempt was put back (it taught nothing of what moves)
+        self.streams_move: bool | None = None  # whether an attempt draws random numbers (None: not seen yet)
+        self._first: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the streams at that attempt's start
 
     def keep(self) -> None:
         """Before an attempt: the random streams and the changing buffers as they are now."""
-        self._cpu_stream = torch.get_rng_state()
-        if self.on_cuda:
-            self._device_stream = torch.cuda.get_rng_state(self.device)
+        if self.streams_move is not False:
+            self._cpu_stream = torch.get_rng_state()
+            if self.on_cuda:
+                self._device_stream = torch.cuda.get_rng_state(self.device)
+            if self.streams_move is None and self._first is None:  # what `attempted` compares with
+                self._first = (self._cpu_stream, self._device_stream)
         if self._watched is None:  # the first attempt: every buffer, once
             self._watched = list(self.model.buffers())
             self._copies = [b.detach().clone() for b in self._watched]
@@ -66,11 +73,26 @@ class Rewind:
         if self._watched:
             torch._foreach_copy_(self._copies, self._watched)
 
+    def attempted(self, whole: bool) -> None:
+        """After the first attempt that ran to its end (`whole`; and the first after `forget`):
+        whether it drew from the random streams. A model that draws nothing (no dropout) then never
+        pays for keeping them: a copy of the CPU stream is ~5 KB, ~10 us of a ~0.3 ms step on a
+        cold cache. A failed attempt may have stopped before its first draw: it teaches nothing."""
+        if self.streams_move is not None or self._first is None or not whole:
+            return
+        cpu, device = self._first
+        self._first = None
+        moved = not torch.equal(torch.get_rng_state(), cpu)
+        if device is not None:
+            moved = moved or not torch.equal(torch.cuda.get_rng_state(self.device), device)
+        self.streams_move = moved
+        if not moved:
+            self._cpu_stream = self._device_stream = None  # nothing of the streams to put back, ever
+
     def restore(self) -> None:
         """After a failed attempt: the random streams and the changing buffers as `keep` found them."""
-        if self._cpu_stream is None:
-            return  # nothing kept: no attempt ran
-        torch.set_rng_state(self._cpu_stream)
+        if self._cpu_stream is not None:
+            torch.set_rng_state(self._cpu_stream)
         if self._device_stream is not None:
             torch.cuda.set_rng_state(self._device_stream, self.device)
         if self._watched:
@@ -78,8 +100,9 @@ class Rewind:
         self._restored = True  # learning waits for an attempt that runs to its end
 
     def forget(self) -> None:
-        """The model's modules changed (a relief): its buffers are learned again at the next attempt."""
+        """The model's modules changed (a relief): its buffers, and whether it draws, learned again."""
         self._watched, self._copies, self._others, self._learning = None, [], [], False
+        self.streams_move, self._first = None, None
 
     def _learn(self) -> None:
         # The buffers whose values the first whole attempt changed, and the norms' own (a model in

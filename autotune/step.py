@@ -179,6 +179,7 @@ class StepCore:
             self._note_failure(exc, result, size)
         finally:
             self.norms.pause()
+            self.rewind.attempted(whole=result.failed_micro_batch is None and not result.peer_failed)
         return result
 
     def _accumulate(self, result: Attempt, loss: torch.Tensor, items: Any, m: int, n: int) -> None:
