@@ -50,9 +50,12 @@ class Rewind:
         self._restored = False  # the last attempt was put back (it taught nothing of what moves)
         self.streams_move: bool | None = None  # whether an attempt draws random numbers (None: not seen yet)
         self._first: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the streams at that attempt's start
+        self._nothing = False  # learned: nothing to keep (see `_settled`)
 
     def keep(self) -> None:
         """Before an attempt: the random streams and the changing buffers as they are now."""
+        if self._nothing:
+            return  # learned: no draws, no buffer a forward writes, none to watch
         if self.streams_move is not False:
             self._cpu_stream = torch.get_rng_state()
             if self.on_cuda:
@@ -88,6 +91,7 @@ class Rewind:
         self.streams_move = moved
         if not moved:
             self._cpu_stream = self._device_stream = None  # nothing of the streams to put back, ever
+        self._settled()
 
     def restore(self) -> None:
         """After a failed attempt: the random streams and the changing buffers as `keep` found them."""
@@ -102,7 +106,7 @@ class Rewind:
     def forget(self) -> None:
         """The model's modules changed (a relief): its buffers, and whether it draws, learned again."""
         self._watched, self._copies, self._others, self._learning = None, [], [], False
-        self.streams_move, self._first = None, None
+        self.streams_move, self._first, self._nothing = None, None, False
 
     def _learn(self) -> None:
         # The buffers whose values the first whole attempt changed, and the norms' own (a model in
@@ -113,6 +117,12 @@ class Rewind:
         self._others = [(b, b._version) for b in self._watched if id(b) not in kept]
         self._watched, self._copies = [b for b, _ in moved], [c for _, c in moved]
         self._learning = False
+        self._settled()
+
+    def _settled(self) -> None:
+        # Nothing to keep before an attempt: a model without buffers or draws (most small ones).
+        self._nothing = (self.streams_move is False and not self._learning and self._watched is not None
+                         and not self._watched and not self._others)
 
     def _watch(self, buffers: list[torch.Tensor]) -> None:
         ids = {id(b) for b in buffers}

@@ -143,7 +143,9 @@ class StepCore:
         pieces = (((batch, n),) if done == 0 and size >= n and self.split_fn is None
                   else micro_batches(batch, size, start=done, split_fn=self.split_fn, total=n))
         # Split into micro-batches of one optimizer batch: BatchNorm's statistics over the whole batch (norm_stats.py)
-        self.norms.begin(split=size < n and self.keep_effective_batch and not additive)
+        split = size < n and self.keep_effective_batch and not additive
+        if split or self.norms.active:  # most attempts: one piece, nothing to set up
+            self.norms.begin(split)
         try:
             for micro, m in pieces:
                 seen += m
@@ -178,8 +180,10 @@ class StepCore:
         except Exception as exc:
             self._note_failure(exc, result, size)
         finally:
-            self.norms.pause()
-            self.rewind.attempted(whole=result.failed_micro_batch is None and not result.peer_failed)
+            if self.norms.active:
+                self.norms.pause()
+            if self.rewind.streams_move is None:  # until the first whole attempt says whether it draws
+                self.rewind.attempted(whole=result.failed_micro_batch is None and not result.peer_failed)
         return result
 
     def _accumulate(self, result: Attempt, loss: torch.Tensor, items: Any, m: int, n: int) -> None:
