@@ -48,6 +48,7 @@ class BatchInHand:
     def save_before_raising(self, exc: Exception, step: int, save: Callable[[str], Path | None]) -> Path | None:
         """Note the batch on `exc` and, where that loses nothing, `save("error")` (module
         docstring); the checkpoint's path, or None."""
+        self.bad_sample = None  # this error's, not an earlier fit's
         if self._batch is not None:
             exc.add_note(f"autotune: {self._describe(*self._batch)}")
             if self._loading and self._find_bad is not None:

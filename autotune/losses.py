@@ -36,11 +36,9 @@ def read_step(out: Any, source: str = "step_fn") -> tuple[torch.Tensor, Any, Any
     """A step's result as `(mean loss, n_items or None, outputs or None)` (see `loss_and_items`)."""
     if isinstance(out, torch.Tensor):  # most steps: a loss, already a 0-d tensor
         return (out if not out.ndim else _scalar(out, source)), None, None
-    if isinstance(out, StepResult):
-        loss, items = loss_and_items(out.loss if out.n_items is None else (out.loss, out.n_items), "step_fn")
-        return loss, items, None if out.outputs is None else map_tensors(torch.Tensor.detach, out.outputs)
     loss, items = loss_and_items(out, source)
-    return loss, items, None
+    outputs = out.outputs if isinstance(out, StepResult) else None
+    return loss, items, None if outputs is None else map_tensors(torch.Tensor.detach, outputs)
 
 
 def join_outputs(parts: list[Any]) -> Any:
@@ -63,10 +61,15 @@ def join_outputs(parts: list[Any]) -> Any:
 
 
 def loss_and_items(out: Any, source: str = "step_fn") -> tuple[torch.Tensor, Any]:
-    """A step's result as `(mean loss, n_items or None)`; a clear error naming `source` (the
-    function the user passed: "loss_fn" or "step_fn") for anything else."""
+    """A step's result (a loss, `(loss, n_items)` or a `StepResult`) as `(mean loss, n_items or
+    None)`; a clear error naming `source` (the function the user passed: "loss_fn" or "step_fn")
+    for anything else."""
     if isinstance(out, torch.Tensor):  # most steps: a loss, already a 0-d tensor
         return (out if not out.ndim else _scalar(out, source)), None
+    if isinstance(out, StepResult):  # its outputs are the training step's to keep (`read_step`)
+        out, source = (out.loss if out.n_items is None else (out.loss, out.n_items)), "step_fn"
+        if isinstance(out, torch.Tensor):
+            return _scalar(out, source), None
     if source == "step_fn" and isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor):
         items = out[1]
         if isinstance(items, bool) or not isinstance(items, (int, torch.Tensor)):

@@ -151,3 +151,27 @@ def test_the_eval_micro_batch_grows_back_and_retries_a_failed_size_only_after_a_
     assert run.evaluator.micro_batch_size == 4
     plain = trainer(tmp_path, "plain", step_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), loss_fn=None)
     assert metrics == pytest.approx(plain.evaluate(data(96, seed=1)), rel=1e-6)  # nothing lost or repeated
+
+
+def test_a_step_fn_handing_back_a_step_result_is_evaluated_too(tmp_path):
+    # StepResult (loss and outputs) from the same step_fn AutoTrainer trains and evaluates with.
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from autotune import AutoTrainer, StepResult
+
+    def step_fn(model, micro):
+        x, y = micro
+        out = model(x)
+        return StepResult(nn.functional.mse_loss(out, y), outputs=out)
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    with AutoTrainer(nn.Linear(4, 1), data, step_fn=step_fn, batch_size=8, device="cpu", run_dir=tmp_path,
+                     monitor=False, progress=False, eval_dataset=data) as trainer:
+        metrics = trainer.fit(epochs=1).metrics
+        assert trainer.outputs.shape == (8, 1)
+        with torch.no_grad():
+            expected = nn.functional.mse_loss(trainer.model(data.tensors[0]), data.tensors[1]).item()
+    assert abs(metrics["loss"] - expected) < 1e-5

@@ -300,3 +300,36 @@ def test_a_batch_whose_samples_load_alone_but_not_together_says_so(tmp_path):
     assert "each of the batch's samples loads on its own" in "\n".join(caught.value.__notes__)
     (failed,) = [r for r in journal(tmp_path / "run") if r["kind"] == "fit_failed"]
     assert "bad_sample" not in failed
+
+
+def test_a_later_error_is_not_journaled_with_an_earlier_bad_sample(tmp_path):
+    class Corrupt(torch.utils.data.Dataset):
+        broken = True
+
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            if i == 183 and self.broken:
+                raise OSError("image file is truncated")
+            return torch.full((8,), i / N), torch.ones(1)
+
+    data = Corrupt()
+    calls = []
+
+    def step_fn(model, micro):
+        calls.append(1)
+        if not data.broken and len(calls) > 3:
+            raise RuntimeError("a bug in step_fn")
+        x, y = micro
+        return nn.functional.mse_loss(model(x), y)
+
+    t = trainer(tmp_path, model(), data, step_fn=step_fn, loss_fn=None)
+    with pytest.raises(OSError):
+        t.fit(epochs=1)
+    data.broken = False
+    with pytest.raises(RuntimeError, match="a bug"):
+        t.fit(epochs=1, resume=True)
+    t.close()
+    first, second = [r for r in journal(tmp_path / "run") if r["kind"] == "fit_failed"]
+    assert first["bad_sample"]["index"] == 183 and "bad_sample" not in second
