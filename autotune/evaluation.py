@@ -97,10 +97,9 @@ class Evaluator:
                  metrics: Mapping[str, Metric] | None, journal: Any, grow_after: int = 16, forget_after: int = 256):
         self.core, self.journal = core, journal
         self.batch_size = batch_size or 1  # the largest micro-batch it grows back to
-        self.sized = batch_size is not None  # None: the first batch of `step` sizes it
         self.collate_fn = collate_fn
         self.metrics = dict(metrics or {})
-        self.micro_batch_size = batch_size
+        self.micro_batch_size = batch_size  # None: the first batch of `step` sizes it
         self.failed_micro_batch: int | None = None  # the last size that ran out of memory
         self.grow_after, self.forget_after = grow_after, forget_after
         self.calm = 0  # micro-batches run since the last OOM or growth, across batches and evaluations
@@ -199,9 +198,9 @@ class Evaluator:
             raise NotImplementedError("Tuner.evaluate under FSDP2 (every forward is collective) is not supported "
                                       "yet: evaluate with AutoTrainer.evaluate, or unsharded")
         n = batch_len(batch)
-        if not self.sized or n > self.batch_size:  # the first batch sizes it; a larger one raises the cap
-            self.micro_batch_size = n if not self.sized else self.micro_batch_size
-            self.batch_size, self.sized = n, True
+        if self.micro_batch_size is None:  # the first batch sizes it; a larger one raises the cap
+            self.micro_batch_size = n
+        self.batch_size = max(self.batch_size, n)
 
         def piece(micro: Any, m: int) -> Any:
             micro = to_device(micro, core.device)
@@ -331,6 +330,8 @@ def _combined(values: list[Any], weights: list[int]) -> Any:
         return sum(value * m for value, m in zip(values, weights)) / sum(weights)
     if isinstance(first, dict):
         return {key: _combined([value[key] for value in values], weights) for key in first}
-    if isinstance(first, tuple) and not is_namedtuple(first):
+    if is_namedtuple(first):
+        return type(first)(*(_combined(list(leaves), weights) for leaves in zip(*values)))
+    if isinstance(first, tuple):
         return tuple(_combined(list(leaves), weights) for leaves in zip(*values))
     return join_outputs(values)

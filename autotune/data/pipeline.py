@@ -178,7 +178,7 @@ class InputPipeline:
         where = f"the error came while loading or training batch {batches_done + 1} of epoch {epoch + 1}"
         if self.sampler is None:
             return where
-        indices = self.sampler.order()[position:position + self._batch_size]  # the sampler is at `epoch`
+        indices = self._batch_indices(position)
         shown = ", ".join(map(str, indices[:64])) + (", ..." if len(indices) > 64 else "")
         return f"{where}, the dataset's samples [{shown}]"
 
@@ -188,12 +188,16 @@ class InputPipeline:
         name. None where the indices are unknown (a caller's loader) or every sample loads alone."""
         if self.sampler is None:
             return None
-        for index in self.sampler.order()[position:position + self._batch_size]:  # the sampler is at `epoch`
+        for index in self._batch_indices(position):
             try:
                 self.dataset[index]
             except Exception as exc:  # the sample's own error, named for the user (not raised again)
                 return index, exc
         return None
+
+    def _batch_indices(self, position: int) -> list[int]:
+        # The dataset indices of the batch starting at sample `position` (the sampler is at its epoch).
+        return self.sampler.order()[position:position + self._batch_size]
 
     def state_dict(self) -> dict[str, Any]:
         """A caller's loader's position, for a checkpoint (per rank); {} for the loader built here,
