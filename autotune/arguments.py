@@ -112,13 +112,7 @@ TUNER = """        model: the `nn.Module` to train; moved to `device` (wrapped i
         seed: the injected OOMs' random stream (`inject_oom`).
         reliefs: let policies change the model (autocast, activation checkpointing, pruning)
             at the smallest micro-batch; False where another framework owns the optimizer.
-        owns_optimizer: False where another trainer steps the optimizer and wraps the model
-            (HF, Lightning): no optimizer here, no DDP wrapper; use `accumulate`.
         progress: a tqdm bar (AutoTrainer's).
-        host: a host's (AutoTrainer's, an integration's): what it lends (`Host`).
-        ranks: a host's: the job it joined (default: from the environment).
-        counters: a host's: the counters it owns and shares (`Progress`).
-        backward_fn: a host's: the backward its framework makes (default `loss.backward()`).
 """
 
 T = TypeVar("T")

@@ -7,11 +7,15 @@ part it holds (tests/test_faces.py reads the hosts' code for both); the Tuner sa
 Protocol (the same test holds its signatures to it). The user's face of a Tuner is the rest of
 its public names (tuner.py's docstring).
 
-Owns the two Protocols. Touches nothing.
+And `Wiring`, how a host joins the Tuner it builds: the Tuner's one private argument, `_wiring=`
+(a user's loop passes none).
+
+Owns the two Protocols and `Wiring`. Touches nothing.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Protocol
 
@@ -42,6 +46,18 @@ class Host(Protocol):
 
     def input_state(self) -> InputState | None:
         """The input pipeline's figures, for the policies' snapshots (None: not known)."""
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """How a host (AutoTrainer, the HF and Lightning integrations) joins the Tuner it builds:
+    `Tuner(..., _wiring=Wiring(...))`. Not a user's arguments, so not among the public ones."""
+
+    host: Host | None = None  # what it lends (held weakly); None: the Tuner checkpoints itself
+    ranks: Solo | Ranks | None = None  # the job it joined; None: from the environment, joined by the Tuner
+    counters: Progress | None = None  # the counters it owns and shares with the Tuner
+    backward_fn: Callable[[torch.Tensor], Any] | None = None  # its framework's backward; None: loss.backward()
+    owns_optimizer: bool = True  # False: its framework steps the optimizer and wraps the model (no DDP here)
 
 
 class HostFace(Protocol):

@@ -38,6 +38,7 @@ from autotune.data.pipeline import InputPipeline
 from autotune.distributed import from_environment
 from autotune.evaluation import EvaluationPlan, Evaluator, Metric
 from autotune.events import Event
+from autotune.host_face import Wiring
 from autotune.memory import gc_frozen, memory_text
 from autotune.monitor.host import room_bytes
 from autotune.oom import OutOfMemory
@@ -104,9 +105,9 @@ class AutoTrainer:
                            clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
                            scheduler_interval=scheduler_interval, split_fn=split_fn, run_dir=run_dir,
                            monitor=monitor, monitor_interval=monitor_interval, tensorboard=tensorboard,
-                           inject_oom=inject_oom, seed=seed, compile=compile, progress=progress, ranks=ranks,
-                           host=self, counters=self.counters, memory_snapshot=memory_snapshot, shard=shard,
-                           on_nonfinite=on_nonfinite)
+                           inject_oom=inject_oom, seed=seed, compile=compile, progress=progress,
+                           memory_snapshot=memory_snapshot, shard=shard, on_nonfinite=on_nonfinite,
+                           _wiring=Wiring(host=self, ranks=ranks, counters=self.counters))
         self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
         self.is_main = ranks.is_main
         self.core, self.knobs, self.log, self.journal = self.tuner.core, self.tuner.knobs, self.tuner.log, self.tuner.journal

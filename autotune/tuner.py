@@ -56,7 +56,7 @@ from autotune.dispatch import Dispatcher
 from autotune.distributed import Ranks, Solo, from_environment
 from autotune.evaluation import Evaluator
 from autotune.events import Event
-from autotune.host_face import Host
+from autotune.host_face import Wiring
 from autotune.journal import RunLog
 from autotune.knobs import Knobs
 from autotune.memory import one_arena_under_an_address_space_cap, warm_up_oom_path
@@ -95,18 +95,17 @@ class Tuner:
                  scheduler_interval: str = "step", split_fn: SplitFn | None = None, run_dir: str | Path | None = None,
                  monitor: bool = True, monitor_interval: float = 0.5, tensorboard: bool | str | Path = False,
                  inject_oom: float | None = None, seed: int = 0, compile: bool | dict[str, Any] = False,
-                 reliefs: bool = True, progress: bool = False, owns_optimizer: bool = True,
-                 host: Host | None = None, ranks: Solo | Ranks | None = None, counters: Progress | None = None,
-                 backward_fn: Callable[[torch.Tensor], Any] | None = None,
-                 memory_snapshot: bool | int = False, shard: bool = False, on_nonfinite: str = "skip"):
+                 reliefs: bool = True, progress: bool = False, memory_snapshot: bool | int = False,
+                 shard: bool = False, on_nonfinite: str = "skip", _wiring: Wiring = Wiring()):
         check_tuner_arguments(model=model, loss_fn=loss_fn, step_fn=step_fn, micro_batch_size=micro_batch_size,
                               batch_size=batch_size, memory_snapshot=memory_snapshot, precision=precision,
                               clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
                               scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
         one_arena_under_an_address_space_cap()  # before any thread of ours allocates
+        host, ranks, counters, owns_optimizer = _wiring.host, _wiring.ranks, _wiring.counters, _wiring.owns_optimizer
         self.ranks = ranks if ranks is not None else from_environment()
         self.device = resolve_device(self.ranks.device_for(device, keep_effective_batch))
-        if ranks is None:  # ranks given: the caller joined the job
+        if ranks is None:  # ranks given: the host joined the job
             self.ranks.join(self.device)
         self.model = model.to(self.device)
         if owns_optimizer:
@@ -127,7 +126,7 @@ class Tuner:
                                      clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
                                      scheduler_interval=scheduler_interval, on_nonfinite=on_nonfinite)
         self.core = StepCore(self.model, self.stepper, loss_fn=loss_fn, step_fn=step_fn, split_fn=split_fn,
-                             device=self.device, backward_fn=backward_fn, ranks=self.ranks,
+                             device=self.device, backward_fn=_wiring.backward_fn, ranks=self.ranks,
                              keep_effective_batch=keep_effective_batch, inject_oom=injection_rate(inject_oom),
                              seed=seed, precision=precision, compile=compile)
         # Sizes are known once batches are: the first one sets them unless given here.

@@ -93,5 +93,9 @@ def test_the_site_builds_strict(tmp_path):
     for cls, page in ((AutoTrainer, "trainer"), (Tuner, "tuner")):
         html = (tmp_path / "site" / "reference" / page / "index.html").read_text()
         shown = set(re.findall(r'<tr class="doc-section-item">\s*<td>\s*<code>(\w+)</code>', html))
-        missing = [name for name in inspect.signature(cls).parameters if name not in shown]
+        public = [name for name in inspect.signature(cls).parameters if not name.startswith("_")]
+        missing = [name for name in public if name not in shown]
         assert not missing, f"{cls.__name__}'s reference page lacks {missing}"
+        # and no internal wiring among them: a host's is the one private `_wiring` (host_face.Wiring)
+        internal = {"host", "ranks", "counters", "backward_fn", "owns_optimizer"} & (set(public) | shown)
+        assert not internal, f"{cls.__name__} shows internal wiring as public arguments: {sorted(internal)}"

@@ -246,7 +246,7 @@ def test_accumulate_keeps_earlier_gradients_through_a_retry(tmp_path):
     reference = _problem()[0]
     for part in (slice(0, 32), slice(32, 64)):
         (nn.functional.cross_entropy(reference(x[part]), y[part]) / 2).backward()
-    tuner = Tuner(model, device="cpu", run_dir=tmp_path / "run", monitor=False, owns_optimizer=False,
+    tuner = Tuner(model, device="cpu", run_dir=tmp_path / "run", monitor=False,
                   reliefs=False, inject_oom=0.6, seed=3)
 
     def half_mean(module, micro):

@@ -71,7 +71,7 @@ if rank == 0:
 with open(os.path.join(run_dir, f"seen-{{tag}}-rank{{rank}}.json"), "w") as f:
     json.dump({{"seen": seen, "steps": result.steps, "samples": result.samples_seen,
                "batch": result.batch_size}}, f)
-'''.format(N=N, GLOBAL_BATCH=GLOBAL_BATCH, EPOCHS=EPOCHS, STOP_AT=STOP_AT)
+'''.format(N=N, EPOCHS=EPOCHS, STOP_AT=STOP_AT)
 
 
 def run(tmp_path, world, run_dir, phase, tag, batch_size, shard=False):

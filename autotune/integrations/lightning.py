@@ -47,6 +47,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from autotune.batching import batch_len
 from autotune.distributed import Ranks, Solo
 from autotune.evaluation import Evaluator
+from autotune.host_face import Wiring
 from autotune.progress import Progress
 from autotune.batch import add_gradients, set_aside_gradients
 from autotune.records import Kind
@@ -84,8 +85,9 @@ class _TunedSteps:
                              "optimisation, call Tuner.accumulate in your own training_step")
         ranks = self._ranks()
         run_dir = ranks.broadcast_object(str(trainer.log_dir or trainer.default_root_dir))
-        tuner = Tuner(module, device=self.root_device, run_dir=Path(run_dir), owns_optimizer=False, reliefs=False,
-                      ranks=ranks, counters=self._counters, backward_fn=self._micro_backward, **self.tuner_options)
+        tuner = Tuner(module, device=self.root_device, run_dir=Path(run_dir), reliefs=False,
+                      _wiring=Wiring(ranks=ranks, counters=self._counters, backward_fn=self._micro_backward,
+                                     owns_optimizer=False), **self.tuner_options)
         if self._pending_state is not None:
             tuner.load_tuning_state(self._pending_state)
             tuner.journal.write(Kind.RESUME, trainer.global_step, trainer.current_epoch, found=True,

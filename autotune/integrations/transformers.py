@@ -53,6 +53,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from autotune.batching import batch_len, tensor_bytes
 from autotune.distributed import Ranks, Solo
 from autotune.evaluation import Evaluator
+from autotune.host_face import Wiring
 from autotune.monitor.host import room_bytes
 from autotune.notices import warn
 from autotune.progress import Progress
@@ -80,8 +81,9 @@ class AutoTuneTrainer(Trainer):
         ranks = self._job()
         self._counters = Progress()  # HF's step, shared with the Tuner (its journal and report count in HF's steps)
         self.tuner = Tuner(self.model, device=self.args.device, run_dir=self.args.output_dir,
-                           owns_optimizer=False, reliefs=False, host=self, ranks=ranks, counters=self._counters,
-                           backward_fn=_accelerators_backward(self), **(tuner_options or {}))
+                           reliefs=False, **(tuner_options or {}),
+                           _wiring=Wiring(host=self, ranks=ranks, counters=self._counters, owns_optimizer=False,
+                                          backward_fn=_accelerators_backward(self)))
         self.add_callback(_SaveTuning(self))
         # Evaluation's own micro-batch (`evaluate`, `predict` and the evaluation inside `train`).
         self.evaluator = Evaluator(self.tuner.core, batch_size=self.args.per_device_eval_batch_size, collate_fn=None,

@@ -9,7 +9,6 @@ save the gathered weights in OUT/final.pt (rank 0) for test_checkpoint_format.py
 """
 
 import os
-import shutil
 import sys
 
 import torch

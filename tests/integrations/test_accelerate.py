@@ -5,7 +5,6 @@ The OOMs land on batches where Accelerate holds gradients back and on its sync b
 `step_count` counts the optimizer steps Accelerate took, not the calls."""
 
 import pytest
-import torch
 
 from tests.conftest import run_python
 
