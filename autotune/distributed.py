@@ -43,7 +43,7 @@ from torch import nn
 from autotune.actions import Relief, relief_to_ints
 from autotune.agreement import Agreement, rank0s
 from autotune.gradient_bucket import GradientBucket
-from autotune.job import Job
+from autotune.job import Job, broadcast_from_rank0
 from autotune.sharded import Sharded, is_sharded, shard as shard_blocks
 
 
@@ -90,6 +90,9 @@ class Solo:
 
     def reset_after_failure(self) -> None:
         pass
+
+    def buffers_from_rank0(self) -> None:
+        pass  # one set of buffers already
 
     def agree(self, mine: Agreement, attempt: Any = None) -> tuple[Agreement, bool]:
         """What every process agrees after an attempt, given this one's proposal, and whether the
@@ -212,6 +215,7 @@ class Ranks:
         # as its own no_sync() sets it for a while, so no step enters a context to say so.
         self.ddp.require_backward_grad_sync = False
         self.bucket_gradients(model.parameters())
+        self.job.buffers = list(model.buffers())
 
     def bucket_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
         """Bind these parameters' gradients to flat buffers that `average_gradients` all-reduces:
@@ -310,6 +314,7 @@ class Replicated:
     def __init__(self, device: torch.device):
         self.device = device  # where the checks' tensors go
         self.bucket = None
+        self.buffers: list[torch.Tensor] = []  # the wrapped model's, made rank 0's after each batch
 
     def same_size(self, micro_batch_size: int, n: int, step: int) -> int:
         # A rank may differ until the agreement after the attempt, which every rank then follows.
@@ -329,6 +334,12 @@ class Replicated:
 
     def reset_after_failure(self) -> None:
         pass  # nothing of DDP's ran: the gradients are dropped as alone
+
+    def buffers_from_rank0(self) -> None:
+        # DDP's own broadcast before each forward is off (wrap: a collective a failing rank could
+        # miss); here every rank has completed the batch, so rank 0's buffers go out now instead.
+        if self.buffers:
+            broadcast_from_rank0(self.buffers)
 
     def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
         # Each rank's gradient back to its raw sum over items, summed over ranks with the items
