@@ -1,5 +1,6 @@
-"""BatchNorm's running statistics under micro-batches: updated once per optimizer batch, from the
-statistics of the whole batch, as a whole-batch forward would have updated them.
+"""BatchNorm's (and InstanceNorm's) running statistics under micro-batches: updated once per
+optimizer batch, from the statistics of the whole batch, as a whole-batch forward would have
+updated them.
 
     begin(split)   at an attempt's start, where the batch runs in several micro-batches: each
                    BatchNorm in training mode keeps its running statistics still (momentum 0 for
@@ -11,11 +12,12 @@ statistics of the whole batch, as a whole-batch forward would have updated them.
     drop()         the attempt failed: the sums go (rewind.py puts the buffers back)
 
 Normalisation inside a micro-batch still uses that micro-batch's own statistics: a numerics
-change from a whole-batch forward, said once on stderr and in the journal (`numerics`). Only
-`torch.nn.BatchNorm*d` (and its lazy forms) follow this rule; InstanceNorm with running
-statistics keeps updating per micro-batch (its statistics are per sample already), and
-SyncBatchNorm, whose forward is a collective, is refused under torchrun where an attempt may
-fail on one rank (its name in the error).
+change from a whole-batch forward, said once on stderr and in the journal (`numerics`).
+`torch.nn.BatchNorm*d` (and its lazy forms) and InstanceNorm with running statistics follow this
+rule (InstanceNorm's batch statistics are the mean over the batch's samples of each sample's mean
+and unbiased variance, its momentum None means no update, and it counts no batches, as
+`F.instance_norm` does); SyncBatchNorm, whose forward is a collective, is refused under torchrun
+where an attempt may fail on one rank (its name in the error).
 
 Owns: the sums and the momenta it set aside. Touches: the BatchNorm modules' momentum (during an
 attempt) and running buffers (in `settle`), hooks on them while an attempt runs.
@@ -27,7 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 
 class BatchNormStats:
@@ -35,18 +38,18 @@ class BatchNormStats:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self._modules: list[_BatchNorm] | None = None  # walked once (`forget` after a relief)
+        self._modules: list[_NormBase] | None = None  # walked once (`forget` after a relief)
         self._hooks: list[Any] = []
         self._momenta: list[float | None] = []
         self._sums: dict[int, list[torch.Tensor]] = {}  # id(module) -> [count, sum, sum of squares]
         self._tracked: list[torch.Tensor] = []  # num_batches_tracked before the attempt
-        self.active: list[_BatchNorm] = []
+        self.active: list[_NormBase] = []
 
-    def modules(self) -> list[_BatchNorm]:
-        """The model's BatchNorm modules that keep running statistics."""
+    def modules(self) -> list[_NormBase]:
+        """The model's BatchNorm and InstanceNorm modules that keep running statistics."""
         if self._modules is None:
-            self._modules = [m for m in self.model.modules()
-                             if isinstance(m, _BatchNorm) and m.track_running_stats and m.running_mean is not None]
+            self._modules = [m for m in self.model.modules() if isinstance(m, (_BatchNorm, _InstanceNorm))
+                             and m.track_running_stats and m.running_mean is not None]
         return self._modules
 
     def begin(self, split: bool) -> None:
@@ -59,14 +62,26 @@ class BatchNormStats:
         self._tracked = [m.num_batches_tracked.clone() for m in self.active]
         for module in self.active:
             module.momentum = 0.0  # its running statistics stay as they are during the attempt
-            self._hooks.append(module.register_forward_pre_hook(self._sum_input))
+            hook = self._sum_instances if isinstance(module, _InstanceNorm) else self._sum_input
+            self._hooks.append(module.register_forward_pre_hook(hook))
 
     def _sum_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         x = args[0].detach()
         dims = [0, *range(2, x.ndim)]
         x = x.float()
         count = torch.tensor(float(x.numel() // x.shape[1]), device=x.device)
-        figures = [count, x.sum(dims), (x * x).sum(dims)]
+        self._add(module, [count, x.sum(dims), (x * x).sum(dims)])
+
+    def _sum_instances(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        # Per sample: its mean and unbiased variance over its positions, summed over the samples.
+        x = args[0].detach().float()
+        if x.dim() == module._get_no_batch_dim():
+            x = x.unsqueeze(0)
+        positions = x.flatten(2)
+        count = torch.tensor(float(positions.shape[0]), device=x.device)
+        self._add(module, [count, positions.mean(2).sum(0), positions.var(2).sum(0)])
+
+    def _add(self, module: nn.Module, figures: list[torch.Tensor]) -> None:
         sums = self._sums.get(id(module))
         if sums is None:
             self._sums[id(module)] = figures
@@ -91,9 +106,15 @@ class BatchNormStats:
                 continue  # a module the forward did not reach
             count, total, squares = sums
             mean = total / count
-            variance = (squares / count - mean * mean).clamp_min(0) * (count / (count - 1).clamp_min(1))
-            module.num_batches_tracked.copy_(tracked + 1)
-            factor = momentum if momentum is not None else 1.0 / float(module.num_batches_tracked)
+            if isinstance(module, _InstanceNorm):  # the samples' own variances, averaged
+                variance = squares / count
+                if not momentum:
+                    continue  # F.instance_norm updates nothing with momentum None, and counts no batches
+                factor = momentum
+            else:
+                variance = (squares / count - mean * mean).clamp_min(0) * (count / (count - 1).clamp_min(1))
+                module.num_batches_tracked.copy_(tracked + 1)
+                factor = momentum if momentum is not None else 1.0 / float(module.num_batches_tracked)
             module.running_mean.mul_(1 - factor).add_(mean.to(module.running_mean.dtype), alpha=factor)
             module.running_var.mul_(1 - factor).add_(variance.to(module.running_var.dtype), alpha=factor)
         self.drop()

@@ -65,3 +65,26 @@ def test_a_batch_in_one_piece_is_left_to_batchnorm_itself(tmp_path):
         assert not tuner.core.norms.active and model.conv[1].momentum == 0.1
     assert int(model.conv[1].num_batches_tracked) == 1
     assert "numerics" not in (tmp_path / "run" / "events.jsonl").read_text()
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])  # None: InstanceNorm updates nothing, as F.instance_norm
+def test_instance_norms_running_statistics_follow_the_same_rule(tmp_path, momentum):
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.InstanceNorm2d(3, track_running_stats=True, momentum=momentum),
+                             nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+    plain = model()
+    for x, _ in _batches():
+        plain(x)
+    tuned = model()
+    with Tuner(tuned, torch.optim.SGD(tuned.parameters(), lr=0.0), loss_fn=nn.functional.cross_entropy,
+               device="cpu", run_dir=tmp_path / "run", monitor=False, micro_batch_size=16, batch_size=64) as tuner:
+        for batch in _batches():
+            tuner.step(batch)
+    norm, theirs = tuned[0], plain[0]
+    if momentum is not None:  # moved at all (else both stay at their start)
+        assert not torch.allclose(theirs.running_mean, torch.zeros(3))
+    torch.testing.assert_close(norm.running_mean, theirs.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norm.running_var, theirs.running_var, rtol=1e-5, atol=1e-6)
+    assert int(norm.num_batches_tracked) == int(theirs.num_batches_tracked)
