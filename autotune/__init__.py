@@ -36,7 +36,7 @@ _EXPORTS = {
     "CacheSamples": "autotune.actions", "SetLoaderWorkers": "autotune.actions",
     "Event": "autotune.events",
     "OutOfMemory": "autotune.oom", "ExchangeFailed": "autotune.oom", "is_oom": "autotune.oom",
-    "NonFiniteStep": "autotune.oom", "CheckpointFailed": "autotune.checkpoint",
+    "NonFiniteStep": "autotune.oom", "CheckpointFailed": "autotune.checkpoint", "RunDirInUse": "autotune.run_lock",
     "Policy": "autotune.policy", "PolicyBase": "autotune.policy",
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
     "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
@@ -65,5 +65,6 @@ if TYPE_CHECKING:
     from autotune.policy import Policy, PolicyBase
     from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
     from autotune.progress import FitResult
+    from autotune.run_lock import RunDirInUse
     from autotune.trainer import AutoTrainer
     from autotune.tuner import Tuner

@@ -58,6 +58,7 @@ from autotune.evaluation import Evaluator
 from autotune.events import Event
 from autotune.host_face import Wiring
 from autotune.journal import RunLog
+from autotune.run_lock import hold_run_dir
 from autotune.knobs import Knobs
 from autotune.memory import one_arena_under_an_address_space_cap, warm_up_oom_path
 from autotune.memory_history import AllocationHistory
@@ -114,9 +115,9 @@ class Tuner:
         # optimizer of a process imports torch._dynamo: seconds), memory_snapshot where the allocator keeps no history.
         optimizer = make_optimizer(optimizer, self.model) if owns_optimizer else None
         self.history = AllocationHistory.asked(memory_snapshot, self.device)
-        self.keep_effective_batch = keep_effective_batch
+        self.keep_effective_batch, self.is_main = keep_effective_batch, self.ranks.is_main
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(self.ranks)
-        self.is_main = self.ranks.is_main
+        self._lock = hold_run_dir(self.run_dir, self.ranks)  # one writer: another process's run here is refused
         self.log = RunLog(self.run_dir, writes=self.is_main, tensorboard=tensorboard, progress=progress)
         self.journal = self.log.journal  # rank 0 writes
         self.counters = counters if counters is not None else Progress()
@@ -375,6 +376,7 @@ class Tuner:
         if self._memory_fraction_set:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
         self.log.close()
+        self._lock is not None and self._lock.release()
 
     def __enter__(self) -> "Tuner":
         return self
