@@ -41,7 +41,9 @@ from typing import Any, Callable
 import torch
 from loguru import logger
 
+from autotune import checksums
 from autotune.batching import tensor_bytes
+from autotune.checksums import write_beside, write_manifest
 from autotune.finite import nonfinite
 from autotune.memory import start_with_small_stack
 from autotune.notices import info, warn
@@ -75,8 +77,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomically(data: Any, final: Path) -> None:
-    """`data` (bytes, or a state to torch.save) to `final`: a temporary file, fsynced, renamed, the folder fsynced."""
+def _write_atomically(data: Any, final: Path, checksum: bool = True) -> None:
+    """`data` (bytes, or a state to torch.save) to `final`: a temporary file, fsynced, its sha256
+    written beside (`checksum`: checksums.py), renamed, the folder fsynced."""
     temporary = final.parent / f".{final.name}.{os.getpid()}.tmp"
     try:
         with open(temporary, "wb") as f:
@@ -86,6 +89,8 @@ def _write_atomically(data: Any, final: Path) -> None:
                 torch.save(data, f)
             f.flush()
             os.fsync(f.fileno())
+        if checksum:
+            write_beside(temporary, final)
         os.replace(temporary, final)
     except BaseException:
         temporary.unlink(missing_ok=True)  # a full disk stays no fuller than before the attempt
@@ -93,7 +98,7 @@ def _write_atomically(data: Any, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
-_TEMPORARY = re.compile(r"\.step-\d{9}\.pt\.(\d+)\.tmp$")
+_TEMPORARY = re.compile(r"\.step-\d{9}\.pt(?:\.sha256)?\.(\d+)\.tmp$")
 
 
 def remove_stale_temporaries(folder: Path) -> int:
@@ -185,7 +190,8 @@ class Checkpoints:
         tensors, rest = split(state)
         write_shards(tensors, unfinished)
         if is_main:
-            _write_atomically(rest, unfinished / REST)
+            _write_atomically(rest, unfinished / REST, checksum=False)
+            write_manifest(unfinished)  # every rank's shards are in (DCP's save ends in a barrier)
             if final.exists():  # the same step saved again (a stop right after a periodic one)
                 replaced = self.folder / f".{final.name}.replaced"
                 shutil.rmtree(replaced, ignore_errors=True)
@@ -249,6 +255,7 @@ class Checkpoints:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 old.unlink(missing_ok=True)
+                checksums.beside(old).unlink(missing_ok=True)
 
     def load_latest(self, map_location: str | torch.device = "cpu", template: Callable[[], dict[str, Any]] | None = None,
                     ranks: Any = None) -> tuple[dict[str, Any], Path] | None:
@@ -259,7 +266,9 @@ class Checkpoints:
                 raise ValueError(f"{path} {NOT_SHARDED}")
             try:
                 return self.load(path, map_location, template, ranks), path
-            except Exception as exc:  # truncated zip, bad pickle, disallowed type: try the one before
+            except BaseException as exc:  # truncated, changed on disk, bad pickle, DCP's CheckpointException
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
                 warn(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}); trying an older one")
         return None
 
@@ -270,12 +279,14 @@ class Checkpoints:
         `template()`'s tensors (the state now, of the model sharded alike); rank 0 reads the rest
         and hands it to the others, so every rank goes on, or skips the checkpoint, alike."""
         if not path.is_dir():
+            checksums.verify(path)
             return torch.load(path, map_location=map_location, weights_only=True)
         if template is None or ranks is None:
             raise ValueError(f"{path} {NOT_SHARDED}")
         rest: dict[str, Any] | str | None = None
         if ranks.is_main:
             try:
+                checksums.verify(path)
                 rest = read_rest(path)
             except Exception as exc:  # what went wrong, to every rank
                 rest = f"{path / REST} does not load ({type(exc).__name__}: {exc})"
@@ -461,6 +472,10 @@ class Checkpointer:
                 raise ValueError(f"resume={str(path)!r} is not a checkpoint that loads: {type(exc).__name__}: {exc}") from None
         else:
             found = self.store.load_latest(device, template, self.ranks)
+        if found is None and self.store.paths():
+            raise ValueError(f"resume: none of the {len(self.store.paths())} checkpoints in {self.folder} loads (each "
+                             "is named above, with why); not starting afresh over them. Move the folder away to "
+                             "start a new run, or name a checkpoint with resume=PATH")
         if found is None:
             info(f"no checkpoint in {self.folder}: starting fresh")
             self.journal.write(Kind.RESUME, progress.step, progress.epoch, found=False)

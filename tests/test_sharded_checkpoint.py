@@ -71,7 +71,7 @@ def test_split_and_join_give_back_the_state_and_leave_only_plain_data_beside_the
 def test_a_sharded_checkpoint_is_a_folder_that_reads_back_into_the_template(tmp_path):
     checkpoints = Checkpoints(tmp_path, keep=2)
     path, _ = checkpoints.save_sharded(state(1), 1, is_main=True)
-    assert path.name == "step-000000001" and {p.name for p in path.iterdir()} == {".metadata", "__0_0.distcp", REST}
+    assert path.name == "step-000000001" and {p.name for p in path.iterdir()} == {".metadata", "__0_0.distcp", REST, "SHA256SUMS"}
     places = template()
     loaded = checkpoints.load(path, template=lambda: places, ranks=Solo())
     assert_same(loaded, state(1))
@@ -154,7 +154,7 @@ def test_the_checkpointer_writes_a_sharded_models_checkpoint_as_a_folder_and_res
     (tmp_path / ".step-000000004.tmp").mkdir(parents=True)
     (tmp_path / ".step-000000004.tmp" / "__3_0.distcp").write_text("a fourth rank's, from a killed job")
     path = checkpointer.save("test", lambda: state(4), 4, 0, background=True)  # sharded: written now, here
-    assert {p.name for p in path.iterdir()} == {".metadata", "__0_0.distcp", REST}
+    assert {p.name for p in path.iterdir()} == {".metadata", "__0_0.distcp", REST, "SHA256SUMS"}
     assert journal.records[-1]["kind"] == "checkpoint" and "background" not in journal.records[-1]
 
     class Progress:

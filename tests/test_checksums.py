@@ -1,0 +1,96 @@
+"""checksums.py: a checkpoint whose bytes changed on disk since they were written (one flipped bit in a
+weight, which torch.load reads without a word) is skipped, naming the file, for the one before; a run
+whose checkpoints all fail to load is an error, never a silent start afresh; a sharded checkpoint's
+files are summed too, and any error from a load (DCP's CheckpointException is a BaseException) goes
+down the same fallback."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from autotune import AutoTrainer
+from autotune.checkpoint import Checkpoints
+from autotune.checksums import MANIFEST, ChecksumMismatch, verify
+from autotune.distributed import Solo
+from tests.conftest import journal
+
+
+def _trainer(run_dir):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
+    return AutoTrainer(nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 2)), data, loss_fn=nn.functional.cross_entropy,
+                       batch_size=16, device="cpu", progress=False, monitor=False, checkpoint_interval=None,
+                       checkpoint_every=2, run_dir=run_dir)
+
+
+def _flip_a_bit_of(path, tensor):
+    # In the bytes of `tensor` as stored (torch.save keeps them uncompressed): an exponent bit of its first float.
+    data = bytearray(path.read_bytes())
+    at = bytes(data).find(tensor.detach().numpy().tobytes()[:16])
+    assert at > 0, "the tensor's bytes are not in the file"
+    data[at + 3] ^= 0x20
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_is_named_and_the_previous_checkpoint_resumed(tmp_path, capfd):
+    trainer = _trainer(tmp_path / "run")
+    trainer.fit(epochs=1)  # 4 steps: checkpoints at 2 and 4
+    trainer.close()
+    newest = tmp_path / "run" / "checkpoints" / "step-000000004.pt"
+    weight = torch.load(newest, weights_only=True)["core"]["model"]["0.weight"]
+    _flip_a_bit_of(newest, weight)
+    flipped = torch.load(newest, weights_only=True)["core"]["model"]["0.weight"]
+    assert not torch.equal(flipped, weight)  # torch.load alone reads it without a word
+    capfd.readouterr()
+    again = _trainer(tmp_path / "run")
+    again.fit(epochs=1, resume=True)
+    err = capfd.readouterr().err
+    assert f"{newest} is not the file written there" in err, err
+    again.close()
+    (resumed,) = [r for r in journal(tmp_path / "run") if r["kind"] == "resume"]
+    assert resumed["path"].endswith("step-000000002.pt")  # not step 4's changed weights
+    assert again.tuner.step_count == 4  # step 2's run went on through the epoch
+
+
+def test_no_checkpoint_that_loads_is_an_error_not_a_fresh_start(tmp_path):
+    trainer = _trainer(tmp_path / "run")
+    trainer.fit(epochs=1)
+    trainer.close()
+    for path in (tmp_path / "run" / "checkpoints").glob("step-*.pt"):
+        path.write_bytes(path.read_bytes()[:100])  # truncated
+    again = _trainer(tmp_path / "run")
+    with pytest.raises(ValueError, match="none of the 2 checkpoints in .* loads"):
+        again.fit(epochs=1, resume=True)
+    again.close()
+
+
+def test_a_sharded_checkpoints_files_are_summed_and_checked(tmp_path):
+    checkpoints = Checkpoints(tmp_path)
+    path, _ = checkpoints.save_sharded({"model": {"w": torch.arange(64.0)}, "step": 1}, 1, is_main=True)
+    verify(path)
+    shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    _flip_a_bit_of(shard, torch.arange(64.0)[1:])
+    with pytest.raises(ChecksumMismatch, match=f"{shard.name} is not the file written there"):
+        verify(path)
+    path, _ = checkpoints.save_sharded({"model": {"w": torch.arange(64.0)}, "step": 2}, 2, is_main=True)
+    (path / MANIFEST).write_text((path / MANIFEST).read_text() + f"{'0' * 64}  gone.distcp\n")
+    with pytest.raises(ChecksumMismatch, match="gone.distcp is missing"):
+        verify(path)
+
+
+def test_a_sharded_checkpoint_whose_metadata_does_not_read_falls_back(tmp_path, capfd):
+    # Random bytes for DCP's .metadata and no sums (as a folder copied in by hand): DCP's error is a
+    # CheckpointException, a BaseException, which must not escape the fallback.
+    checkpoints = Checkpoints(tmp_path)
+    checkpoints.save({"step": 1}, 1)
+    path, _ = checkpoints.save_sharded({"model": {"w": torch.zeros(4)}, "step": 2}, 2, is_main=True)
+    (path / MANIFEST).unlink()
+    (path / ".metadata").write_bytes(os.urandom(256))
+    state, found = checkpoints.load_latest(template=lambda: {"model": {"w": torch.zeros(4)}, "step": 0},
+                                           ranks=Solo())
+    assert state["step"] == 1 and found.name == "step-000000001.pt"
+    assert f"checkpoint {path} cannot be loaded" in capfd.readouterr().err
