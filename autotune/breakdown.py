@@ -102,16 +102,3 @@ def oom_breakdown(model: nn.Module, optimizer: torch.optim.Optimizer | None, dev
              "activations_and_temporaries": step, "libraries": libraries, "other": other}
     cuda = {"allocator_cache": allocator_cache, "outside_torch": outside_torch} if measure == "cuda" else {}
     return {"measure": measure, **parts, "held": held_at_failure, "cap": cap, **cuda}
-
-
-def describe_breakdown(breakdown: dict[str, Any]) -> str:
-    """One line for messages and the report: the parts, largest first, against the cap."""
-    names = ("weights", "gradients", "optimizer_state", "activations_and_temporaries", "libraries", "other")
-    parts = sorted(((breakdown[n], n) for n in names if breakdown.get(n) is not None), reverse=True)
-    text = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for value, name in parts)
-    cap = f" of a {format_bytes(breakdown['cap'])} cap" if breakdown.get("cap") else ""
-    beside = "".join(f"; {label} {format_bytes(breakdown[key])}"
-                     for key, label in (("allocator_cache", "allocator cache beside it"),
-                                        ("outside_torch", "outside torch on the device"))
-                     if breakdown.get(key) is not None)
-    return f"held {format_bytes(breakdown['held'])}{cap} ({breakdown['measure']}): {text}{beside}"

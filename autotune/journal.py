@@ -74,27 +74,34 @@ class Journal:
 
 def read_lines(path: Path, strict: bool = False) -> tuple[list[dict[str, Any]], int]:
     """The records of a JSONL file (the journal, steps.jsonl, samples.jsonl) and how many of its
-    lines could not be read: the one reader of the run's files. A missing file has none. A
-    truncated last line (a crash mid-write) is skipped and counted; so is a bad line anywhere
-    else, unless `strict`: then it is an error naming the file and the line (and a missing file
-    is an error too)."""
+    lines could not be read: the one reader of the run's files, a line at a time. A missing file
+    has none. A line that is not UTF-8, not JSON, or not a JSON object (a truncated last line, a
+    crash mid-write, a byte gone bad) is skipped and counted, unless `strict`: then it is an error
+    naming the file and the line (a truncated last line still only counts; a missing file is an
+    error too)."""
     path = Path(path)
     if not path.exists():
         if strict:
             raise FileNotFoundError(f"{path}: no such journal")
         return [], 0
-    lines = path.read_text(encoding="utf-8").splitlines()
     records: list[dict[str, Any]] = []
     unreadable = 0
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            if strict and number != len(lines):
-                raise ValueError(f"{path}:{number}: not a JSON line: {exc}") from exc
-            unreadable += 1
+    with open(path, "rb") as f:
+        previous = None  # a bad line's error, raised (strict) only once another line follows it
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            if previous is not None:
+                raise previous
+            try:
+                record = json.loads(line.decode("utf-8"))
+                if not isinstance(record, dict):
+                    raise ValueError(f"a JSON {type(record).__name__}, not an object")
+                records.append(record)
+            except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                if strict:
+                    previous = ValueError(f"{path}:{number}: not a JSON object line: {exc}")
+                unreadable += 1
     return records, unreadable
 
 

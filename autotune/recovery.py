@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from autotune.actions import Relief
-from autotune.breakdown import describe_breakdown, gradient_bytes, oom_breakdown
+from autotune.breakdown import gradient_bytes, oom_breakdown
+from autotune.units import describe_breakdown
 from autotune.cadence import MeasureCadence
 from autotune.demand import StepDemand
 from autotune.dispatch import Dispatcher

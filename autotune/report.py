@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.breakdown import describe_breakdown
 from autotune.journal import read_lines
 from autotune.records import Kind, RecordsByKind
-from autotune.units import format_bytes
+from autotune.units import describe_breakdown, format_bytes
 
 
 class NotARun(ValueError):
@@ -41,7 +40,23 @@ def _read_run(run_dir: Path) -> _Run:
     if not journal_path.exists():
         raise NotARun(f"{run_dir} is not a run directory: it has no events.jsonl")
     records, unreadable = read_lines(journal_path)
-    return _Run(records, unreadable, read_lines(run_dir / "samples.jsonl")[0], read_lines(run_dir / "steps.jsonl")[0])
+    readable = [r for r in records  # a line without what the report reads is counted, not read
+                if _has(r, _EVERY_RECORD) and _has(r, _READS.get(r["kind"], {}))]
+    return _Run(readable, unreadable + len(records) - len(readable),
+                [s for s in read_lines(run_dir / "samples.jsonl")[0] if _has(s, {"time": (int, float)})],
+                [s for s in read_lines(run_dir / "steps.jsonl")[0] if _has(s, {"time": (int, float)})])
+
+
+# What the report reads of every journal record; a record without them (a hand-edited line, another
+# tool's) is counted among the unreadable lines.
+_EVERY_RECORD = {"kind": str, "time": (int, float), "step": int, "epoch": int}
+_READS = {Kind.ACTION: {"policy": str, "action": str, "params": object, "applied": bool},
+          Kind.OOM: {"micro_batch_size": int}, Kind.RELIEF: {"relief": str},
+          Kind.WORLD_CHANGED: {"to_world": int, "from_world": int, "batch_size_to": int}}
+
+
+def _has(record: dict[str, Any], fields: dict[str, Any]) -> bool:
+    return all(name in record and isinstance(record[name], kind) for name, kind in fields.items())
 
 
 def _failed_again(retry: dict[str, Any], ooms: list[dict[str, Any]]) -> bool:
@@ -219,8 +234,8 @@ def render(summary: dict[str, Any]) -> str:
 
     lines = [f"run {summary['run_dir']}: {summary['status']}"]
     if summary["journal_lines_unreadable"]:
-        lines.append(f"  note: {summary['journal_lines_unreadable']} journal line(s) could not be read "
-                     "(cut off by a crash)")
+        lines.append(f"  note: {summary['journal_lines_unreadable']} journal line(s) could not be read and were "
+                     "skipped (cut off by a crash, not UTF-8 or not a JSON object, or a record missing a field)")
     wall = summary["wall_seconds"]
     lines.append(f"  time {wall:.1f} s, {summary['steps']} steps, {summary['epochs_completed']} epochs, "
                  f"{summary['samples_seen']} samples" if wall is not None else "  nothing recorded yet")

@@ -1,9 +1,12 @@
-"""Byte quantities for people: formatting for logs and messages.
+"""Byte quantities for people: formatting for logs and messages, and an OOM's breakdown in words
+(breakdown.py measures it). Imports nothing heavy: `autotune report` uses it without torch.
 
 Owns: byte sizes in words and back. Touches nothing.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 def format_bytes(n: int | float | None) -> str:
@@ -37,3 +40,16 @@ def parse_bytes(text: str) -> int:
     if amount <= 0:
         raise ValueError(f"{text!r} must be a positive size")
     return int(amount * _UNITS[unit])
+
+
+def describe_breakdown(breakdown: dict[str, Any]) -> str:
+    """One line for messages and the report: the parts, largest first, against the cap."""
+    names = ("weights", "gradients", "optimizer_state", "activations_and_temporaries", "libraries", "other")
+    parts = sorted(((breakdown[n], n) for n in names if breakdown.get(n) is not None), reverse=True)
+    text = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for value, name in parts)
+    cap = f" of a {format_bytes(breakdown['cap'])} cap" if breakdown.get("cap") else ""
+    beside = "".join(f"; {label} {format_bytes(breakdown[key])}"
+                     for key, label in (("allocator_cache", "allocator cache beside it"),
+                                        ("outside_torch", "outside torch on the device"))
+                     if breakdown.get(key) is not None)
+    return f"held {format_bytes(breakdown['held'])}{cap} ({breakdown['measure']}): {text}{beside}"

@@ -5,7 +5,8 @@ import json
 import torch
 from torch import nn
 
-from autotune.breakdown import describe_breakdown, library_bytes, model_bytes, oom_breakdown, optimizer_bytes, tensor_bytes
+from autotune.breakdown import library_bytes, model_bytes, oom_breakdown, optimizer_bytes, tensor_bytes
+from autotune.units import describe_breakdown
 from autotune.report import render, summarize
 
 CPU = torch.device("cpu")

@@ -1,6 +1,8 @@
 """`autotune report` on real run directories: normal, with OOMs, crashed mid-write, empty, not a run."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -157,3 +159,34 @@ def test_the_report_names_the_largest_sites_of_an_oom_snapshot(tmp_path):
     log.close()
     text = render(summarize(tmp_path / "run"))
     assert "oom-3.pickle" in text and "512.0 MiB  model.py:12 in forward" in text
+
+
+def test_lines_it_cannot_read_are_skipped_and_counted_and_the_rest_reported(tmp_path, capsys):
+    # A byte gone bad, a JSON line that is not an object, records missing what the report reads: each was
+    # a refusal or a traceback; now each is one of the unreadable lines the report counts.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    good = [{"kind": "fit_start", "time": 1.0, "step": 0, "epoch": 0},
+            {"kind": "oom", "time": 2.0, "step": 3, "epoch": 0, "micro_batch_size": 32, "message": "x"},
+            {"kind": "fit_end", "time": 3.0, "step": 8, "epoch": 1, "samples_seen": 256}]
+    lines = [json.dumps(good[0]).encode(), b'{"kind": "epoch_end", "time": 2.5, "note": "caf\xe9"}',
+             b"[1, 2, 3]", b'"just a string"', json.dumps({"kind": "oom", "step": 4, "epoch": 0}).encode(),
+             json.dumps({"kind": "action", "time": 2.2, "step": 3, "epoch": 0, "action": "set_micro_batch"}).encode(),
+             json.dumps(good[1]).encode(), json.dumps(good[2]).encode()]
+    (run_dir / "events.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    summary = summarize(run_dir)
+    assert summary["journal_lines_unreadable"] == 5
+    assert summary["status"] == "finished" and summary["ooms"]["survived"] == 1 and summary["actions"] == {}
+    assert main(["report", str(run_dir)]) == 0
+    assert "note: 5 journal line(s) could not be read and were skipped" in capsys.readouterr().out
+
+
+def test_the_report_never_imports_torch(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text(json.dumps({"kind": "fit_start", "time": 1.0, "step": 0, "epoch": 0}) + "\n")
+    code = ("import sys, runpy\nsys.argv = ['autotune', 'report', sys.argv[1]]\ntry:\n"
+            "    runpy.run_module('autotune.cli', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\nassert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
