@@ -9,7 +9,9 @@ rank its own shards, so no rank ever holds the whole model.
 Only the tensors of the model and the optimizer go through DCP. DCP stores anything else as a
 pickle and loads it with `weights_only=False`; everything else is in `rest.pt`, where a tensor
 DCP holds stands as `IN_DCP` and which `torch.load(weights_only=True)` reads: a checkpoint
-still holds tensors and plain data, never code.
+still holds tensors and plain data, never code. DCP's own `.metadata` is a pickle its reader
+loads whole; here it is read by `_MetadataUnpickler`, which builds DCP's metadata classes, torch's
+sizes and dtypes, and paths, and refuses any other name (a planted payload never runs).
 
 Loading needs somewhere to put the shards: the state of the model as it is now (its DTensors,
 the optimizer's state), which DCP fills in place, each rank reading the slices it owns. (DCP
@@ -25,6 +27,7 @@ nothing else.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any, Callable
 
@@ -120,8 +123,49 @@ def read_shards(folder: Path, rest: dict[str, Any], template: dict[str, Any]) ->
         raise ValueError(f"{folder} holds {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, "
                          "which this model and optimizer have no place for: is it the same model?")
     wanted = {path: places[path] for path in paths}
-    dcp.load(wanted, checkpoint_id=folder)
+    dcp.load(wanted, storage_reader=_data_only_reader(folder))
     return join(rest, wanted)
+
+
+# What a DCP `.metadata` pickle may name (besides its metadata module's classes): each builds data.
+_METADATA_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                   ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                   ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                   ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata classes and plain data only: any other name is refused, naming it."""
+
+    path: Path
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module == "torch.distributed.checkpoint.metadata" or (module, name) in _METADATA_NAMES
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"{self.path} names {module}.{name}, which is not checkpoint metadata: "
+                                         "refused (a checkpoint holds data, never code)")
+        return super().find_class(module, name)
+
+
+def _data_only_reader(folder: Path) -> Any:
+    """DCP's file reader, with its `.metadata` read by `_MetadataUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class DataOnlyReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = folder / ".metadata"
+            with open(path, "rb") as f:
+                unpickler = _MetadataUnpickler(f)
+                unpickler.path = path
+                metadata = unpickler.load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return DataOnlyReader(folder)
 
 
 def template_for_shards(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -94,3 +94,29 @@ def test_a_sharded_checkpoint_whose_metadata_does_not_read_falls_back(tmp_path, 
                                            ranks=Solo())
     assert state["step"] == 1 and found.name == "step-000000001.pt"
     assert f"checkpoint {path} cannot be loaded" in capfd.readouterr().err
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):  # what unpickling it would run: here, a folder made as the proof
+        return (os.mkdir, (self.marker,))
+
+
+def test_a_sharded_checkpoints_metadata_never_runs_code(tmp_path, capfd):
+    # A folder with a valid rest.pt and a pickled payload for DCP's .metadata, no sums (made by hand, or by
+    # someone else): DCP's reader would unpickle it whole. Refused, naming what it names, and the one before loads.
+    import pickle
+
+    checkpoints = Checkpoints(tmp_path / "ckpt")
+    checkpoints.save({"step": 1}, 1)
+    path, _ = checkpoints.save_sharded({"model": {"w": torch.zeros(4)}, "step": 2}, 2, is_main=True)
+    (path / MANIFEST).unlink()
+    marker = tmp_path / "the-payload-ran"
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    state, found = checkpoints.load_latest(template=lambda: {"model": {"w": torch.zeros(4)}, "step": 0},
+                                           ranks=Solo())
+    assert not marker.exists()
+    assert state["step"] == 1 and found.name == "step-000000001.pt"
+    assert "names posix.mkdir, which is not checkpoint metadata: refused" in capfd.readouterr().err
