@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.units import format_bytes
 
 
 def tensor_bytes(tensors: Any, device: torch.device) -> int:

@@ -49,6 +49,7 @@ from autotune.memory import start_with_small_stack
 from autotune.notices import info, warn
 from autotune.preemption import Preempted
 from autotune.records import Kind
+from autotune.stale import remove_stale
 from autotune.sharded_checkpoint import REST, read_rest, read_shards, split, write_shards
 from autotune.units import format_bytes
 
@@ -103,27 +104,7 @@ _TEMPORARY = re.compile(r"\.step-\d{9}\.pt(?:\.sha256)?\.(\d+)\.tmp$")
 
 def remove_stale_temporaries(folder: Path) -> int:
     """Remove what writes killed midway left in `folder` (their process is gone); returns how many."""
-    removed = 0
-    if not folder.is_dir():
-        return removed
-    for path in folder.iterdir():
-        match = _TEMPORARY.match(path.name)
-        if match and not _alive(int(match.group(1))):
-            path.unlink(missing_ok=True)
-            removed += 1
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True  # this process's own: another trainer's background write in progress, maybe
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return remove_stale(folder, _TEMPORARY)
 
 
 _writing: dict[Path, threading.Thread] = {}  # folder -> its background write (one at a time)

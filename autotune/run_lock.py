@@ -4,7 +4,8 @@
     hold_run_dir(run_dir, ranks)   before anything is written: a second process is refused
                                    (`RunDirInUse`, naming the folder and the holder's PID) on every
                                    rank; a lock whose holder died without letting go (kill -9) is
-                                   taken over, said once on stderr
+                                   taken over, said once on stderr; the shared
+                                   memory of killed runs is removed (stale.py)
     RunLock.release()              at close: the PID cleared, the lock let go (at exit too)
 
 The kernel lets go of an flock when its holder dies, so a lock that can be taken is free, whatever
@@ -12,7 +13,8 @@ the file says; the PID in it only tells whether the last holder ended without cl
 process a second Tuner on the same folder shares the hold (a notebook cell run again builds its
 trainer while the old one is still bound): the refusal is for another process.
 
-Owns `RUN_DIR/.lock` and this process's holds. Touches nothing else.
+Owns `RUN_DIR/.lock` and this process's holds. Touches the shared memory of dead processes (at a
+run's start, through stale.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from autotune.notices import warn
+from autotune.stale import remove_stale_shared_memory
 
 LOCK_NAME = ".lock"
 
@@ -115,6 +118,7 @@ def hold_run_dir(run_dir: Path, ranks: Any) -> RunLock | None:
             lock = take(run_dir)
         except RunDirInUse as exc:
             refusal = str(exc)
+        remove_stale_shared_memory()  # the sample boards and caches of runs killed before they could
     if ranks.world > 1:
         refusal = ranks.broadcast_object(refusal)
     if refusal is not None:

@@ -33,7 +33,6 @@ import pickle
 import secrets
 import statistics
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -43,6 +42,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from autotune.snapshot import InputProfile
+from autotune.stale import remove_stale_shared_memory, shared_memory_dir
 
 _HEADER = 8  # int64 slots: [bytes used, full, hits, misses, entries, ...spare]
 _USED, _FULL, _HITS, _MISSES, _ENTRIES = range(5)
@@ -148,7 +148,7 @@ def cache_budget(max_bytes: int | None = None, available_fraction: float = 0.5,
 
 
 def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return str(shared_memory_dir())
 
 
 # Big buffers (pixels, array and tensor data) go out of band (pickle protocol 5): an entry is
@@ -211,27 +211,6 @@ def _decode(view: memoryview) -> Any:
     return pickle.loads(data, buffers=buffers)
 
 
-def _remove_stale_regions(folder: Path) -> None:
-    """Remove the regions of runs that were killed before they could (their process is gone)."""
-    for path in folder.glob("autotune-cache-*-*"):
-        try:
-            pid = int(path.name.split("-")[2])
-        except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and not _alive(pid):
-            path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 class SampleCache:
     """Decoded samples by index, in one shared-memory region every process of the run maps.
 
@@ -247,7 +226,7 @@ class SampleCache:
         self.budget = max(0, int(budget_bytes))
         self._data_start = (_HEADER + 2 * n) * 8
         folder = Path(directory or _shm_dir())
-        _remove_stale_regions(folder)
+        remove_stale_shared_memory(folder)  # what killed runs left
         self.path = folder / f"autotune-cache-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:

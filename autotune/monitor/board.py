@@ -14,10 +14,10 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import tempfile
 from pathlib import Path
 
 from autotune.snapshot import DeviceSample
+from autotune.stale import shared_memory_dir
 
 _MAGIC = 0x41544D31  # "ATM1"
 _HEADER = struct.Struct("<IIQ")  # magic, layout version, sequence number
@@ -37,8 +37,8 @@ def _decode(value: int) -> int | None:
 
 
 def default_path() -> Path:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"autotune-{os.getpid()}-{os.urandom(4).hex()}.board"
+    """A new board's path, named after this process (stale.py removes it once the process is gone)."""
+    return shared_memory_dir() / f"autotune-{os.getpid()}-{os.urandom(4).hex()}.board"
 
 
 class Board:

@@ -1,0 +1,60 @@
+"""Files named after the process that made them, left behind when it was killed: the monitor's
+sample boards and the sample caches in /dev/shm (`autotune-<pid>-<hex>.board`,
+`autotune-cache-<pid>-<hex>`), a checkpoint's temporaries. They are removed at the next start,
+once that process is gone, and never while it lives (this process's own included).
+
+    alive(pid)                       whether a process is running (someone else's counts)
+    remove_stale(folder, pattern)    the files in `folder` whose name's pid (`pattern`'s first
+                                     group) is not running; how many went
+    remove_stale_shared_memory()     the boards and caches of dead processes in /dev/shm
+
+Owns nothing. Touches those files of dead processes only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+BOARD = re.compile(r"^autotune-(\d+)-[0-9a-f]+\.board$")
+CACHE = re.compile(r"^autotune-cache-(\d+)-[0-9a-f]+$")
+
+
+def shared_memory_dir() -> Path:
+    """Where boards and caches are made: /dev/shm when writable, else the temporary folder."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale(folder: Path, pattern: re.Pattern[str]) -> int:
+    """Remove the files in `folder` whose name matches `pattern` and whose pid (its first group) is
+    not running; returns how many went."""
+    removed = 0
+    if not folder.is_dir():
+        return removed
+    for path in folder.iterdir():
+        match = pattern.match(path.name)
+        if match and not alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def remove_stale_shared_memory(folder: Path | None = None) -> int:
+    """The sample boards and caches of dead processes (kill -9, a stuck run's SIGTERM); how many went."""
+    folder = shared_memory_dir() if folder is None else folder
+    return remove_stale(folder, BOARD) + remove_stale(folder, CACHE)
