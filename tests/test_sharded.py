@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from autotune import checksums
 from tests.conftest import journal, torchrun
 
 pytestmark = pytest.mark.slow
@@ -330,8 +331,9 @@ def test_sigkill_of_both_ranks_then_resume_ends_with_the_uninterrupted_weights(r
     assert [f.name for f in folders] == ["step-000000003", "step-000000006", "step-000000008"]
     for folder in folders:
         files = {f.name: f.stat().st_size for f in folder.iterdir()}
-        assert files.keys() == {".metadata", "__0_0.distcp", "__1_0.distcp", "rest.pt"}
+        assert files.keys() == {".metadata", "__0_0.distcp", "__1_0.distcp", "rest.pt", "SHA256SUMS"}
         assert files["__0_0.distcp"] == files["__1_0.distcp"] > 2 * files["rest.pt"]
+        checksums.verify(folder)  # every rank's shards are summed by rank 0, as they are on disk
 
 
 def test_activation_checkpointing_works_on_a_sharded_model_and_pruning_is_refused_with_its_reason(runs):
