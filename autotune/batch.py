@@ -139,7 +139,7 @@ class BatchRunner:
                 if core.norms.active:
                     self._settle_norms(n)
                 self._complete(attempt, n, optimizer_step, held, reduced)
-                self.ranks.job.buffers_from_rank0()
+                self.ranks.buffers_from_rank0()
                 return self._outcome(losses, len(tried), agreed, measured)
             # Out of the `except` block now, so the exception and its frames are gone and
             # the tensors they pinned (activations, partial gradients) can be freed.

@@ -453,8 +453,9 @@ class Checkpointer:
                 raise ValueError(f"resume={str(path)!r} is not a checkpoint that loads: {type(exc).__name__}: {exc}") from None
         else:
             found = self.store.load_latest(device, template, self.ranks)
-        if found is None and self.store.paths():
-            raise ValueError(f"resume: none of the {len(self.store.paths())} checkpoints in {self.folder} loads (each "
+        unloadable = self.store.paths() if found is None else []
+        if unloadable:
+            raise ValueError(f"resume: none of the {len(unloadable)} checkpoints in {self.folder} loads (each "
                              "is named above, with why); not starting afresh over them. Move the folder away to "
                              "start a new run, or name a checkpoint with resume=PATH")
         if found is None:

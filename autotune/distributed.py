@@ -43,7 +43,7 @@ from torch import nn
 from autotune.actions import Relief, relief_to_ints
 from autotune.agreement import Agreement, rank0s
 from autotune.gradient_bucket import GradientBucket
-from autotune.job import Job, broadcast_from_rank0
+from autotune.job import Job
 from autotune.sharded import Sharded, is_sharded, shard as shard_blocks
 
 
@@ -92,7 +92,7 @@ class Solo:
         pass
 
     def buffers_from_rank0(self) -> None:
-        pass  # one set of buffers already
+        """After a batch every rank completed: rank 0's buffers on every rank. Alone: one set already."""
 
     def agree(self, mine: Agreement, attempt: Any = None) -> tuple[Agreement, bool]:
         """What every process agrees after an attempt, given this one's proposal, and whether the
@@ -157,6 +157,7 @@ class Ranks:
         # What depends on how the model is spread over the ranks (job.py): replicated until
         # wrap() finds it sharded with FSDP2.
         self.job: Replicated | Sharded = Replicated(self.device)
+        self._buffers: list[torch.Tensor] = []  # the model's, once wrapped (`wrap`); none where a host wraps it
         # The last agreement's quiet form: what a batch no rank has news for agrees (`agree`).
         self._quiet: Agreement | None = None
 
@@ -200,6 +201,7 @@ class Ranks:
             blocks = shard_blocks(model)
             logger.info(f"sharded with FSDP2: {len(blocks)} blocks ({', '.join(blocks[:3])}"
                         f"{', ...' if len(blocks) > 3 else ''}) and the root")
+        self._buffers = list(model.buffers())  # made rank 0's after each batch (`buffers_from_rank0`)
         if is_sharded(model):
             self.job = Sharded(model)
             return
@@ -215,7 +217,6 @@ class Ranks:
         # as its own no_sync() sets it for a while, so no step enters a context to say so.
         self.ddp.require_backward_grad_sync = False
         self.bucket_gradients(model.parameters())
-        self.job.buffers = list(model.buffers())
 
     def bucket_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
         """Bind these parameters' gradients to flat buffers that `average_gradients` all-reduces:
@@ -293,6 +294,20 @@ class Ranks:
         dist.all_gather_object(gathered, obj)
         return gathered
 
+    def buffers_from_rank0(self) -> None:
+        """After a batch every rank completed (a point they all reach together): the wrapped model's
+        buffers made rank 0's on every rank (BatchNorm's running statistics: one set, the one a
+        checkpoint keeps). DDP's own broadcast before each forward is off (wrap: a collective a
+        failing rank could miss) and FSDP2 never makes one; nothing for a model without buffers.
+        One broadcast per dtype and device."""
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for buffer in self._buffers:
+            groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        for group in groups.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            dist.broadcast(flat, 0)
+            torch._foreach_copy_(group, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in group]), group)])
+
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
         box = [obj]
@@ -314,7 +329,6 @@ class Replicated:
     def __init__(self, device: torch.device):
         self.device = device  # where the checks' tensors go
         self.bucket = None
-        self.buffers: list[torch.Tensor] = []  # the wrapped model's, made rank 0's after each batch
 
     def same_size(self, micro_batch_size: int, n: int, step: int) -> int:
         # A rank may differ until the agreement after the attempt, which every rank then follows.
@@ -334,12 +348,6 @@ class Replicated:
 
     def reset_after_failure(self) -> None:
         pass  # nothing of DDP's ran: the gradients are dropped as alone
-
-    def buffers_from_rank0(self) -> None:
-        # DDP's own broadcast before each forward is off (wrap: a collective a failing rank could
-        # miss); here every rank has completed the batch, so rank 0's buffers go out now instead.
-        if self.buffers:
-            broadcast_from_rank0(self.buffers)
 
     def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
         # Each rank's gradient back to its raw sum over items, summed over ranks with the items

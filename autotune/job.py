@@ -7,7 +7,7 @@ use as `ranks.job` and never asks which it is; tests/test_job.py holds the three
 Protocol. The collectives every job makes alike (the agreement, gathers, rank 0's relief) are
 `Solo`'s and `Ranks`'s own, not the strategy's.
 
-Owns the Protocol and `broadcast_from_rank0`, which the two jobs of several ranks share. Touches nothing.
+Owns the Protocol. Touches nothing.
 """
 
 from __future__ import annotations
@@ -48,11 +48,6 @@ class Job(Protocol):
     def reset_after_failure(self) -> None:
         """After a failed attempt, before its gradients are dropped."""
 
-    def buffers_from_rank0(self) -> None:
-        """After a batch every rank completed (a point they all reach together): the model's
-        buffers made rank 0's on every rank (BatchNorm's running statistics: one set, the one a
-        checkpoint keeps), as DDP broadcasts them before each forward."""
-
     def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
         """Weighted by items: the micro-batches were weighted n_items/ref; make it n_items/total
         (over every rank's items)."""
@@ -64,16 +59,3 @@ class Job(Protocol):
                          optimizer_state: Any) -> None:
         """Put what `model_state` returned back into the model and the optimizer."""
 
-
-def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
-    """Rank 0's values of `tensors` on every rank, one broadcast per dtype and device (a model's
-    buffers: few and small). Every rank calls it with the same tensors, at the same point."""
-    import torch.distributed as dist
-
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for group in groups.values():
-        flat = torch.cat([t.reshape(-1) for t in group])
-        dist.broadcast(flat, 0)
-        torch._foreach_copy_(group, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in group]), group)])

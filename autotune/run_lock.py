@@ -48,8 +48,8 @@ _holds: dict[str, _Hold] = {}  # this process's, by the lock file's resolved pat
 class RunLock:
     """This process's hold on a run folder; `release()` once (more calls do nothing)."""
 
-    def __init__(self, key: str):
-        self._key: str | None = key
+    def __init__(self, key: str | None):
+        self._key = key  # None: nothing held
 
     def release(self) -> None:
         key, self._key = self._key, None
@@ -109,10 +109,11 @@ def take(run_dir: Path) -> RunLock:
     return RunLock(key)
 
 
-def hold_run_dir(run_dir: Path, ranks: Any) -> RunLock | None:
+def hold_run_dir(run_dir: Path, ranks: Any) -> RunLock:
     """Rank 0 holds `run_dir` (`take`); under torchrun its refusal reaches every rank, so none goes on
-    to wait in a collective for a rank 0 that stopped. None on the other ranks."""
-    lock, refusal = None, None
+    to wait in a collective for a rank 0 that stopped. The other ranks hold nothing (a RunLock
+    whose `release` does nothing)."""
+    lock, refusal = RunLock(None), None
     if ranks.is_main:
         try:
             lock = take(run_dir)

@@ -55,7 +55,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotune.job import broadcast_from_rank0
 from autotune.oom import ExchangeFailed, is_oom
 from autotune.relief.checkpointing import repeated_blocks
 
@@ -135,7 +134,6 @@ class Sharded:
             raise RuntimeError(f"torch {torch.__version__}'s FSDP2 cannot reset its state after an exception "
                                "(FSDPModule.reset_iter_state, in torch 2.14): autotune cannot train a sharded model on it")
         self.model, self.modules = model, root
-        self.buffers = list(model.buffers())  # not sharded: each rank's own, made rank 0's after each batch
         self.rank = dist.get_rank()
         self.timeout_s = exchange_timeout_s() if timeout_s is None else float(timeout_s)
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -225,12 +223,6 @@ class Sharded:
         if peer_failed:
             return True  # the check that told it was this attempt's last
         return self.check(failed) and not failed
-
-    def buffers_from_rank0(self) -> None:
-        """After a batch every rank completed: rank 0's buffers on every rank (FSDP2 leaves them each
-        rank's own, and a checkpoint keeps one rank's)."""
-        if self.buffers:
-            broadcast_from_rank0(self.buffers)
 
     def reset_after_failure(self) -> None:
         """After a failed attempt, on every rank: FSDP2's state as before the attempt, no gradients held."""
