@@ -37,6 +37,7 @@ _EXPORTS = {
     "Event": "autotune.events",
     "OutOfMemory": "autotune.oom", "ExchangeFailed": "autotune.oom", "is_oom": "autotune.oom",
     "NonFiniteStep": "autotune.oom", "CheckpointFailed": "autotune.checkpoint", "RunDirInUse": "autotune.run_lock",
+    "AnotherRunsCheckpoints": "autotune.same_run", "CheckpointMismatch": "autotune.same_run",
     "Policy": "autotune.policy", "PolicyBase": "autotune.policy",
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
     "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
@@ -66,5 +67,6 @@ if TYPE_CHECKING:
     from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
     from autotune.progress import FitResult
     from autotune.run_lock import RunDirInUse
+    from autotune.same_run import AnotherRunsCheckpoints, CheckpointMismatch
     from autotune.trainer import AutoTrainer
     from autotune.tuner import Tuner

@@ -49,6 +49,7 @@ from autotune.memory import start_with_small_stack
 from autotune.notices import info, warn
 from autotune.preemption import Preempted
 from autotune.records import Kind
+from autotune.same_run import AnotherRunsCheckpoints, another_runs_checkpoints, run_id_of
 from autotune.stale import remove_stale
 from autotune.sharded_checkpoint import REST, read_rest, read_shards, split, write_shards
 from autotune.units import format_bytes
@@ -128,6 +129,10 @@ class Checkpoints:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.folder = Path(folder)
         self.keep = keep
+        # This run's checkpoints: those it wrote, or all once it resumed from this folder (same_run.py).
+        # Another run's are never pruned as this one's.
+        self.written: set[str] = set()
+        self.adopted = False
 
     def paths(self) -> list[Path]:
         """Checkpoints (files, or sharded ones' folders), newest (highest step) first (once a write
@@ -143,7 +148,13 @@ class Checkpoints:
         return [p for _, p in sorted(found, reverse=True)]
 
     def _path(self, step: int, sharded: bool = False) -> Path:
-        return self.folder / f"step-{step:09d}{'' if sharded else '.pt'}"  # what _NAME reads back
+        path = self.folder / f"step-{step:09d}{'' if sharded else '.pt'}"  # what _NAME reads back
+        self.written.add(path.name)  # asked for to be written
+        return path
+
+    def others(self) -> list[Path]:
+        """The checkpoints in the folder that are not this run's, newest first."""
+        return [] if self.adopted else [path for path in self.paths() if path.name not in self.written]
 
     def _unfinished(self, step: int) -> Path:
         return self.folder / f".step-{step:09d}.tmp"
@@ -231,7 +242,7 @@ class Checkpoints:
                     del _writing[self.folder.resolve()]
 
     def _prune(self) -> None:
-        for old in self._paths()[self.keep:]:
+        for old in [path for path in self._paths() if self.adopted or path.name in self.written][self.keep:]:
             if old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
             else:
@@ -444,6 +455,9 @@ class Checkpointer:
         # Sharded checkpoints are read into the state now: by the ranks of a sharded job, or by a job of
         # one process, which reads every rank's shards into whole tensors (a node lost: issue 33).
         template = template if self.ranks.job.writes_shards or self.ranks.world == 1 else None
+        elsewhere = path is not None and path.resolve().parent != self.folder.resolve()
+        if elsewhere:  # this folder's checkpoints, if any, are another run's
+            self.refuse_another_run()
         if path is not None:
             if not path.exists():
                 raise FileNotFoundError(f"resume={str(path)!r}: no such checkpoint")
@@ -453,6 +467,7 @@ class Checkpointer:
                 raise ValueError(f"resume={str(path)!r} is not a checkpoint that loads: {type(exc).__name__}: {exc}") from None
         else:
             found = self.store.load_latest(device, template, self.ranks)
+        self.store.adopted = not elsewhere  # this run's from here: pruned as its own
         unloadable = self.store.paths() if found is None else []
         if unloadable:
             raise ValueError(f"resume: none of the {len(unloadable)} checkpoints in {self.folder} loads (each "
@@ -464,9 +479,21 @@ class Checkpointer:
             return
         state, path = found
         load(state)
-        info(f"resumed from {path}: step {progress.step}, epoch {progress.epoch}, {progress.position} samples into it")
+        run_id = run_id_of(state)
+        warn(f"resuming run {run_id or '(no id: an older autotune)'} from {path}: step {progress.step}, epoch "
+             f"{progress.epoch}, {progress.position} samples into it")
         self.journal.write(Kind.RESUME, progress.step, progress.epoch, found=True, path=str(path),
-                           position=progress.position, samples_seen=progress.samples_seen)
+                           position=progress.position, samples_seen=progress.samples_seen, run_id=run_id)
+
+    def refuse_another_run(self) -> None:
+        """Before a run starts afresh here (`fit(resume=False)`): `AnotherRunsCheckpoints`, on every
+        rank alike, where the folder holds checkpoints this run neither wrote nor resumed from."""
+        others = self.store.others() if self.ranks.is_main else []
+        refusal = str(another_runs_checkpoints(self.folder, others)) if others else None
+        if self.ranks.world > 1:
+            refusal = self.ranks.broadcast_object(refusal)
+        if refusal is not None:
+            raise AnotherRunsCheckpoints(refusal)
 
     def preempted(self, signum: int, path: Path | None, progress: Any) -> Preempted:
         """The error that ends a run stopped by a signal, after its checkpoint (`path`) was written."""

@@ -1,7 +1,8 @@
 """The layout of a checkpoint: one nested, versioned record, and `migrate` from every older layout.
 
     {"format": 2,
-     "core":     {"model", "optimizer", "scheduler", "grad_scaler", "injector"}   # step.py + the weights
+     "run":      {"id"}   # same_run.py: the run the checkpoint belongs to (None before run ids)
+     "core":     {"model", "optimizer", "optimizer_class", "scheduler", "grad_scaler", "injector"}   # step.py + the weights
      "tuning":   {"micro_batch_size", "batch_size", "reliefs", "policies", "counters"}   # Tuner.tuning_state
      "progress": {"step", "epoch", "position", "batches_done", "samples_seen", "ooms",
                   "world", "epoch_world"}   # progress.py (the last two came later: see migrate)
@@ -25,14 +26,15 @@ from typing import Any
 FORMAT = 2
 SECTIONS = ("core", "tuning", "progress", "rng", "host")
 PROGRESS_FIELDS = ("step", "epoch", "position", "batches_done", "samples_seen", "ooms")  # format 1's
-CORE_FIELDS = ("model", "optimizer", "scheduler", "grad_scaler", "injector")
+CORE_FIELDS = ("model", "optimizer", "optimizer_class", "scheduler", "grad_scaler", "injector")
 HOST_FIELDS = ("num_workers", "evaluation", "callbacks")  # AutoTrainer's, in format 1
 
 
 def build(*, core: dict[str, Any], tuning: dict[str, Any], progress: dict[str, Any], rng: dict[str, Any],
-          host: dict[str, Any] | None = None) -> dict[str, Any]:
+          host: dict[str, Any] | None = None, run_id: str | None = None) -> dict[str, Any]:
     """A checkpoint of today's format from its sections (each from its one writer)."""
-    return {"format": FORMAT, "core": core, "tuning": tuning, "progress": progress, "rng": rng, "host": host or {}}
+    return {"format": FORMAT, "run": {"id": run_id}, "core": core, "tuning": tuning, "progress": progress,
+            "rng": rng, "host": host or {}}
 
 
 def migrate(state: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +62,10 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
     # random states (every rank's under torchrun), or one.
     world = len(state["rng"].get("ranks") or [None])
     progress = {"world": world, "epoch_world": world, **state["progress"]}
-    return {**state, "tuning": migrate_tuning(state["tuning"]), "progress": progress, "host": host}
+    core = {"optimizer_class": None, **state["core"]}  # the optimizer's class name came later
+    run = state.get("run") or {"id": None}  # so did the run id
+    return {**state, "run": run, "core": core, "tuning": migrate_tuning(state["tuning"]), "progress": progress,
+            "host": host}
 
 
 def tuning(knobs: Any, ladder: Any, dispatcher: Any, counters: Any) -> dict[str, Any]:

@@ -78,7 +78,7 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
     _kind(Kind.FIT_START, "a run of steps starts (AutoTrainer.fit, or a Tuner's first batch)",
           f"device:str keep_effective_batch:bool memory_cap:int|None policies:list precision:str "
           f"clip_grad_norm:float|None clip_grad_value:float|None compiled:bool epochs:int max_steps:int|None "
-          f"eval_every:int|str|None world:int {_FIT_FIELDS}", shown=True),
+          f"eval_every:int|str|None world:int run_id:str {_FIT_FIELDS}", shown=True),
     _kind(Kind.OOM, "an out-of-memory error survived: the same batch is retried smaller",
           "micro_batch_size:int device:str message:str injected:bool lost_seconds:float ooms:int breakdown:dict|None "
           "memory_snapshot:dict", shown=True),
@@ -111,7 +111,7 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
     _kind(Kind.CHECKPOINT_SKIPPED, "HF's checkpoint before an OOM error skipped: its save would not fit",
           "reason:str need_bytes:int room_bytes:int|None"),
     _kind(Kind.RESUME, "a resume: from which checkpoint, or none found", "found:bool path:str position:int "
-          "samples_seen:int micro_batch_size:int", shown=True),
+          "samples_seen:int micro_batch_size:int run_id:str|None", shown=True),
     _kind(Kind.WORLD_CHANGED, "resumed on another number of ranks: each rank's batch re-split so the job's stays",
           "from_world:int to_world:int batch_size_from:int batch_size_to:int global_batch:int position:int "
           "micro_batch_size:int", shown=True),

@@ -277,7 +277,8 @@ class StepCore:
         """The scheduler, the gradient scaler (the step's) and the injector's random stream (the
         weights and the optimizer are the job's to take: `Solo.model_state`, sharded or not)."""
         version, keys, gauss = self._injector.getstate()
-        return {**self.stepper.state_dict(), "injector": [version, list(keys), gauss]}
+        return {**self.stepper.state_dict(), "injector": [version, list(keys), gauss],
+                "optimizer_class": type(self.stepper.optimizer).__name__}  # a resume refuses another (same_run.py)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (a migrated checkpoint's "core": checkpoint_format.py)."""

@@ -158,6 +158,8 @@ class AutoTrainer:
             self.checkpointer.resume(self.load_state_dict, self.counters, self.device, path=path,
                                      template=lambda: template_for_shards(self.state_dict(), self.model,
                                                                           self.optimizer, self.ranks.job.writes_shards))
+        else:
+            self.checkpointer.refuse_another_run()  # never pruned, nor resumed later, as this run's
         self._stop_request.clear()
         started = time.perf_counter()
         self.checkpointer.restart_clock(self.step)

@@ -59,6 +59,7 @@ from autotune.events import Event
 from autotune.host_face import Wiring
 from autotune.journal import RunLog
 from autotune.run_lock import hold_run_dir
+from autotune.same_run import new_run_id, reliefs_checked
 from autotune.knobs import Knobs
 from autotune.memory import one_arena_under_an_address_space_cap, warm_up_oom_path
 from autotune.memory_history import AllocationHistory
@@ -118,6 +119,7 @@ class Tuner:
         self.keep_effective_batch, self.is_main = keep_effective_batch, self.ranks.is_main
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(self.ranks)
         self._lock = hold_run_dir(self.run_dir, self.ranks)  # one writer: another process's run here is refused
+        self.run_id = self.ranks.broadcast_object(new_run_id())  # rank 0's; a resume takes the checkpoint's
         self.log = RunLog(self.run_dir, writes=self.is_main, tensorboard=tensorboard, progress=progress)
         self.journal = self.log.journal  # rank 0 writes
         self.counters = counters if counters is not None else Progress()
@@ -189,10 +191,9 @@ class Tuner:
         return outcome.mean_loss()
 
     def accumulate(self, batch: Any, step_fn: StepFn, *, n: int | None = None) -> BatchOutcome:
-        """Forward and backward over `batch` in micro-batches with OOM retries, and no optimizer
-        step: for a trainer that steps its own optimizer. `step_fn(model, micro)` returns a loss
-        already scaled so that the micro-batches' losses add up to the batch's (the caller knows
-        its normalisation); gradients add onto those accumulated before."""
+        """Forward and backward over `batch` in micro-batches with OOM retries, and no optimizer step (a trainer
+        that steps its own): `step_fn(model, micro)` returns a loss already scaled so that the micro-batches'
+        losses add up to the batch's (the caller knows its normalisation); gradients add onto those held."""
         self.core.use(step_fn, None)
         n = self._begin_batch(batch, n)
         held = set_aside_gradients(self.core.parameters())  # a retry drops the failed attempt's gradients, never these
@@ -210,10 +211,9 @@ class Tuner:
             self.after_batch(StepTiming(step_seconds=step_seconds, retries=outcome.retries), n, outcome)
 
     def evaluate(self, batch: Any, eval_fn: Callable[[nn.Module, Any], Any]) -> Any:
-        """`eval_fn(model, micro_batch)` over `batch` in eval mode under `torch.no_grad()`, with a
-        micro-batch of its own: an OOM halves it and runs the same samples again, calm grows it back,
-        and the training micro-batch never moves. Returns the results in sample order (numbers and
-        0-d tensors: their mean over the samples; tensors: joined; tuples, dicts: leaf by leaf)."""
+        """`eval_fn(model, micro_batch)` over `batch` in eval mode under `torch.no_grad()`, with a micro-batch of
+        its own (an OOM halves it and runs the same samples again; the training one never moves). Returns the
+        results in sample order (numbers, 0-d tensors: mean over samples; tensors: joined; tuples, dicts: by leaf)."""
         return self.evaluator.step(batch, eval_fn, self.step_count, self.counters.epoch)
 
     def step_scheduler(self, metric: float | None = None) -> None:
@@ -245,7 +245,7 @@ class Tuner:
                            memory_cap=self.knobs.memory_cap_bytes, policies=[p.name for p in self.dispatcher.policies],
                            precision=self.core.precision, clip_grad_norm=self.stepper.clip_grad_norm,
                            clip_grad_value=self.stepper.clip_grad_value, compiled=self.core.compiled_model,
-                           world=self.ranks.world, **fit_start)
+                           world=self.ranks.world, run_id=self.run_id, **fit_start)
         self.monitor_link.start(self.step_count, self.counters.epoch)
         if self.history is not None:
             self.history.start()
@@ -289,15 +289,14 @@ class Tuner:
 
     # ------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """What continuing exactly needs, for your own checkpoints (`load_state_dict` on a Tuner built
-        alike): weights, optimizer, scheduler, scaler, micro-batch, reliefs, policy states, counters and
-        random states, one versioned record (checkpoint_format.py). Sharded (FSDP2): this rank's shards
-        (DTensors), for `torch.distributed.checkpoint`, as autotune's own checkpoints save them."""
+        """What continuing exactly needs, for your own checkpoints (`load_state_dict` on a Tuner built alike):
+        weights, optimizer, scheduler, scaler, micro-batch, reliefs, policy states, counters, random states,
+        the run id; one versioned record (checkpoint_format.py). Sharded (FSDP2): this rank's shards (DTensors)."""
         self.settle()  # a checkpoint holds exact counts and the scheduler's last step
         weights, optimizer = self.ranks.job.model_state(self.model, self.stepper.optimizer)
         return checkpoint_format.build(core={**self.core.state_dict(), "model": weights, "optimizer": optimizer},
                                        tuning=self.tuning_state(), progress=self.counters.state_dict(),
-                                       rng=rng_state())
+                                       rng=rng_state(), run_id=self.run_id)
 
     def tuning_state(self) -> dict[str, Any]:
         """Only what the tuner itself decided: micro-batch, reliefs, policy states (an integration's
@@ -305,11 +304,14 @@ class Tuner:
         return checkpoint_format.tuning(self.knobs, self.ladder, self.dispatcher, self.counters)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned, by this autotune or an older one (the reliefs first)."""
+        """Restore what `state_dict` returned, by this autotune or an older one (the reliefs first);
+        another model's or optimizer's is refused, naming the difference (same_run.py)."""
         state = checkpoint_format.migrate(state)
-        self.load_tuning_state(state["tuning"])
+        reliefs_checked(state, functools.partial(self.load_tuning_state, state["tuning"]),
+                                  lambda: (self.ranks.job.model_state(self.model, None)[0], self.optimizer))
         core = state["core"]
         self.ranks.job.load_model_state(self.model, self.stepper.optimizer, core["model"], core["optimizer"])
+        self.run_id = state["run"]["id"] or self.run_id
         self.core.load_state_dict(core)
         self.counters.load_state_dict(state["progress"])
         self.counters.on_ranks(self.ranks.world)  # this job's from here (AutoTrainer re-splits its position)
@@ -338,16 +340,15 @@ class Tuner:
 
     # ------------------------------------------------------------------------- the end
     def agree_on_micro_batch(self) -> int:
-        """At a run's end, on every rank: rank 0's micro-batch (a policy may have moved this rank's since
-        the last agreement; a run ends, and is checkpointed, at one size everywhere). Returns it."""
+        """At a run's end, on every rank: rank 0's micro-batch, returned (a policy may have moved this rank's
+        since the last agreement; a run ends, and is checkpointed, at one size everywhere)."""
         self.knobs.follow(self.ranks.follow_rank0(self.knobs.micro_batch_size, None, self.device)[0])
         return self.knobs.micro_batch_size
 
     def end(self, error: BaseException | None = None, **fit_end: Any) -> None:
-        """The end of a run of steps: journaled as `fit_end` (with the host's `fit_end` fields;
-        none: a Tuner's own run, marked `tuner`), FIT_END, the monitor stopped. With the `error`
-        that ended it: `fit_failed` (with the host's fields: the checkpoint saved before), no
-        FIT_END. A later batch starts a new run in the same journal."""
+        """The end of a run of steps: `fit_end` journaled (with the host's fields; none: a Tuner's own run,
+        marked `tuner`), FIT_END, the monitor stopped. With the `error` that ended it: `fit_failed` (with the
+        host's fields: the checkpoint saved before), no FIT_END. A later batch starts a new run."""
         if not self._started:
             return
         self._started = False

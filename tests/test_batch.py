@@ -20,7 +20,7 @@ from autotune.step import StepCore
 
 # Fields that say when or how long, name a process or a file, or measure the process: not what a run decided.
 VOLATILE = {"time", "wall_seconds", "seconds", "pid", "path", "lost_seconds", "write_seconds", "step_seconds",
-            "background",
+            "background", "run_id",
             "breakdown"}  # what the process held at an OOM: its resident bytes, measured
 
 

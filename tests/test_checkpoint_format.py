@@ -78,7 +78,8 @@ def test_todays_checkpoint_is_one_section_per_owner_and_migrates_to_itself(tmp_p
     with trainer(tmp_path / "run") as t:
         t.fit(epochs=1, max_steps=2)
         state = t.state_dict()
-    assert set(state) == {"format", *checkpoint_format.SECTIONS} and state["format"] == checkpoint_format.FORMAT
+    assert set(state) == {"format", "run", *checkpoint_format.SECTIONS} and state["format"] == checkpoint_format.FORMAT
+    assert state["run"]["id"] == t.tuner.run_id and state["core"]["optimizer_class"] == "SGD"
     assert set(state["progress"]) == {field.name for field in dataclasses.fields(Progress)}  # PROGRESS_FIELDS + the world
     assert set(state["core"]) == set(checkpoint_format.CORE_FIELDS)
     assert set(state["host"]) == set(checkpoint_format.HOST_FIELDS)

@@ -199,13 +199,13 @@ def test_a_loss_that_is_not_a_0d_tensor_fails_on_the_first_micro_batch_naming_th
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
     net = model()
     before = [p.detach().clone() for p in net.parameters()]
-    vector = trainer(tmp_path, net, data, loss_fn=lambda out, y: (out - y).pow(2))
+    vector = trainer(tmp_path / "vector", net, data, loss_fn=lambda out, y: (out - y).pow(2))
     with pytest.raises(ValueError, match=r"loss_fn returned a loss of shape \(32, 1\): it must be a 0-d tensor"):
         vector.fit()
-    as_float = trainer(tmp_path, net, data, loss_fn=lambda out, y: nn.functional.mse_loss(out, y).item())
+    as_float = trainer(tmp_path / "float", net, data, loss_fn=lambda out, y: nn.functional.mse_loss(out, y).item())
     with pytest.raises(TypeError, match="loss_fn must return a loss tensor, got float: return the tensor"):
         as_float.fit()
-    by_step = trainer(tmp_path, net, data, loss_fn=None, step_fn=lambda m, b: m(b[0]).sum(dim=1))
+    by_step = trainer(tmp_path / "by_step", net, data, loss_fn=None, step_fn=lambda m, b: m(b[0]).sum(dim=1))
     with pytest.raises(ValueError, match="step_fn returned a loss of shape"):
         by_step.fit()
     for p, q in zip(net.parameters(), before):
