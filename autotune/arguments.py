@@ -97,6 +97,10 @@ TRAINER = """        model: the `nn.Module` to train; moved to `device`.
             checkpoint is also written at the end of `fit`, on SIGTERM/SIGINT, and before
             giving up on an OOM, in `run_dir/checkpoints/`.
         keep_checkpoints: how many of the newest checkpoints are kept (older ones are removed).
+        data_stall_seconds: a wait for a batch longer than this is named on stderr (the epoch,
+            the batch, the dataset indices being fetched) and journaled (`data_stalled`); default
+            20 times the mean time between batches, 30 s to 10 min (2 min for a fit's first).
+            A SIGTERM or Ctrl-C during a wait checkpoints the last completed step and stops.
 """
 
 TUNER = """        model: the `nn.Module` to train; moved to `device` (wrapped in DDP under torchrun).

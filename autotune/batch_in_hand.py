@@ -15,35 +15,81 @@ error's notes, the user's warnings (notices.py); it saves through the function i
 
 from __future__ import annotations
 
+import signal
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from autotune.checkpoint import CheckpointFailed, RankFailed
 from autotune.notices import warn
 from autotune.oom import ExchangeFailed, OutOfMemory
+from autotune.stall import StoppedWhileWaiting
+
+END = object()  # what `BatchInHand.fetch` returns after an epoch's last batch
 
 
 class BatchInHand:
     """Where the loop is, kept cheaply (put in words only when an error needs it)."""
 
     def __init__(self, describe: Callable[[int, int, int], str], *, world: int, folder: Path,
-                 find_bad: Callable[[int, int], tuple[int, Exception] | None] | None = None):
+                 find_bad: Callable[[int, int], tuple[int, Exception] | None] | None = None,
+                 preempted: Callable[[int, Path | None], BaseException] | None = None):
         self._describe = describe  # (epoch, position, batches_done) -> "batch 3 of epoch 0: samples ..."
         self._find_bad = find_bad  # (epoch, position) -> (index, its error) of the first sample that fails
+        self._preempted = preempted  # (signum, the checkpoint's path) -> the error that ends a stop by signal
         self._world, self._folder = world, folder  # the job's size; the checkpoints' folder
         self._batch: tuple[int, int, int] | None = None
-        self._loading = False  # the batch in hand is still being loaded
-        self._step_at_start = 0
+        self._waiting_since: float | None = None  # perf_counter() at the start of the wait for the batch in hand
+        self._first_wait: float | None = None  # this fit's first, and the waits begun since: the mean batch time
+        self._waits = 0
+        self.step_at_start = 0
         self.bad_sample: dict[str, Any] | None = None  # the sample named at the last error, for the journal
 
-    def start(self, epoch: int, position: int, batches_done: int, step: int) -> None:
-        self._batch, self._step_at_start, self._loading = (epoch, position, batches_done), step, True
+    def start(self, epoch: int, position: int, batches_done: int, step: int, now: float) -> None:
+        """The wait for the batch at `position` of `epoch` begins (`now`: time.perf_counter())."""
+        self._batch, self.step_at_start, self._waiting_since = (epoch, position, batches_done), step, now
+        if self._first_wait is None:
+            self._first_wait = now
+        self._waits += 1
 
-    def loaded(self) -> None:
-        self._loading = False
+    def fetch(self, batches: Iterator[Any], epoch: int, position: int, batches_done: int, step: int,
+              now: float, save: Callable[[str], Path | None]) -> Any:
+        """The next batch of `batches` (`END` after the last), its wait marked (`start`) for the stall
+        watch. A stop signal during the wait (stall.py) ends it: the weights are the last completed
+        step's, so they are checkpointed (`save(reason)`, alone; under torchrun the other ranks are
+        not here) and `preempted(signum, path)` is raised."""
+        self.start(epoch, position, batches_done, step, now)
+        try:
+            batch = next(batches)
+        except StopIteration:
+            self.done()
+            return END
+        except StoppedWhileWaiting as stop:
+            saved = save(f"signal {signal.Signals(stop.signum).name}") if self._world == 1 else None
+            raise self._preempted(stop.signum, saved) from None
+        self._waiting_since = None
+        return batch
 
     def done(self) -> None:
-        self._batch = None
+        self._batch = self._waiting_since = None
+
+    def new_fit(self) -> None:
+        """A fit starts: the mean time between batches counts from its first."""
+        self._first_wait, self._waits = None, 0
+
+    batch = property(lambda self: self._batch, doc="(epoch, position, batches_done) of the batch in hand, or None")
+
+    def waited(self) -> float | None:
+        """Seconds the batch in hand has been waited for so far; None when none is awaited."""
+        since = self._waiting_since
+        return None if since is None else time.perf_counter() - since
+
+    def mean_seconds_between_batches(self) -> float | None:
+        """This fit's mean time from one wait's start to the next (None before a second batch)."""
+        first, since, waits = self._first_wait, self._waiting_since, self._waits
+        if first is None or since is None or waits < 2:
+            return None
+        return (since - first) / (waits - 1)
 
     def save_before_raising(self, exc: Exception, step: int, save: Callable[[str], Path | None]) -> Path | None:
         """Note the batch on `exc` and, where that loses nothing, `save("error")` (module
@@ -51,7 +97,7 @@ class BatchInHand:
         self.bad_sample = None  # this error's, not an earlier fit's
         if self._batch is not None:
             exc.add_note(f"autotune: {self._describe(*self._batch)}")
-            if self._loading and self._find_bad is not None:
+            if self._waiting_since is not None and self._find_bad is not None:
                 self._name_bad_sample(exc)
         if isinstance(exc, (OutOfMemory, ExchangeFailed, RankFailed, CheckpointFailed)):
             return None
@@ -59,7 +105,7 @@ class BatchInHand:
             exc.add_note(f"autotune: not checkpointed (under torchrun a checkpoint needs every rank); the newest "
                          f"checkpoint in {self._folder} is the one to resume from")
             return None
-        if self._batch is not None and step != self._step_at_start:
+        if self._batch is not None and step != self.step_at_start:
             # keep_effective_batch=False steps inside a batch: a checkpoint would train that part again.
             exc.add_note("autotune: not checkpointed: this batch was already partly stepped on, and the newest "
                          f"checkpoint in {self._folder} is the one to resume from")

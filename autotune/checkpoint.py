@@ -447,6 +447,15 @@ class Checkpointer:
         """Until the checkpoint being written in the background, if any, is on disk."""
         wait_for_writes(self.folder)
 
+    def begin(self, resume: bool | str | Path, load: Callable[[dict[str, Any]], None], progress: Any,
+              device: torch.device, template: Callable[[], dict[str, Any]] | None = None) -> None:
+        """A fit's start: `resume` True (the newest checkpoint here) or a path (that one) through
+        `resume`; False: a fresh start, refused where this folder holds another run's checkpoints."""
+        if resume is False:
+            self.refuse_another_run()  # never pruned, nor resumed later, as this run's
+        else:
+            self.resume(load, progress, device, path=None if resume is True else Path(resume), template=template)
+
     def resume(self, load: Callable[[dict[str, Any]], None], progress: Any, device: torch.device,
                path: Path | None = None, template: Callable[[], dict[str, Any]] | None = None) -> None:
         """`load` the checkpoint at `path`, or (None) the newest that loads; none: say so, and the
@@ -496,10 +505,13 @@ class Checkpointer:
             raise AnotherRunsCheckpoints(refusal)
 
     def preempted(self, signum: int, path: Path | None, progress: Any) -> Preempted:
-        """The error that ends a run stopped by a signal, after its checkpoint (`path`) was written."""
+        """The error that ends a run stopped by a signal, after its checkpoint (`path`) was written
+        (None: none could be, a rank stalled under torchrun)."""
         name = signal.Signals(signum).name
+        saved = (f"checkpoint {path}" if path is not None else "no checkpoint of this stop (a stalled rank cannot "
+                 f"join one under torchrun): the newest in {self.folder} is the one to resume from")
         message = (f"stopped by {name} at step {progress.step} (epoch {progress.epoch}, {progress.position} samples "
-                   f"into it); checkpoint {path}; continue with fit(..., resume=True)")
+                   f"into it); {saved}; continue with fit(..., resume=True)")
         self.journal.write(Kind.PREEMPTED, progress.step, progress.epoch, signal=name, checkpoint=str(path))
         warn(message)
         return Preempted(signum, message)

@@ -156,10 +156,11 @@ def check_sample_layout(sample: Any) -> None:
 
 
 def check_run_limits(*, checkpoint_every: Any, checkpoint_interval: Any, keep_checkpoints: Any, seed: Any,
-                     monitor: bool, monitor_interval: Any) -> None:
+                     monitor: bool, monitor_interval: Any, data_stall_seconds: Any = None) -> None:
     """The counts and durations of `AutoTrainer`'s arguments (batch sizes are checked with the data)."""
     check_int("", "checkpoint_every", checkpoint_every, 1, optional=True)
     check_positive("", "checkpoint_interval", checkpoint_interval, optional=True)
+    check_positive("", "data_stall_seconds", data_stall_seconds, optional=True)
     check_int("", "keep_checkpoints", keep_checkpoints, 1)
     check_int("", "seed", seed, None)  # any integer: torch takes negative seeds too
     if monitor:

@@ -72,36 +72,46 @@ class Journal:
                      key=f"journal lost {self.path}")
 
 
-def read_lines(path: Path, strict: bool = False) -> tuple[list[dict[str, Any]], int]:
-    """The records of a JSONL file (the journal, steps.jsonl, samples.jsonl) and how many of its
-    lines could not be read: the one reader of the run's files, a line at a time. A missing file
-    has none. A line that is not UTF-8, not JSON, or not a JSON object (a truncated last line, a
-    crash mid-write, a byte gone bad) is skipped and counted, unless `strict`: then it is an error
-    naming the file and the line (a truncated last line still only counts; a missing file is an
-    error too)."""
+def each_line(path: Path) -> Iterator[tuple[int, dict[str, Any] | ValueError]]:
+    """(line number, its record) for each non-blank line of a JSONL file, a line at a time; a line
+    that is not UTF-8, not JSON or not a JSON object gives its ValueError instead. A missing file
+    has none."""
     path = Path(path)
     if not path.exists():
-        if strict:
-            raise FileNotFoundError(f"{path}: no such journal")
-        return [], 0
-    records: list[dict[str, Any]] = []
-    unreadable = 0
+        return
     with open(path, "rb") as f:
-        previous = None  # a bad line's error, raised (strict) only once another line follows it
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            if previous is not None:
-                raise previous
             try:
                 record = json.loads(line.decode("utf-8"))
-                if not isinstance(record, dict):
-                    raise ValueError(f"a JSON {type(record).__name__}, not an object")
-                records.append(record)
             except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-                if strict:
-                    previous = ValueError(f"{path}:{number}: not a JSON object line: {exc}")
-                unreadable += 1
+                yield number, exc
+                continue
+            yield number, record if isinstance(record, dict) else ValueError(
+                f"a JSON {type(record).__name__}, not an object")
+
+
+def read_lines(path: Path, strict: bool = False) -> tuple[list[dict[str, Any]], int]:
+    """The records of a JSONL file (the journal, steps.jsonl, samples.jsonl) and how many of its
+    lines could not be read (`each_line`). A line that cannot be read (a truncated last line, a
+    crash mid-write, a byte gone bad) is skipped and counted, unless `strict`: then it is an error
+    naming the file and the line (a truncated last line still only counts; a missing file is an
+    error too)."""
+    if strict and not Path(path).exists():
+        raise FileNotFoundError(f"{path}: no such journal")
+    records: list[dict[str, Any]] = []
+    unreadable = 0
+    previous = None  # a bad line's error, raised (strict) only once another line follows it
+    for number, record in each_line(path):
+        if previous is not None:
+            raise previous
+        if isinstance(record, ValueError):
+            if strict:
+                previous = ValueError(f"{path}:{number}: not a JSON object line: {record}")
+            unreadable += 1
+        else:
+            records.append(record)
     return records, unreadable
 
 

@@ -89,6 +89,39 @@ def flush_kernel_cache() -> bool:
     return set_capacity(0) == 0 and set_capacity(capacity.value) == 0
 
 
+# oneDNN ISAs below native bf16 (ONEDNN_MAX_CPU_ISA): with one of them no bf16 kernel is compiled per shape.
+_BELOW_NATIVE_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def builds_bf16_kernels_under_a_hard_cap(cpu_flags: set[str] | None = None) -> str | None:
+    """Why bf16 autocast on this CPU would compile oneDNN kernels under an address-space cap, where
+    an allocation oneDNN does not check can kill the process (a signal no Python catches:
+    docs/memory-caps.md); None where it would not: no RLIMIT_AS, oneDNN off or absent, no native bf16
+    (AVX512_BF16, AMX) or ONEDNN_MAX_CPU_ISA below it. The autocast relief is skipped, with that word.
+    `cpu_flags`: /proc/cpuinfo's, read when None."""
+    import resource
+
+    import torch
+
+    if resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
+        return None
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return None
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() in _BELOW_NATIVE_BF16:
+        return None
+    if cpu_flags is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpu_flags = set(f.read().split())
+        except OSError:
+            return None
+    native = sorted(cpu_flags & {"avx512_bf16", "amx_bf16"})
+    if not native:
+        return None
+    return (f"this CPU has native bf16 ({', '.join(native)}), so oneDNN would compile bf16 kernels under the "
+            "RLIMIT_AS cap, where a refused allocation it does not check kills the process")
+
+
 def _load() -> _OneDNN | None:
     global _found
     if _found is None:

@@ -2,8 +2,10 @@
 
 Schedulers (Slurm, Kubernetes, spot instances) send SIGTERM and wait a grace period before
 SIGKILL. The first SIGTERM or SIGINT only raises a flag; the loop sees it after the current
-optimizer step, writes a checkpoint and raises `Preempted`. A second signal of either kind
-gets the default behaviour back: a second Ctrl-C aborts at once.
+optimizer step, writes a checkpoint and raises `Preempted`. While the loop waits for a batch
+(`interrupts()` says so: stall.py), the handler raises `StoppedWhileWaiting` instead, so a
+loader that never answers does not hold the stop. A second signal of either kind gets the
+default behaviour back: a second Ctrl-C aborts at once.
 
 Owns: the SIGTERM/SIGINT handlers while a fit runs (put back after). Touches nothing else.
 """
@@ -13,6 +15,9 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType
+from typing import Callable
+
+from autotune.stall import StoppedWhileWaiting
 
 
 class Preempted(SystemExit):
@@ -33,14 +38,17 @@ class StopRequests:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, interrupts: Callable[[], bool] | None = None) -> None:
         self.signum: int | None = None
+        self._interrupts = interrupts  # whether the loop is in a wait the handler should unwind
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signum = signum
         for sig in self.SIGNALS:  # the next signal acts at once
             signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
+        if self._interrupts is not None and self._interrupts():
+            raise StoppedWhileWaiting(signum)  # out of the blocked fetch (PEP 475 retries it otherwise)
 
     def __enter__(self) -> "StopRequests":
         if threading.current_thread() is threading.main_thread():

@@ -41,6 +41,7 @@ class Kind:
     RESUME = "resume"
     WORLD_CHANGED = "world_changed"
     PREEMPTED = "preempted"
+    DATA_STALLED = "data_stalled"
     STOP_REQUESTED = "stop_requested"
     EPOCH_END = "epoch_end"
     EVALUATE = "evaluate"
@@ -116,6 +117,8 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
           "from_world:int to_world:int batch_size_from:int batch_size_to:int global_batch:int position:int "
           "micro_batch_size:int", shown=True),
     _kind(Kind.PREEMPTED, "stopped by a signal, after a checkpoint", "signal:str checkpoint:str", shown=True),
+    _kind(Kind.DATA_STALLED, "the wait for a batch passed the stall threshold (stall.py): which batch, which samples",
+          "seconds:float threshold:float position:int batch:int indices:list", shown=True),
     _kind(Kind.STOP_REQUESTED, "a callback (or another rank's) asked to stop", "reason:str"),
     _kind(Kind.EPOCH_END, "an epoch done", "samples_seen:int loss:float|None micro_batch_size:int"),
     _kind(Kind.EVALUATE, "an evaluation", "metrics:dict samples:int micro_batch_size:int ooms:int seconds:float"),

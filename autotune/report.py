@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.journal import read_lines
-from autotune.records import Kind, RecordsByKind
+from autotune.journal import each_line, read_lines
+from autotune.records import KINDS, Kind
 from autotune.units import describe_breakdown, format_bytes
 
 
@@ -32,16 +32,20 @@ class _Run:
     steps: list[dict[str, Any]]  # steps.jsonl
 
 
-def _read_run(run_dir: Path) -> _Run:
-    """Every file of a run, read once; NotARun with the reason when it is not one."""
-    journal_path = run_dir / "events.jsonl"
+def _journal_path(run_dir: Path) -> Path:
+    """The run's journal; NotARun with the reason when `run_dir` is not a run."""
     if not run_dir.is_dir():
         raise NotARun(f"{run_dir} is not a folder")
+    journal_path = run_dir / "events.jsonl"
     if not journal_path.exists():
         raise NotARun(f"{run_dir} is not a run directory: it has no events.jsonl")
-    records, unreadable = read_lines(journal_path)
-    readable = [r for r in records  # a line without what the report reads is counted, not read
-                if _has(r, _EVERY_RECORD) and _has(r, _READS.get(r["kind"], {}))]
+    return journal_path
+
+
+def _read_run(run_dir: Path) -> _Run:
+    """Every file of a run, read whole (the timeline plot's; the summary streams: `_Tally`)."""
+    records, unreadable = read_lines(_journal_path(run_dir))
+    readable = [r for r in records if _readable(r)]  # a line without what the report reads is counted, not read
     return _Run(readable, unreadable + len(records) - len(readable),
                 [s for s in read_lines(run_dir / "samples.jsonl")[0] if _has(s, {"time": (int, float)})],
                 [s for s in read_lines(run_dir / "steps.jsonl")[0] if _has(s, {"time": (int, float)})])
@@ -59,10 +63,8 @@ def _has(record: dict[str, Any], fields: dict[str, Any]) -> bool:
     return all(name in record and isinstance(record[name], kind) for name, kind in fields.items())
 
 
-def _failed_again(retry: dict[str, Any], ooms: list[dict[str, Any]]) -> bool:
-    # The retried batch ran out of memory again: an `oom` after the retry, at the same step and epoch.
-    return any(o["time"] >= retry["time"] and o["step"] == retry["step"] and o["epoch"] == retry["epoch"]
-               for o in ooms)
+def _readable(record: dict[str, Any]) -> bool:
+    return _has(record, _EVERY_RECORD) and _has(record, _READS.get(record["kind"], {}))
 
 
 def throughput_over_time(steps: list[dict[str, Any]], windows: int = 8) -> list[dict[str, Any]]:
@@ -95,128 +97,206 @@ def _on_disk(path: str | None, run_dir: Path) -> bool:
     return bool(path) and (Path(path).exists() or (run_dir / "checkpoints" / Path(path).name).exists())
 
 
+# The newest records of a kind that a summary lists whole (their counts are always complete): a long
+# run's journal holds hundreds of thousands of actions, and the report reads it in bounded memory.
+KEEP = 100
+
+
+class _Tally:
+    """The journal read once, a record at a time, keeping only what the summary shows: the count,
+    first, last and newest KEEP records of each kind, and the running figures (OOM sizes and time
+    lost, each policy's actions, the epochs' throughput, the number of ranks over the run)."""
+
+    def __init__(self) -> None:
+        self.count: collections.Counter[str] = collections.Counter()
+        self.first: dict[str, dict[str, Any]] = {}
+        self.last: dict[str, dict[str, Any]] = {}
+        self._newest: dict[str, collections.deque[dict[str, Any]]] = {}
+        self.unreadable = 0
+        self.first_time: float | None = None
+        self.last_time: float | None = None  # a background checkpoint's line comes after the training it saved
+        self.last_step = 0
+        self.since_start: set[str] = set()  # the kinds written since the last fit_start
+        self.actions: dict[str, collections.deque[dict[str, Any]]] = {}
+        self.applied: collections.Counter[str] = collections.Counter()
+        self.suppressed: collections.Counter[str] = collections.Counter()
+        self.oom_sizes: collections.Counter[int] = collections.Counter()
+        self.oom_seconds: float | None = 0.0  # None once an OOM has no lost_seconds (journals before they were timed)
+        self.last_breakdown: dict[str, Any] | None = None
+        self.last_snapshot: dict[str, Any] | None = None
+        self._retries_open: collections.Counter[tuple[int, int]] = collections.Counter()
+        self.retries_failed_again = 0  # CUDA's same-size retries whose batch ran out of memory again
+        self.epochs: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP)
+        self._epoch_from: tuple[float, int] = (0.0, 0)  # (time, samples_seen) where the next epoch's count starts
+        self.world: list[dict[str, Any]] = []
+        self.pruned_in_all = 0.0
+
+    def newest(self, kind: str) -> list[dict[str, Any]]:
+        """The newest KEEP records of `kind` (a kind not in the registry: KeyError, not an empty list)."""
+        if kind not in KINDS:
+            raise KeyError(f"journal record kind {kind!r} is not in autotune/records.py's registry")
+        return list(self._newest.get(kind, ()))
+
+    def add(self, record: dict[str, Any]) -> None:
+        kind, time, step, epoch = record["kind"], record["time"], record["step"], record["epoch"]
+        self.count[kind] += 1
+        self.first.setdefault(kind, record)
+        self.last[kind] = record
+        self._newest.setdefault(kind, collections.deque(maxlen=KEEP)).append(record)
+        if self.first_time is None:
+            self.first_time, self._epoch_from = time, (time, 0)
+        if not (kind == Kind.CHECKPOINT and record.get("background")):
+            self.last_time = time
+        self.last_step = step
+        if kind == Kind.FIT_START:
+            self.since_start = set()
+        self.since_start.add(kind)
+        if kind == Kind.ACTION:
+            policy = record["policy"]
+            (self.applied if record["applied"] else self.suppressed)[policy] += 1
+            self.actions.setdefault(policy, collections.deque(maxlen=KEEP)).append(
+                {"step": step, "action": record["action"], "params": record["params"], "applied": record["applied"],
+                 "reason": record.get("reason", ""), "note": record.get("note", "")})
+        elif kind == Kind.OOM:
+            self.oom_sizes[record["micro_batch_size"]] += 1
+            lost = record.get("lost_seconds")
+            self.oom_seconds = self.oom_seconds + lost if self.oom_seconds is not None and \
+                isinstance(lost, (int, float)) else None
+            self.last_breakdown = record.get("breakdown") or self.last_breakdown
+            self.last_snapshot = record.get("memory_snapshot") or self.last_snapshot
+            self.retries_failed_again += self._retries_open.pop((step, epoch), 0)
+        elif kind == Kind.OOM_RETRY:
+            self._retries_open[(step, epoch)] += 1
+        elif kind == Kind.EPOCH_END:
+            since, seen_before = self._epoch_from
+            seen = record.get("samples_seen") or 0
+            seconds = time - since
+            self.epochs.append({"epoch": epoch, "seconds": seconds, "samples": seen - seen_before,
+                                "samples_per_second": (seen - seen_before) / seconds if seconds else None,
+                                "loss": record.get("loss")})
+            self._epoch_from = (time, seen)
+        elif kind == Kind.RELIEF and record["relief"] == "pruning":
+            self.pruned_in_all = record.get("parameters_removed_in_all") or 0.0
+        if kind == Kind.WORLD_CHANGED:  # the job's number of ranks: where a resume changed it,
+            self.world.append({"step": step, "ranks": record["to_world"], "batch_size": record["batch_size_to"],
+                               "from_ranks": record["from_world"]})
+        elif kind == Kind.FIT_START and record.get("world") is not None and (  # and at each fit's start (issue 33)
+                not self.world or self.world[-1]["ranks"] != record["world"]):
+            self.world.append({"step": step, "ranks": record["world"], "batch_size": record.get("batch_size")})
+
+
+def _tally(run_dir: Path) -> _Tally:
+    tally = _Tally()
+    for _, record in each_line(_journal_path(run_dir)):
+        if isinstance(record, dict) and _readable(record):
+            tally.add(record)
+        else:  # not UTF-8 or not a JSON object, or a record without what the report reads
+            tally.unreadable += 1
+    return tally
+
+
+def _memory(path: Path) -> dict[str, Any]:
+    # The monitor's samples, streamed: the peak, the last cap and its source.
+    peak, cap, source, count = None, None, None, 0
+    for _, sample in each_line(path):
+        if not (isinstance(sample, dict) and _has(sample, {"time": (int, float)})):
+            continue
+        count += 1
+        used = sample.get("used_bytes")
+        if isinstance(used, (int, float)) and (peak is None or used > peak):
+            peak = used
+        cap, source = sample.get("cap_bytes") or cap, sample.get("source")
+    return {"peak_used_bytes": peak, "cap_bytes": cap, "samples": count, "source": source}
+
+
+def _steps(path: Path) -> list[dict[str, Any]]:
+    # steps.jsonl, only what the throughput reads (its lines are thinned as the run grows).
+    return [{"time": s["time"], "samples_seen": s.get("samples_seen")} for _, s in each_line(path)
+            if isinstance(s, dict) and _has(s, {"time": (int, float)})]
+
+
 def summarize(run_dir: str | Path) -> dict[str, Any]:
-    """The summary of a run as plain data (what `--json` prints)."""
+    """The summary of a run as plain data (what `--json` prints). Its lists hold the newest KEEP
+    records of their kind; `counts` has how many there were in all."""
     # A checkpoint this process is still writing: its journal line comes when it is on disk. (Asked
     # without importing torch: if nothing imported the checkpoint module, nothing is being written.)
     checkpoint = sys.modules.get("autotune.checkpoint")
     if checkpoint is not None:
         checkpoint.wait_for_writes()
     run_dir = Path(run_dir)
-    run = _read_run(run_dir)
-    records, bad_lines, samples, steps = run.records, run.unreadable, run.samples, run.steps
-    by_kind = RecordsByKind()  # a kind misspelt here is a KeyError, not an empty list
-    for record in records:
-        by_kind.add(record)
+    tally = _tally(run_dir)
+    count, last, since_start = tally.count, tally.last, tally.since_start
+    memory = _memory(run_dir / "samples.jsonl")
 
-    first = records[0]["time"] if records else None
-    # A background checkpoint's line comes when it is on disk, after the training it saved.
-    timed = [r for r in records if not (r.get("kind") == Kind.CHECKPOINT and r.get("background"))]
-    last = timed[-1]["time"] if timed else None
-    ends, failures = by_kind[Kind.FIT_END], by_kind[Kind.FIT_FAILED]
-    started = by_kind[Kind.FIT_START][-1]["time"] if by_kind[Kind.FIT_START] else None
-
-    def since_start(kind: str) -> list[dict[str, Any]]:  # records of `kind` from the last fit() on
-        return [r for r in by_kind[kind] if started is None or r["time"] >= started]
-
-    if since_start(Kind.FIT_FAILED):
-        status = f"failed: {failures[-1].get('error', '')}"
-    elif since_start(Kind.FIT_END):
+    if Kind.FIT_FAILED in since_start:
+        status = f"failed: {last[Kind.FIT_FAILED].get('error', '')}"
+    elif Kind.FIT_END in since_start:
         status = "finished"
-    elif since_start(Kind.PREEMPTED):
+    elif Kind.PREEMPTED in since_start:
         status = "stopped by a signal (resume with fit(..., resume=True))"
     else:
         status = "in progress, or killed without a trace"
-    epochs = by_kind[Kind.EPOCH_END]
-    last_fit = ends[-1] if ends else {}
-    throughput = []
-    previous_time, previous_seen = first, 0
-    for epoch in epochs:
-        seconds = epoch["time"] - previous_time if previous_time is not None else None
-        trained = (epoch.get("samples_seen") or 0) - previous_seen
-        throughput.append({"epoch": epoch["epoch"], "seconds": seconds, "samples": trained,
-                           "samples_per_second": trained / seconds if seconds else None, "loss": epoch.get("loss")})
-        previous_time, previous_seen = epoch["time"], epoch.get("samples_seen") or 0
-    actions: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    for record in by_kind[Kind.ACTION]:
-        actions[record["policy"]].append({"step": record["step"], "action": record["action"], "params": record["params"],
-                                          "applied": record["applied"], "reason": record.get("reason", ""),
-                                          "note": record.get("note", "")})
-    ooms = by_kind[Kind.OOM]
-    cache = by_kind[Kind.SAMPLE_CACHE]
-    reliefs = by_kind[Kind.RELIEF]
-    pruned = [r for r in reliefs if r.get("relief") == "pruning"]
-    used = [s["used_bytes"] for s in samples if s.get("used_bytes") is not None]
-    caps = [s["cap_bytes"] for s in samples if s.get("cap_bytes")]
-    start = by_kind[Kind.FIT_START][0] if by_kind[Kind.FIT_START] else {}
+    last_fit, last_epoch = last.get(Kind.FIT_END, {}), last.get(Kind.EPOCH_END, {})
+    start = tally.first.get(Kind.FIT_START, {})
     return {
         "run_dir": str(run_dir),
         "status": status,
-        "journal_lines_unreadable": bad_lines,
-        "wall_seconds": (last - first) if first is not None else None,
-        "samples_seen": last_fit.get("samples_seen", epochs[-1].get("samples_seen") if epochs else None),
-        "steps": records[-1]["step"] if records else 0,
-        "epochs_completed": len(epochs),
-        "epochs": throughput,
-        "throughput_over_time": throughput_over_time(steps),
+        "journal_lines_unreadable": tally.unreadable,
+        "wall_seconds": (tally.last_time - tally.first_time) if tally.first_time is not None else None,
+        "samples_seen": last_fit.get("samples_seen", last_epoch.get("samples_seen")),
+        "steps": tally.last_step,
+        "epochs_completed": count[Kind.EPOCH_END],
+        "epochs": list(tally.epochs),
+        "throughput_over_time": throughput_over_time(_steps(run_dir / "steps.jsonl")),
         "batch_size": last_fit.get("batch_size", start.get("batch_size")),
         "micro_batch_size": {"start": start.get("micro_batch_size"),
-                             "end": last_fit.get("micro_batch_size",
-                                                 epochs[-1].get("micro_batch_size") if epochs else None)},
-        "ooms": {"survived": len(ooms),
+                             "end": last_fit.get("micro_batch_size", last_epoch.get("micro_batch_size"))},
+        "ooms": {"survived": count[Kind.OOM],
                  # None for journals written before OOMs were timed
-                 "seconds_lost": (round(sum(o["lost_seconds"] for o in ooms), 3)
-                                  if all("lost_seconds" in o for o in ooms) else None),
-                 "by_micro_batch": {str(k): v for k, v in collections.Counter(o["micro_batch_size"] for o in ooms).items()},
-                 "gave_up": len(by_kind[Kind.OUT_OF_MEMORY]),
+                 "seconds_lost": round(tally.oom_seconds, 3) if tally.oom_seconds is not None else None,
+                 "by_micro_batch": {str(k): v for k, v in tally.oom_sizes.items()},
+                 "gave_up": count[Kind.OUT_OF_MEMORY],
                  # CUDA: a batch's first OOM retried once at the same size (oom_retry); it fit unless the
                  # same batch failed again
-                 "same_size_retries": len(by_kind[Kind.OOM_RETRY]),
-                 "same_size_fit": sum(1 for r in by_kind[Kind.OOM_RETRY] if not _failed_again(r, ooms)),
+                 "same_size_retries": count[Kind.OOM_RETRY],
+                 "same_size_fit": count[Kind.OOM_RETRY] - tally.retries_failed_again,
                  # where the memory went at the last OOM that measured it (journals since issue 16)
-                 "last_breakdown": next((o["breakdown"] for o in reversed(ooms) if o.get("breakdown")), None),
+                 "last_breakdown": tally.last_breakdown,
                  # memory_snapshot=True (CUDA): the allocator's state at the last OOM, and its largest sites
-                 "last_snapshot": next((o["memory_snapshot"] for o in reversed(ooms) if o.get("memory_snapshot")),
-                                       None)},
-        "actions": dict(actions),
+                 "last_snapshot": tally.last_snapshot},
+        "actions": {policy: list(actions) for policy, actions in tally.actions.items()},
+        "action_counts": {policy: {"applied": tally.applied[policy], "suppressed": tally.suppressed[policy]}
+                          for policy in tally.actions},
         "reliefs": [{"step": r["step"], "relief": r["relief"], "demand_before": r.get("demand_before")}
-                    for r in reliefs],
-        "parameters_removed_by_pruning": pruned[-1].get("parameters_removed_in_all") if pruned else 0.0,
+                    for r in tally.newest(Kind.RELIEF)],
+        "parameters_removed_by_pruning": tally.pruned_in_all,
         "sample_cache": [{"epoch": c["epoch"], "hit_rate": c.get("hit_rate"), "bytes": c.get("bytes"),
-                          "entries": c.get("entries")} for c in cache],
-        "loader_workers": [r.get("num_workers") for r in by_kind[Kind.LOADER_REBUILT]],
+                          "entries": c.get("entries")} for c in tally.newest(Kind.SAMPLE_CACHE)],
+        "loader_workers": [r.get("num_workers") for r in tally.newest(Kind.LOADER_REBUILT)],
         # `on_disk`: the file is there now (older ones are pruned, and a copied run may lack them).
         "checkpoints": [{"step": c["step"], "reason": c.get("reason"), "path": c.get("path"),
-                         "on_disk": _on_disk(c.get("path"), run_dir)} for c in by_kind[Kind.CHECKPOINT]],
+                         "on_disk": _on_disk(c.get("path"), run_dir)} for c in tally.newest(Kind.CHECKPOINT)],
         "checkpoints_failed": [{"step": c["step"], "reason": c.get("reason"), "error": c.get("error")}
-                               for c in by_kind[Kind.CHECKPOINT_FAILED]],
+                               for c in tally.newest(Kind.CHECKPOINT_FAILED)],
         "checkpoints_refused": [{"step": c["step"], "reason": c.get("reason"), "nonfinite": c.get("nonfinite")}
-                                for c in by_kind[Kind.CHECKPOINT_REFUSED]],
+                                for c in tally.newest(Kind.CHECKPOINT_REFUSED)],
         "nonfinite_steps": [{"step": r.get("at_step"), "error": r.get("error"), "action": r.get("action")}
-                            for r in by_kind[Kind.NONFINITE]],
+                            for r in tally.newest(Kind.NONFINITE)],
         "evaluations": [{"step": e["step"], "metrics": e.get("metrics", {}), "micro_batch_size": e.get("micro_batch_size"),
-                         "ooms": e.get("ooms", 0)} for e in by_kind[Kind.EVALUATE]],
-        # The job's number of ranks over the run: at each fit's start (journals since issue 33 say), and
-        # where a resume changed it.
-        "world": _world_over_the_run(records),
-        "stopped_early": next((r.get("reason") for r in reversed(by_kind[Kind.STOP_REQUESTED])), None),
-        "memory": {"cap_bytes": start.get("memory_cap") or (caps[-1] if caps else None),
-                   "peak_used_bytes": max(used) if used else None, "samples": len(samples),
-                   "source": samples[-1].get("source") if samples else None},
+                         "ooms": e.get("ooms", 0)} for e in tally.newest(Kind.EVALUATE)],
+        "data_stalls": [{"step": r["step"], "epoch": r["epoch"], "seconds": r.get("seconds"), "batch": r.get("batch"),
+                         "indices": r.get("indices")} for r in tally.newest(Kind.DATA_STALLED)],
+        "counts": {"epochs": count[Kind.EPOCH_END], "checkpoints": count[Kind.CHECKPOINT],
+                   "checkpoints_failed": count[Kind.CHECKPOINT_FAILED],
+                   "checkpoints_refused": count[Kind.CHECKPOINT_REFUSED], "nonfinite_steps": count[Kind.NONFINITE],
+                   "evaluations": count[Kind.EVALUATE], "reliefs": count[Kind.RELIEF],
+                   "data_stalls": count[Kind.DATA_STALLED], "kept": KEEP},
+        "world": tally.world,
+        "stopped_early": last.get(Kind.STOP_REQUESTED, {}).get("reason"),
+        "memory": {"cap_bytes": start.get("memory_cap") or memory["cap_bytes"],
+                   "peak_used_bytes": memory["peak_used_bytes"], "samples": memory["samples"],
+                   "source": memory["source"]},
     }
-
-
-def _world_over_the_run(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    changes: list[dict[str, Any]] = []
-    for record in records:
-        kind = record.get("kind")
-        if kind == Kind.WORLD_CHANGED:
-            changes.append({"step": record["step"], "ranks": record["to_world"], "batch_size": record["batch_size_to"],
-                            "from_ranks": record["from_world"]})
-        elif kind == Kind.FIT_START and record.get("world") is not None:
-            if not changes or changes[-1]["ranks"] != record["world"]:
-                changes.append({"step": record["step"], "ranks": record["world"], "batch_size": record.get("batch_size")})
-    return changes
 
 
 def _duration(seconds: float) -> str:
@@ -268,11 +348,15 @@ def render(summary: dict[str, Any]) -> str:
         lines += [f"    {format_bytes(s['bytes'])}  {s['site']}" for s in snapshot["largest_sites"]]
         if snapshot.get("refused"):
             lines.append(f"    refused: {format_bytes(snapshot['refused']['bytes'])} at {snapshot['refused']['site']}")
+    counts = summary.get("counts", {})
     evaluations = summary.get("evaluations", [])
     if evaluations:
         eval_ooms = sum(e["ooms"] for e in evaluations)
-        lines.append(f"  evaluations: {len(evaluations)}" + (f" ({eval_ooms} OOMs survived in them, eval micro-batch "
-                                                            f"{evaluations[-1]['micro_batch_size']})" if eval_ooms else ""))
+        lines.append(f"  evaluations: {counts.get('evaluations', len(evaluations))}"
+                     + (f" ({eval_ooms} OOMs survived in "
+                        f"{'them' if counts.get('evaluations', 0) <= len(evaluations) else f'the last {len(evaluations)}'}"
+                        ", eval micro-batch "
+                        f"{evaluations[-1]['micro_batch_size']})" if eval_ooms else ""))
         for e in evaluations[-5:]:
             lines.append(f"    step {e['step']}: " + ", ".join(f"{k} {v:.4g}" for k, v in e["metrics"].items()
                                                              if isinstance(v, (int, float))))
@@ -286,10 +370,14 @@ def render(summary: dict[str, Any]) -> str:
         lines.append("  actions:")
         for policy, actions in summary["actions"].items():
             applied = [a for a in actions if a["applied"]]
-            lines.append(f"    {policy}: {len(applied)} applied, {len(actions) - len(applied)} suppressed")
-            for a in applied[:8]:
+            total = summary.get("action_counts", {}).get(policy) or {
+                "applied": len(applied), "suppressed": len(actions) - len(applied)}
+            lines.append(f"    {policy}: {total['applied']} applied, {total['suppressed']} suppressed")
+            if total["applied"] > len(applied):
+                lines.append(f"      ... {total['applied'] - len(applied)} earlier; the newest:")
+            for a in applied[-8:] if total["applied"] > len(applied) else applied[:8]:
                 lines.append(f"      step {a['step']}: {a['action']} {a['params']} - {a['reason']}")
-            if len(applied) > 8:
+            if total["applied"] <= len(applied) and len(applied) > 8:
                 lines.append(f"      ... {len(applied) - 8} more")
     for relief in summary["reliefs"]:
         lines.append(f"  relief at step {relief['step']}: {relief['relief']}")
@@ -309,18 +397,26 @@ def render(summary: dict[str, Any]) -> str:
         on_disk = [c for c in checkpoints if c["on_disk"]]
         newest = (f"newest on disk: step {on_disk[-1]['step']} ({on_disk[-1]['reason']}): {on_disk[-1]['path']}"
                   if on_disk else "none on disk")
-        lines.append(f"  checkpoints: {len(checkpoints)} written, {newest}")
+        lines.append(f"  checkpoints: {counts.get('checkpoints', len(checkpoints))} written, {newest}")
         if failed:
-            lines.append(f"  checkpoints that failed: {len(failed)}, at steps {', '.join(str(c['step']) for c in failed)}"
-                         f"; last: {failed[-1]['error']}")
+            lines.append(f"  checkpoints that failed: {counts.get('checkpoints_failed', len(failed))}, at steps "
+                         f"{_steps_of(failed, counts.get('checkpoints_failed'))}; last: {failed[-1]['error']}")
         if refused:
-            lines.append(f"  checkpoints refused (weights not finite): {len(refused)}, at steps "
-                         f"{', '.join(str(c['step']) for c in refused)}")
+            lines.append(f"  checkpoints refused (weights not finite): {counts.get('checkpoints_refused', len(refused))}"
+                         f", at steps {_steps_of(refused, counts.get('checkpoints_refused'))}")
     nonfinite = summary["nonfinite_steps"]
     if nonfinite:
-        lines.append(f"  non-finite steps: {len(nonfinite)}, at steps {', '.join(str(r['step']) for r in nonfinite)}"
-                     f" ({nonfinite[-1]['action']})")
+        lines.append(f"  non-finite steps: {counts.get('nonfinite_steps', len(nonfinite))}, at steps "
+                     f"{_steps_of(nonfinite, counts.get('nonfinite_steps'))} ({nonfinite[-1]['action']})")
+    for stall in summary.get("data_stalls", [])[-3:]:
+        lines.append(f"  data stalled at step {stall['step']} (epoch {stall['epoch']}): no batch for {stall['seconds']} s, "
+                     f"batch {stall['batch']}, samples {stall['indices'][:8]}")
     return "\n".join(lines)
+
+
+def _steps_of(records: list[dict[str, Any]], total: int | None) -> str:
+    # The steps of a (capped) list, newest last; "..." first where older ones were left out.
+    return ("..., " if total is not None and total > len(records) else "") + ", ".join(str(r["step"]) for r in records)
 
 
 _MARKED = {"oom": "OOM", "relief": "relief", "loader_rebuilt": "loader", "sample_cache_on": "cache on",

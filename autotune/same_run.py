@@ -103,8 +103,8 @@ def _optimizer_differences(saved: dict[str, Any], optimizer: Any, saved_class: s
     if saved_class is None and saved_groups and groups:
         theirs, ours = _hyperparameter_keys(saved_groups[0]), _hyperparameter_keys(groups[0])
         if theirs != ours:
-            return [f"the checkpoint's optimizer has the hyperparameters {sorted(theirs - ours)} that this run's "
-                    f"{name} lacks, and lacks {sorted(ours - theirs)}: another optimizer class"]
+            return [(f"the checkpoint's optimizer has the hyperparameters {sorted(theirs - ours)} that this run's "
+                     f"{name} lacks, and lacks {sorted(ours - theirs)}: another optimizer class")]
     if len(saved_groups) != len(groups):
         return [f"the checkpoint's {name} has {len(saved_groups)} parameter group(s), this run's {len(groups)}"]
     sizes = [(index, len(theirs["params"]), len(ours["params"])) for index, (theirs, ours)

@@ -7,14 +7,21 @@ once that process is gone, and never while it lives (this process's own included
     remove_stale(folder, pattern)    the files in `folder` whose name's pid (`pattern`'s first
                                      group) is not running; how many went
     remove_stale_shared_memory()     the boards and caches of dead processes in /dev/shm
+    die_with_parent(parent, _)       a DataLoader worker's init (the loaders autotune builds): the
+                                     kernel kills the worker when its trainer ends, however it ends
+                                     (kill -9, a second SIGTERM), so a worker stuck in __getitem__
+                                     does not outlive it (Linux: PR_SET_PDEATHSIG; elsewhere nothing)
 
-Owns nothing. Touches those files of dead processes only.
+Owns nothing. Touches those files of dead processes only, and the workers' death signal.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -58,3 +65,19 @@ def remove_stale_shared_memory(folder: Path | None = None) -> int:
     """The sample boards and caches of dead processes (kill -9, a stuck run's SIGTERM); how many went."""
     folder = shared_memory_dir() if folder is None else folder
     return remove_stale(folder, BOARD) + remove_stale(folder, CACHE)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int, worker_id: int) -> None:
+    """In a DataLoader worker (`worker_init_fn`, with `parent` bound: the trainer's PID): SIGKILL
+    once the trainer's thread that started the worker ends. A trainer gone before this ran
+    (the worker was reparented) ends the worker now."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return  # a sandbox refusing prctl: the worker lives as torch made it
+    if os.getppid() != parent:
+        os._exit(1)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autotune.batching import SplitFn, batch_len
-from autotune.batch_in_hand import BatchInHand
+from autotune.batch_in_hand import END, BatchInHand
 from autotune.callbacks import Callbacks, StopRequest
 from autotune import checkpoint_format
 from autotune.arguments import TRAINER, with_arguments
@@ -44,6 +44,7 @@ from autotune.monitor.host import room_bytes
 from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
+from autotune.stall import StallWatch
 from autotune.progress import FitResult, Progress
 from autotune.records import Kind
 from autotune.snapshot import InputState, StepTiming
@@ -81,11 +82,13 @@ class AutoTrainer:
                  eval_dataset: Dataset | DataLoader | None = None, eval_every: int | str | None = None,
                  eval_batch_size: int | None = None, metrics: Mapping[str, Metric] | None = None,
                  callbacks: Sequence[Any] | None = None, compile: bool | dict[str, Any] = False,
-                 memory_snapshot: bool | int = False, shard: bool = False, on_nonfinite: str = "skip"):
+                 memory_snapshot: bool | int = False, shard: bool = False, on_nonfinite: str = "skip",
+                 data_stall_seconds: float | None = None):
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("pass exactly one of loss_fn(outputs, targets) or step_fn(model, micro_batch)")
-        check_run_limits(checkpoint_every=checkpoint_every, checkpoint_interval=checkpoint_interval,
-                         keep_checkpoints=keep_checkpoints, seed=seed, monitor=monitor, monitor_interval=monitor_interval)
+        check_run_limits(checkpoint_every=checkpoint_every, checkpoint_interval=checkpoint_interval, seed=seed,
+                         keep_checkpoints=keep_checkpoints, monitor=monitor, monitor_interval=monitor_interval,
+                         data_stall_seconds=data_stall_seconds)
         self.callbacks = Callbacks(callbacks)
         ranks = from_environment()
         device = resolve_device(ranks.device_for(device, keep_effective_batch))
@@ -126,7 +129,10 @@ class AutoTrainer:
         self._stop_request = StopRequest(ranks, device, self.callbacks)
         # Named in the note of an error, and checkpointed before it propagates where that loses nothing.
         self._in_hand = BatchInHand(self.input.describe_batch, world=ranks.world, folder=self.checkpointer.folder,
-                                    find_bad=self.input.find_bad_sample)
+                                    find_bad=self.input.find_bad_sample,
+                                    preempted=functools.partial(self.checkpointer.preempted, progress=self.counters))
+        self._stall_watch = StallWatch(self._in_hand, self.input.batch_indices, self.journal, world=ranks.world,
+                                       seconds=data_stall_seconds)  # a loader that never answers is named
         self._closed = False
 
     step, epoch, position, batches_done, ooms, samples_seen = map(
@@ -153,13 +159,9 @@ class AutoTrainer:
         check_int("", "max_steps", max_steps, 1, optional=True)
         if self._closed:
             raise RuntimeError("this AutoTrainer was closed: build a new one to train again")
-        if resume is not False:
-            path = None if resume is True else Path(resume)
-            self.checkpointer.resume(self.load_state_dict, self.counters, self.device, path=path,
-                                     template=lambda: template_for_shards(self.state_dict(), self.model,
-                                                                          self.optimizer, self.ranks.job.writes_shards))
-        else:
-            self.checkpointer.refuse_another_run()  # never pruned, nor resumed later, as this run's
+        self.checkpointer.begin(resume, self.load_state_dict, self.counters, self.device,  # or refuse another run's
+                                template=lambda: template_for_shards(self.state_dict(), self.model, self.optimizer,
+                                                                     self.ranks.job.writes_shards))
         self._stop_request.clear()
         started = time.perf_counter()
         self.checkpointer.restart_clock(self.step)
@@ -172,7 +174,7 @@ class AutoTrainer:
         self.log.open_bar(self.input.planned_batches(self.counters, epochs, max_steps, self.keep_effective_batch))
         epoch_loss = None
         try:
-            with StopRequests() as self._stop, gc_frozen():  # gc_frozen: a cheap gc.collect() after an OOM
+            with self._stall_watch, StopRequests(self._stall_watch.interrupts) as self._stop, gc_frozen():
                 while self.epoch < epochs and (max_steps is None or self.step < max_steps) \
                         and self._stop_request.reason is None:
                     epoch_loss = self._train_epoch(max_steps)
@@ -248,13 +250,10 @@ class AutoTrainer:
         finished_epoch = True
         while True:
             wait_start = time.perf_counter()
-            self._in_hand.start(self.epoch, self.position, self.batches_done, self.step)
-            try:
-                batch = next(batches)
-            except StopIteration:
-                self._in_hand.done()
+            batch = self._in_hand.fetch(batches, self.epoch, self.position, self.batches_done, self.step, wait_start,
+                                        save=self.checkpoint_now)
+            if batch is END:
                 break
-            self._in_hand.loaded()
             step_start = time.perf_counter()
             n = batch_len(batch)
             outcome = self.tuner.train_batch(batch, n, proposal=self._proposal)

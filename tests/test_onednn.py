@@ -85,3 +85,29 @@ def test_after_a_refused_kernel_the_thread_builds_kernels_again_once_cleared(tmp
     # The bug worked around: the error outlives the cap on this thread, until cleared.
     assert said["uncapped_before_clearing"] == "could not create a primitive", said
     assert said["cleared"] and said["uncapped_after_clearing"] == "ok", said
+
+
+def test_bf16_kernels_under_a_hard_cap_are_told_only_where_they_would_be_compiled(monkeypatch):
+    # Issue 48: on an AMX Xeon under RLIMIT_AS the autocast relief's first step died of SIGSEGV inside
+    # oneDNN; the relief is skipped where that can happen (relief/ladder.py), tried everywhere else.
+    import resource
+
+    import torch
+
+    from autotune.onednn import builds_bf16_kernels_under_a_hard_cap as unsafe
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    capped = (1 << 33, resource.RLIM_INFINITY)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: capped)
+    if torch.backends.mkldnn.is_available():
+        assert "native bf16 (amx_bf16)" in unsafe({"avx2", "amx_bf16"})
+        assert "avx512_bf16" in unsafe({"avx512f", "avx512_bf16"})
+    assert unsafe({"avx2", "avx512f"}) is None  # no bf16 kernel compiled per shape
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert unsafe({"amx_bf16"}) is None  # oneDNN held below native bf16
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    assert unsafe({"amx_bf16"}) is None  # torch's own kernels
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", True)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert unsafe({"amx_bf16"}) is None  # no cap to refuse a mapping

@@ -27,10 +27,14 @@ def test_an_unknown_kind_or_field_is_refused(tmp_path):
     records.check("oom", {"size": 3}, strict=False)  # outside the suite only the kind is checked
 
 
+TALLIES = ("count", "first", "last")  # the report's records of each kind, by kind
+
+
 def _kinds_named(package):
     """Every kind the package writes or reads, as (where, node): the first argument of
     `<...journal>.write(...)` (each side of an `a if ... else b`), `by_kind[...]`,
-    `since_start(...)`, and what a record's kind is compared with: `record["kind"] == ...`,
+    `since_start(...)`, the report's tally (`newest(...)`, `count[...]`, `last.get(...)`, `... in since_start`),
+    and what a record's kind is compared with: `record["kind"] == ...`,
     `.get("kind") == ...`, `in (...)`, and in the journal's readers a bare `kind == ...`."""
     import ast
 
@@ -61,8 +65,15 @@ def _kinds_named(package):
                     written += [(where, part) for part in parts(node.args[0])]
                 if isinstance(func, ast.Name) and func.id == "since_start":
                     read += [(where, part) for part in parts(node.args[0])]
-            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "by_kind":
+                if isinstance(func, ast.Attribute) and (func.attr == "newest" or (  # the report's tally
+                        func.attr == "get" and ast.unparse(func.value).split(".")[-1] in TALLIES)):
+                    read += [(where, part) for part in parts(node.args[0])]
+            named = ast.unparse(node.value).split(".")[-1] if isinstance(node, ast.Subscript) else None
+            if named == "by_kind" or (named in TALLIES and path.name == "report.py"):
                 read += [(where, part) for part in parts(node.slice)]
+            if isinstance(node, ast.Compare) and any(isinstance(c, ast.Name) and c.id == "since_start"
+                                                     for c in node.comparators):
+                read += [(where, part) for part in parts(node.left)]
             if isinstance(node, ast.Compare) and is_kind(node.left, path):
                 read += [(where, part) for right in node.comparators for part in parts(right)]
     return written, read

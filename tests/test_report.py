@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from autotune import AutoTrainer
 from autotune import Event
 from autotune.cli import main
 from autotune.journal import Journal
-from autotune.report import NotARun, render, summarize, throughput_over_time
+from autotune.report import KEEP, NotARun, render, summarize, throughput_over_time
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +191,25 @@ def test_the_report_never_imports_torch(tmp_path):
             "    assert not e.code, e.code\nassert 'torch' not in sys.modules, 'torch was imported'\n")
     done = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_reports_memory_does_not_grow_with_the_journal(tmp_path):
+    # A long run's journal is hundreds of MB of actions and OOMs: the report streams it, keeping counts, sums
+    # and the newest KEEP records of each kind. (Its speed on 200 MB: benchmarks/report_size.py.) On the old
+    # code, which held every record, the peak grew ~7x the journal's size.
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        from report_size import run_once, write_journal
+    finally:
+        sys.path.pop(0)
+    peaks, records = [], []
+    for mib in (1, 24):
+        run_dir = tmp_path / f"journal-{mib}"
+        run_dir.mkdir()
+        records.append(write_journal(run_dir / "events.jsonl", mib))
+        peaks.append(run_once(run_dir, Path(__file__).parents[1])[1])
+    assert peaks[1] - peaks[0] < 12, peaks  # MiB, for 23 MiB more journal
+    summary = summarize(tmp_path / "journal-24")
+    assert len(summary["actions"]["halve_on_oom"]) == KEEP and len(summary["checkpoints"]) == KEEP
+    assert summary["ooms"]["survived"] + summary["counts"]["checkpoints"] \
+        + summary["action_counts"]["halve_on_oom"]["applied"] + summary["counts"]["epochs"] + 1 == records[1]

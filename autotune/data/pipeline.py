@@ -13,6 +13,7 @@ DataLoader only to read its position (user_loader.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import Any, Callable, Iterator
@@ -35,6 +36,7 @@ from autotune.memory import device_sample
 from autotune.notices import warn
 from autotune.records import Kind
 from autotune.snapshot import InputProfile, InputState, StepTiming
+from autotune.stale import die_with_parent
 from autotune.units import format_bytes
 
 
@@ -114,6 +116,7 @@ class InputPipeline:
             dataset, batch_size=self._batch_size, sampler=self.sampler, num_workers=num_workers,
             collate_fn=collate_fn, pin_memory=self._pin,
             generator=torch.Generator().manual_seed(self.seed),  # worker seeds follow `seed`
+            worker_init_fn=functools.partial(die_with_parent, os.getpid()) if num_workers else None,
         )
 
     def _probe_batch(self) -> Any:
@@ -194,6 +197,10 @@ class InputPipeline:
             except Exception as exc:  # the sample's own error, named for the user (not raised again)
                 return index, exc
         return None
+
+    def batch_indices(self, position: int) -> list[int] | None:
+        """The dataset indices of the batch at sample `position` of this epoch; None for a caller's loader."""
+        return None if self.sampler is None else self._batch_indices(position)
 
     def _batch_indices(self, position: int) -> list[int]:
         # The dataset indices of the batch starting at sample `position` (the sampler is at its epoch).

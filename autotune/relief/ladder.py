@@ -27,6 +27,7 @@ from autotune.actions import RELIEF_NAMES, PruneChannels, Relief
 from autotune.batching import map_tensors
 from autotune.memory import free_memory
 from autotune.notices import warn
+from autotune.onednn import builds_bf16_kernels_under_a_hard_cap
 from autotune.oom import is_oom, oom_message
 from autotune.optimizer_step import OptimizerStep
 from autotune.records import Kind
@@ -141,7 +142,7 @@ class ReliefLadder:
         self.last_step = step
         self._watch = {"relief": kind, "from_step": step, "demands": []}
         self.journal.write(Kind.RELIEF, step, epoch, relief=kind, demand_before=demand, **details)
-        warn(f"memory relief: {kind} ({action.reason})")
+        warn(f"memory relief: {kind} ({action.reason})" + (f"; {details['note']}" if "note" in details else ""))
         free_memory(self.core.device)
         return True
 
@@ -151,6 +152,9 @@ class ReliefLadder:
         if RELIEF_NAMES[type(action)] == "autocast":
             if self.core.precision != "fp32":
                 return {"note": f"precision={self.core.precision!r} was chosen for this run: autocast changes nothing"}
+            unsafe = self.core.device.type == "cpu" and builds_bf16_kernels_under_a_hard_cap()
+            if unsafe:  # counted as applied, so the ladder goes on to its next relief
+                return {"note": f"skipped: {unsafe}"}
             plan = self.core.enable_autocast()
             if plan is None:
                 return {"note": f"no autocast on {self.core.device.type}"}
@@ -212,7 +216,7 @@ class ReliefLadder:
                              f"{applied}: resume into a fresh trainer built like the original one")
         prunes = iter(saved["pruning"])
         for kind in applied:
-            if kind == "autocast":
+            if kind == "autocast" and not (self.core.device.type == "cpu" and builds_bf16_kernels_under_a_hard_cap()):
                 self.core.enable_autocast()
             elif kind == "checkpointing":
                 checkpoint_blocks(self.model)

@@ -109,3 +109,26 @@ def test_the_autocast_plan_per_device():
 def test_the_autocast_plan_on_cuda():
     plan = autocast_plan(torch.device("cuda"))
     assert plan.needs_scaler == (plan.dtype is torch.float16)
+
+
+def test_the_autocast_relief_is_skipped_with_a_word_where_its_kernels_could_crash(tmp_path, monkeypatch, capfd):
+    # Where bf16 kernels would be compiled under a hard cap (onednn.py says why), the relief is counted as
+    # done, so the ladder goes on to its next one, and the forward stays fp32; said on stderr and journaled.
+    import json
+
+    from autotune import Tuner
+    from autotune.actions import UseAutocast
+
+    monkeypatch.setattr("autotune.relief.ladder.builds_bf16_kernels_under_a_hard_cap",
+                        lambda: "this CPU has native bf16 (amx_bf16), ...")
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with Tuner(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy,
+               device="cpu", monitor=False, run_dir=tmp_path / "run") as tuner:
+        tuner.step((torch.randn(8, 8), torch.randint(0, 2, (8,))))
+        assert tuner.carry_out(UseAutocast("at the floor"))
+        assert tuner.reliefs == ["autocast"] and tuner.core.autocast is None
+        tuner.step((torch.randn(8, 8), torch.randint(0, 2, (8,))))
+    (relief,) = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()
+                 if json.loads(line)["kind"] == "relief"]
+    assert relief["note"].startswith("skipped: this CPU has native bf16")
+    assert "memory relief: autocast (at the floor); skipped: this CPU has native bf16" in capfd.readouterr().err

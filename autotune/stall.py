@@ -1,0 +1,109 @@
+"""A stalled loader is named, and a stop by signal does not wait for it.
+
+A `__getitem__` that blocks (a network mount gone, a lock never released, a worker stuck in a
+library call) used to hang a fit without a word, and the first SIGTERM only raised a flag that
+the loop reads after the step that never came. While `fit` runs, `StallWatch` keeps a daemon
+thread that looks at the batch in hand once a second:
+
+    waiting for a batch longer than the threshold   a WARNING on stderr (once per batch) naming the
+                                                    epoch, the batch, its place in the epoch and the
+                                                    dataset indices being fetched; a `data_stalled`
+                                                    journal record
+    SIGTERM / SIGINT during the wait                `interrupts()` tells the signal handler
+                                                    (preemption.py) to raise `StoppedWhileWaiting`
+                                                    there: the weights are the last completed
+                                                    step's, so the trainer checkpoints them and exits
+                                                    143 / 130 within seconds; its workers, the stuck
+                                                    one included, are stopped on the way out
+
+The threshold is `seconds` when given; otherwise 20 times the mean time between batches so far
+in this fit, bounded to 30 s .. 10 min (the first batch, which starts the workers: 2 min). Under
+torchrun a signal interrupts a wait only once it is a stall: a rank that raised in an ordinary
+wait would leave the others in the step's collectives instead of the agreed checkpoint, and a
+stalled rank cannot join one (the newest checkpoint is the one to resume from).
+
+Owns the watchdog thread. Touches: the user's warnings, the journal; reads the batch in hand.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from autotune.notices import warn
+from autotune.records import Kind
+
+FACTOR, LOWEST, HIGHEST, FIRST_BATCH = 20.0, 30.0, 600.0, 120.0  # seconds, but FACTOR
+POLL_SECONDS = 1.0
+
+
+class StoppedWhileWaiting(BaseException):
+    """Raised by the signal handler out of a wait for a batch (never caught by a dataset's `except
+    Exception`); the trainer turns it into a checkpoint and `Preempted`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StallWatch:
+    """The watchdog of one fit (a context manager: its thread runs inside the `with`)."""
+
+    def __init__(self, in_hand: Any, indices: Callable[[int], list[int] | None], journal: Any, *, world: int,
+                 seconds: float | None = None):
+        self._in_hand, self._indices, self._journal = in_hand, indices, journal
+        self._world, self._seconds = world, seconds
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned: tuple[int, int] | None = None  # (epoch, batch) last named
+
+    def threshold(self) -> float:
+        """Seconds a wait for a batch may last before it is named a stall."""
+        if self._seconds is not None:
+            return self._seconds
+        mean = self._in_hand.mean_seconds_between_batches()
+        return FIRST_BATCH if mean is None else min(HIGHEST, max(LOWEST, FACTOR * mean))
+
+    def interrupts(self) -> bool:
+        """Whether a stop signal now should unwind the wait for a batch (see the module docstring)."""
+        waited = self._in_hand.waited()
+        return waited is not None and (self._world == 1 or waited >= self.threshold())
+
+    def __enter__(self) -> "StallWatch":
+        self._in_hand.new_fit()
+        self._done.clear()
+        self._thread = threading.Thread(target=self._watch, name="autotune-stall-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _watch(self) -> None:
+        while not self._done.wait(POLL_SECONDS):
+            self.check()
+
+    def check(self) -> None:
+        """Name the batch in hand if its wait has passed the threshold (once per batch)."""
+        waited, batch = self._in_hand.waited(), self._in_hand.batch
+        if waited is None or batch is None:
+            return
+        threshold = self.threshold()
+        epoch, position, batches_done = batch
+        if waited < threshold or self._warned == (epoch, batches_done):
+            return
+        self._warned = (epoch, batches_done)
+        indices = self._indices(position) or []
+        shown = (f"; the dataset's samples being fetched: [{', '.join(map(str, indices[:64]))}"
+                 f"{', ...' if len(indices) > 64 else ''}]") if indices else ""
+        warn(f"no batch for {waited:.0f} s (over {threshold:.0f} s): waiting for batch {batches_done + 1} of epoch "
+             f"{epoch + 1}, {position} samples into it{shown}. A __getitem__ that blocks (storage, a lock) or a stuck "
+             "worker? SIGTERM or Ctrl-C now checkpoints the last completed step and stops",
+             key=f"data stalled {epoch} {batches_done}")
+        self._journal.write(Kind.DATA_STALLED, self._in_hand.step_at_start, epoch, seconds=round(waited, 1),
+                            threshold=round(threshold, 1), position=position, batch=batches_done,
+                            indices=indices[:64])
+
