@@ -58,8 +58,8 @@ class BatchInHand:
         watch. A stop signal during the wait (stall.py) ends it: the weights are the last completed
         step's, so they are checkpointed (`save(reason)`, alone; under torchrun the other ranks are
         not here) and `preempted(signum, path)` is raised."""
-        self.start(epoch, position, batches_done, step, now)
         try:
+            self.start(epoch, position, batches_done, step, now)  # inside: a signal may come as soon as it is marked
             batch = next(batches)
         except StopIteration:
             self.done()

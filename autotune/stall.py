@@ -2,8 +2,9 @@
 
 A `__getitem__` that blocks (a network mount gone, a lock never released, a worker stuck in a
 library call) used to hang a fit without a word, and the first SIGTERM only raised a flag that
-the loop reads after the step that never came. While `fit` runs, `StallWatch` keeps a daemon
-thread that looks at the batch in hand once a second:
+the loop reads after the step that never came. `StallWatch` keeps a daemon thread, started with
+the trainer (before a memory cap is likely set: RLIMIT_AS counts a thread's stack, 256 KiB here)
+and stopped at its close, that looks at the batch in hand once a second while a fit runs:
 
     waiting for a batch longer than the threshold   a WARNING on stderr (once per batch) naming the
                                                     epoch, the batch, its place in the epoch and the
@@ -22,14 +23,21 @@ torchrun a signal interrupts a wait only once it is a stall: a rank that raised 
 wait would leave the others in the step's collectives instead of the agreed checkpoint, and a
 stalled rank cannot join one (the newest checkpoint is the one to resume from).
 
+A thread that cannot start (a cap already set, no room left) leaves the run without the warning,
+said at DEBUG; the stop by signal during a wait does not need the thread.
+
 Owns the watchdog thread. Touches: the user's warnings, the journal; reads the batch in hand.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable
 
+from loguru import logger
+
+from autotune.memory import start_with_small_stack
 from autotune.notices import warn
 from autotune.records import Kind
 
@@ -47,7 +55,8 @@ class StoppedWhileWaiting(BaseException):
 
 
 class StallWatch:
-    """The watchdog of one fit (a context manager: its thread runs inside the `with`)."""
+    """The watchdog of a trainer's fits: `start()` with the trainer, `with watch:` around each fit
+    (what it watches), `stop()` at close."""
 
     def __init__(self, in_hand: Any, indices: Callable[[int], list[int] | None], journal: Any, *, world: int,
                  seconds: float | None = None):
@@ -55,7 +64,9 @@ class StallWatch:
         self._world, self._seconds = world, seconds
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self._fitting = False  # between a fit's start and end: the batch in hand is this trainer's
         self._warned: tuple[int, int] | None = None  # (epoch, batch) last named
+        self.start()  # now, with the trainer: before a cap is likely set
 
     def threshold(self) -> float:
         """Seconds a wait for a batch may last before it is named a stall."""
@@ -69,22 +80,35 @@ class StallWatch:
         waited = self._in_hand.waited()
         return waited is not None and (self._world == 1 or waited >= self.threshold())
 
+    def start(self) -> None:
+        """Start the thread (once); where it cannot start, the run goes on without the warning."""
+        if self._thread is not None:
+            return
+        # The thread holds the watch weakly: a trainer dropped without close() takes its watch along.
+        thread = threading.Thread(target=_watch, args=(weakref.ref(self), self._done), name="autotune-stall-watch",
+                                  daemon=True)
+        try:
+            start_with_small_stack(thread)
+        except RuntimeError as exc:  # can't start new thread: a hard memory cap already set
+            logger.debug(f"no stalled-loader watch: {exc}")
+            return
+        self._thread = thread
+
+    def stop(self) -> None:
+        """End the thread (idempotent)."""
+        self._done.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+
     def __enter__(self) -> "StallWatch":
         self._in_hand.new_fit()
-        self._done.clear()
-        self._thread = threading.Thread(target=self._watch, name="autotune-stall-watch", daemon=True)
-        self._thread.start()
+        self._fitting = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._fitting = False
 
-    def _watch(self) -> None:
-        while not self._done.wait(POLL_SECONDS):
-            self.check()
 
     def check(self) -> None:
         """Name the batch in hand if its wait has passed the threshold (once per batch)."""
@@ -107,3 +131,13 @@ class StallWatch:
                             threshold=round(threshold, 1), position=position, batch=batches_done,
                             indices=indices[:64])
 
+
+def _watch(watch_ref: weakref.ref, done: threading.Event) -> None:
+    # The watchdog's loop: once a second, while the watch (and so its trainer) lives and is not stopped.
+    while not done.wait(POLL_SECONDS):
+        watch = watch_ref()
+        if watch is None:
+            return
+        if watch._fitting:
+            watch.check()
+        del watch  # not held across the wait

@@ -147,14 +147,11 @@ class AutoTrainer:
 
     # ----------------------------------------------------------------------------- the loop
     def fit(self, epochs: int = 1, max_steps: int | None = None, resume: bool | str | Path = False) -> FitResult:
-        """Train until `epochs` epochs (or `max_steps` optimizer steps) are done in all, or a
-        callback calls `request_stop`.
-
-        With `resume=True`, first continue from the newest valid checkpoint in `run_dir`
-        (none: start fresh, and say so); with a path, from that checkpoint (a file; a sharded
-        model's: a folder). A deterministic run that is killed and resumed ends with the same
-        weights and `samples_seen` as one that was not.
-        """
+        """Train until `epochs` epochs (or `max_steps` optimizer steps) are done in all, or a callback
+        calls `request_stop`. `resume=True`: first continue from the newest valid checkpoint in `run_dir`
+        (none: start fresh); a path: from that checkpoint (a sharded model's: a folder); False: a new run,
+        refused where `run_dir` holds another run's checkpoints (`AnotherRunsCheckpoints`). A deterministic
+        run killed and resumed ends with the same weights and `samples_seen` as one that was not."""
         check_int("", "epochs", epochs, 1)
         check_int("", "max_steps", max_steps, 1, optional=True)
         if self._closed:
@@ -231,6 +228,7 @@ class AutoTrainer:
             return
         self._closed = True
         self.checkpointer.wait()  # a checkpoint still being written: on disk, and journaled, first
+        self._stall_watch.stop()
         self.input.close()
         self.tuner.close()
 
