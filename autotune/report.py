@@ -64,7 +64,13 @@ def _has(record: dict[str, Any], fields: dict[str, Any]) -> bool:
 
 
 def _readable(record: dict[str, Any]) -> bool:
-    return _has(record, _EVERY_RECORD) and _has(record, _READS.get(record["kind"], {}))
+    # _EVERY_RECORD, spelt out: this runs once per journal line (a million in a long run's journal).
+    get = record.get
+    if not (isinstance(get("kind"), str) and isinstance(get("time"), (int, float)) and isinstance(get("step"), int)
+            and isinstance(get("epoch"), int)):
+        return False
+    reads = _READS.get(record["kind"])
+    return reads is None or _has(record, reads)
 
 
 def throughput_over_time(steps: list[dict[str, Any]], windows: int = 8) -> list[dict[str, Any]]:
@@ -142,7 +148,10 @@ class _Tally:
         self.count[kind] += 1
         self.first.setdefault(kind, record)
         self.last[kind] = record
-        self._newest.setdefault(kind, collections.deque(maxlen=KEEP)).append(record)
+        newest = self._newest.get(kind)
+        if newest is None:
+            newest = self._newest[kind] = collections.deque(maxlen=KEEP)
+        newest.append(record)
         if self.first_time is None:
             self.first_time, self._epoch_from = time, (time, 0)
         if not (kind == Kind.CHECKPOINT and record.get("background")):
@@ -154,9 +163,10 @@ class _Tally:
         if kind == Kind.ACTION:
             policy = record["policy"]
             (self.applied if record["applied"] else self.suppressed)[policy] += 1
-            self.actions.setdefault(policy, collections.deque(maxlen=KEEP)).append(
-                {"step": step, "action": record["action"], "params": record["params"], "applied": record["applied"],
-                 "reason": record.get("reason", ""), "note": record.get("note", "")})
+            actions = self.actions.get(policy)
+            if actions is None:
+                actions = self.actions[policy] = collections.deque(maxlen=KEEP)
+            actions.append(record)
         elif kind == Kind.OOM:
             self.oom_sizes[record["micro_batch_size"]] += 1
             lost = record.get("lost_seconds")
@@ -264,7 +274,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                  "last_breakdown": tally.last_breakdown,
                  # memory_snapshot=True (CUDA): the allocator's state at the last OOM, and its largest sites
                  "last_snapshot": tally.last_snapshot},
-        "actions": {policy: list(actions) for policy, actions in tally.actions.items()},
+        "actions": {policy: [{"step": a["step"], "action": a["action"], "params": a["params"], "applied": a["applied"],
+                              "reason": a.get("reason", ""), "note": a.get("note", "")} for a in actions]
+                    for policy, actions in tally.actions.items()},
         "action_counts": {policy: {"applied": tally.applied[policy], "suppressed": tally.suppressed[policy]}
                           for policy in tally.actions},
         "reliefs": [{"step": r["step"], "relief": r["relief"], "demand_before": r.get("demand_before")}

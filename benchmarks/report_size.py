@@ -65,8 +65,9 @@ def run_once(run_dir: Path, pythonpath: Path) -> tuple[float, float]:
               f"subprocess.run([sys.executable, '-m', 'autotune.cli', 'report', {str(run_dir)!r}], check=True, "
               "stdout=subprocess.DEVNULL); "
               "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)")
+    # Run from the side's folder: `python -m` puts the working directory first on sys.path.
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(pythonpath)})
+                         cwd=pythonpath, env={**os.environ, "PYTHONPATH": str(pythonpath)})
     seconds, rss = out.stdout.split()
     return float(seconds), float(rss)
 
