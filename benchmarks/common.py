@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,14 @@ def machine() -> str:
         pass
     return (f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__}, "
             f"threads {torch.get_num_threads()}, Python {platform.python_version()}")
+
+
+def fresh_run_dir(path: str | Path, rank: int = 0) -> Path:
+    """`path` emptied (by rank 0; under torchrun the caller waits at a barrier after): a run folder
+    that holds an earlier benchmark run's checkpoints refuses a new run (AnotherRunsCheckpoints)."""
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return Path(path)
 
 
 def median(values: list[float]) -> float:

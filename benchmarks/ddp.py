@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import alternate, median, two_ranks, write_results  # noqa: E402
+from common import alternate, fresh_run_dir, median, two_ranks, write_results  # noqa: E402
 
 SAMPLES, FEATURES, WIDTH, CLASSES, BATCH = 16384, 256, 1024, 10, 128
 
@@ -58,6 +58,8 @@ def worker(rounds: int, out: str) -> None:
         dist.barrier()
         return time.perf_counter() - start, steady(stamps)
 
+    times_run: list[Path] = []
+
     def auto() -> tuple[float, float]:
         stamps = []
 
@@ -65,9 +67,12 @@ def worker(rounds: int, out: str) -> None:
             stamps.append(time.perf_counter())
             return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
+        run_dir = fresh_run_dir(f"runs/bench-ddp/round-{len(times_run)}", rank)  # a new run each round
+        times_run.append(run_dir)
+        dist.barrier()
         trainer = AutoTrainer(model(), data, step_fn=step, batch_size=BATCH, device="cpu",
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), progress=False,
-                              run_dir="runs/bench-ddp", checkpoint_interval=None)
+                              run_dir=run_dir, checkpoint_interval=None)
         dist.barrier()
         start = time.perf_counter()
         trainer.fit(epochs=1)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import alternate, median, two_ranks, write_results  # noqa: E402
+from common import alternate, fresh_run_dir, median, two_ranks, write_results  # noqa: E402
 
 SAMPLES, VOCAB, WIDTH, LENGTH, BLOCKS, BATCH = 1024, 256, 128, 32, 4, 16
 
@@ -92,9 +92,11 @@ def worker(rounds: int, out: str) -> None:
             stamps.append(time.perf_counter())
             return loss_fn(net(batch[0]), batch[1])
 
+        run_dir = fresh_run_dir(f"runs/bench-fsdp/round-{len(checks_per_step)}", rank)  # a new run each round
+        dist.barrier()
         trainer = AutoTrainer(model(), data, step_fn=step, batch_size=BATCH, device="cpu", shard=True,
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), progress=False,
-                              run_dir="runs/bench-fsdp", checkpoint_interval=None)
+                              run_dir=run_dir, checkpoint_interval=None)
         dist.barrier()
         start = time.perf_counter()
         trainer.fit(epochs=1)

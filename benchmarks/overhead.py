@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, write_results  # noqa: E402
+from common import fresh_run_dir, median, write_results  # noqa: E402
 
 from autotune import AutoTrainer  # noqa: E402
 from autotune.callbacks import Callback  # noqa: E402
@@ -179,6 +179,7 @@ def tiny(rounds: int) -> None:
     if importlib.util.find_spec("tensorboard"):
         loops.append("AutoTrainer, default + tensorboard")
     cost = {name: [] for name in loops}
+    fresh_run_dir("runs/bench-overhead-tiny")
     for r in range(rounds):
         for name in loops[r % len(loops):] + loops[:r % len(loops)]:
             cost[name].append(tiny_cost(name, 3000, Path("runs/bench-overhead-tiny") / f"{r}-{len(cost[name])}-{name}"))
@@ -253,6 +254,7 @@ def short(rounds: int) -> None:
     """Issue 45: what the default preset costs a short run where nothing is wrong (an in-memory
     dataset, 2-5 ms steps, 2 epochs), side by side with a hand loop over the same DataLoader order."""
     data = make_data()
+    fresh_run_dir("runs/bench-overhead-short")
     loops = ["hand loop", "hand loop, gathered batches", "AutoTrainer, default"]
     for loop in loops:  # warm-up: first-touch allocations, thread pools, torch._dynamo's import
         short_run(loop, data, Path("runs/bench-overhead-short") / f"warm-{loop[0]}")
@@ -329,6 +331,7 @@ def main() -> None:
         import autotune
         print(json.dumps({"wall": wall, "step": step, "autotune": autotune.__file__}))
         return
+    fresh_run_dir(run_dir)  # an earlier invocation's runs: each AutoTrainer here starts a new one
     loops = {
         "plain": lambda r: plain_run(data, args.epochs),
         "autotune": lambda r: autotune_run(data, args.epochs, False, run_dir / f"a{r}"),

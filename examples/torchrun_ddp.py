@@ -19,7 +19,7 @@ data = TensorDataset(torch.randn(4096, 32, generator=g), torch.randint(0, 4, (40
 model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 4))
 
 trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=128,
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), run_dir="runs/torchrun-example")
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))  # run_dir: runs/<time>, rank 0's
 result = trainer.fit(epochs=2)
 if trainer.is_main:
     print(f"{result.samples_seen} samples over {trainer.ranks.world if trainer.ranks else 1} ranks, "
