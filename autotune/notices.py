@@ -86,16 +86,17 @@ def _rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def warn(message: str, key: str | None = None, error: bool = False) -> None:
+def warn(message: str, key: str | None = None, error: bool = False, every_rank: bool = False) -> None:
     """Tell the user `message` (at ERROR with `error`), once per `key` (default: the message
-    itself) in this process, on rank 0 only; a repeat goes to the library's loguru log at DEBUG."""
+    itself) in this process, on rank 0 only (`every_rank`: on this rank, whichever it is: what
+    only this rank knows); a repeat goes to the library's loguru log at DEBUG."""
     key = message if key is None else key
     if key in _said:
         logger.debug(message)
         return
     _said.add(key)
     (logger.error if error else logger.warning)(message)  # shown where loguru is enabled for autotune
-    if not _through_loguru and _rank_zero():
+    if not _through_loguru and (every_rank or _rank_zero()):
         _library_logger().log(logging.ERROR if error else logging.WARNING, message)
 
 

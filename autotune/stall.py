@@ -31,6 +31,7 @@ Owns the watchdog thread. Touches: the user's warnings, the journal; reads the b
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any, Callable
@@ -109,7 +110,6 @@ class StallWatch:
     def __exit__(self, *exc: object) -> None:
         self._fitting = False
 
-
     def check(self) -> None:
         """Name the batch in hand if its wait has passed the threshold (once per batch)."""
         waited, batch = self._in_hand.waited(), self._in_hand.batch
@@ -123,10 +123,12 @@ class StallWatch:
         indices = self._indices(position) or []
         shown = (f"; the dataset's samples being fetched: [{', '.join(map(str, indices[:64]))}"
                  f"{', ...' if len(indices) > 64 else ''}]") if indices else ""
-        warn(f"no batch for {waited:.0f} s (over {threshold:.0f} s): waiting for batch {batches_done + 1} of epoch "
-             f"{epoch + 1}, {position} samples into it{shown}. A __getitem__ that blocks (storage, a lock) or a stuck "
-             "worker? SIGTERM or Ctrl-C now checkpoints the last completed step and stops",
-             key=f"data stalled {epoch} {batches_done}")
+        rank = f"rank {os.environ['RANK']}: " if self._world > 1 and "RANK" in os.environ else ""
+        # Said on every rank: a stalled rank is rarely rank 0, whose peers wait for it in silence.
+        warn(f"{rank}no batch for {waited:.0f} s (over {threshold:.0f} s): waiting for batch {batches_done + 1} of "
+             f"epoch {epoch + 1}, {position} samples into it{shown}. A __getitem__ that blocks (storage, a lock) or a "
+             "stuck worker? SIGTERM or Ctrl-C now checkpoints the last completed step and stops",
+             key=f"data stalled {id(self)} {epoch} {batches_done}", every_rank=True)
         self._journal.write(Kind.DATA_STALLED, self._in_hand.step_at_start, epoch, seconds=round(waited, 1),
                             threshold=round(threshold, 1), position=position, batch=batches_done,
                             indices=indices[:64])

@@ -35,6 +35,12 @@ def test_only_rank_zero_speaks_under_torchrun():
     assert run(SCRIPT, RANK="0").stderr.count("autotune:") == 2
 
 
+def test_what_only_one_rank_knows_is_said_on_that_rank():
+    # A stalled loader (stall.py) is rarely rank 0's: its peers only wait for it.
+    code = "from autotune.notices import warn\nwarn('rank 1: no batch for 31 s', every_rank=True)\n"
+    assert run(code, RANK="1").stderr == "autotune: rank 1: no batch for 31 s\n"
+
+
 @pytest.mark.parametrize("level, lines", [("error", 0), ("warning", 2), ("info", 3), ("debug", 3)])
 def test_one_environment_variable_sets_the_level(level, lines):
     assert run(SCRIPT, AUTOTUNE_VERBOSITY=level).stderr.count("autotune:") == lines
