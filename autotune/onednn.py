@@ -93,6 +93,20 @@ def flush_kernel_cache() -> bool:
 _BELOW_NATIVE_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
 
 
+def native_bf16(cpu_flags: set[str] | None = None) -> list[str]:
+    """This CPU's native bf16 features (avx512_bf16, amx_bf16) that oneDNN may use: none where
+    ONEDNN_MAX_CPU_ISA holds it below them. `cpu_flags`: /proc/cpuinfo's, read when None."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() in _BELOW_NATIVE_BF16:
+        return []
+    if cpu_flags is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpu_flags = set(f.read().split())
+        except OSError:
+            return []
+    return sorted(cpu_flags & {"avx512_bf16", "amx_bf16"})
+
+
 def builds_bf16_kernels_under_a_hard_cap(cpu_flags: set[str] | None = None) -> str | None:
     """Why bf16 autocast on this CPU would compile oneDNN kernels under an address-space cap, where
     an allocation oneDNN does not check can kill the process (a signal no Python catches:
@@ -107,15 +121,7 @@ def builds_bf16_kernels_under_a_hard_cap(cpu_flags: set[str] | None = None) -> s
         return None
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return None
-    if os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() in _BELOW_NATIVE_BF16:
-        return None
-    if cpu_flags is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpu_flags = set(f.read().split())
-        except OSError:
-            return None
-    native = sorted(cpu_flags & {"avx512_bf16", "amx_bf16"})
+    native = native_bf16(cpu_flags)
     if not native:
         return None
     return (f"this CPU has native bf16 ({', '.join(native)}), so oneDNN would compile bf16 kernels under the "

@@ -12,6 +12,7 @@ Owns the names; touches nothing.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Mapping
 
@@ -162,8 +163,13 @@ def check(kind: str, fields: Mapping[str, object], strict: bool) -> None:
 
 
 class RecordsByKind(dict):
-    """Journal records grouped by kind, for a reader: a kind with no record reads as [], a kind the
-    registry does not have is a KeyError naming it (a reader's typo would read as no records)."""
+    """Journal records grouped by kind, for a reader, the newest `keep` of each (None: all): a kind
+    with no record reads as [], a kind the registry does not have is a KeyError naming it (a
+    reader's typo would read as no records)."""
+
+    def __init__(self, keep: int | None = None):
+        super().__init__()
+        self.keep = keep
 
     def __missing__(self, kind: str) -> list:
         if kind not in KINDS:
@@ -171,7 +177,11 @@ class RecordsByKind(dict):
         return []
 
     def add(self, record: Mapping[str, object]) -> None:
-        self.setdefault(str(record.get("kind", "?")), []).append(record)
+        kind = str(record.get("kind", "?"))
+        kept = self.get(kind)
+        if kept is None:  # not setdefault: a deque made for every record costs a long journal seconds
+            kept = self[kind] = collections.deque(maxlen=self.keep)
+        kept.append(record)
 
 
 def markdown() -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.journal import each_line, read_lines
-from autotune.records import KINDS, Kind
+from autotune.records import Kind, RecordsByKind
 from autotune.units import describe_breakdown, format_bytes
 
 
@@ -117,7 +117,7 @@ class _Tally:
         self.count: collections.Counter[str] = collections.Counter()
         self.first: dict[str, dict[str, Any]] = {}
         self.last: dict[str, dict[str, Any]] = {}
-        self._newest: dict[str, collections.deque[dict[str, Any]]] = {}
+        self._newest = RecordsByKind(keep=KEEP)
         self.unreadable = 0
         self.first_time: float | None = None
         self.last_time: float | None = None  # a background checkpoint's line comes after the training it saved
@@ -139,19 +139,14 @@ class _Tally:
 
     def newest(self, kind: str) -> list[dict[str, Any]]:
         """The newest KEEP records of `kind` (a kind not in the registry: KeyError, not an empty list)."""
-        if kind not in KINDS:
-            raise KeyError(f"journal record kind {kind!r} is not in autotune/records.py's registry")
-        return list(self._newest.get(kind, ()))
+        return list(self._newest[kind])
 
     def add(self, record: dict[str, Any]) -> None:
         kind, time, step, epoch = record["kind"], record["time"], record["step"], record["epoch"]
         self.count[kind] += 1
         self.first.setdefault(kind, record)
         self.last[kind] = record
-        newest = self._newest.get(kind)
-        if newest is None:
-            newest = self._newest[kind] = collections.deque(maxlen=KEEP)
-        newest.append(record)
+        self._newest.add(record)
         if self.first_time is None:
             self.first_time, self._epoch_from = time, (time, 0)
         if not (kind == Kind.CHECKPOINT and record.get("background")):

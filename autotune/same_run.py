@@ -60,7 +60,7 @@ def run_id_of(state: dict[str, Any]) -> str | None:
 
 def another_runs_checkpoints(folder: Path, others: list[Path]) -> AnotherRunsCheckpoints:
     """The error for `fit(resume=False)` where `others` (newest first) are not this run's."""
-    steps = ", ".join(path.name for path in others[:_SHOWN]) + (", ..." if len(others) > _SHOWN else "")
+    steps = _names(path.name for path in others)
     return AnotherRunsCheckpoints(
         f"{folder} holds {len(others)} checkpoint(s) of another run ({steps}) and fit(resume=False) starts a new "
         "one: its checkpoints would be pruned as this run's, and a later resume would pick either run. Continue "
@@ -90,8 +90,7 @@ def _model_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     changed = [f"{name} {_shape(saved[name])} in the checkpoint, {_shape(value)} here"
                for name, value in now.items() if name in saved and _shape(saved[name]) != _shape(value)]
     if changed:
-        problems.append(f"{len(changed)} tensor(s) differ in shape: {'; '.join(changed[:_SHOWN])}"
-                        + ("; ..." if len(changed) > _SHOWN else ""))
+        problems.append(f"{len(changed)} tensor(s) differ in shape: {_names(changed, '; ')}")
     return problems
 
 
@@ -149,9 +148,10 @@ def _same(a: Any, b: Any) -> bool:
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
 
 
-def _names(names: Iterable[str]) -> str:
+def _names(names: Iterable[str], separator: str = ", ") -> str:
+    # The first _SHOWN, then "..." where there are more.
     names = list(names)
-    return ", ".join(names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
+    return separator.join(names[:_SHOWN]) + (f"{separator}..." if len(names) > _SHOWN else "")
 
 
 def check_resumable(state: dict[str, Any], weights: dict[str, Any], optimizer: Any) -> list[str]:

@@ -308,7 +308,7 @@ class Tuner:
         another model's or optimizer's is refused, naming the difference (same_run.py)."""
         state = checkpoint_format.migrate(state)
         reliefs_checked(state, functools.partial(self.load_tuning_state, state["tuning"]),
-                                  lambda: (self.ranks.job.model_state(self.model, None)[0], self.optimizer))
+                        lambda: (self.ranks.job.model_state(self.model, None)[0], self.optimizer))
         core = state["core"]
         self.ranks.job.load_model_state(self.model, self.stepper.optimizer, core["model"], core["optimizer"])
         self.run_id = state["run"]["id"] or self.run_id

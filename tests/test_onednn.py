@@ -6,16 +6,12 @@ that error on the thread: every later kernel fails to build, uncapped too, until
 On other CPUs (or ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16) nothing is compiled per shape and
 the tests that need it skip, saying so."""
 
-import os
-import re
-
 import pytest
 
+from autotune import onednn
 from tests.conftest import run_python
 
-CPU_FLAGS = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-NATIVE_BF16 = bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", CPU_FLAGS)) and os.environ.get(
-    "ONEDNN_MAX_CPU_ISA", "ALL").upper() not in ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI")
+NATIVE_BF16 = bool(onednn.native_bf16())
 
 SCRIPT = r'''
 import json, torch

@@ -152,7 +152,7 @@ class ReliefLadder:
         if RELIEF_NAMES[type(action)] == "autocast":
             if self.core.precision != "fp32":
                 return {"note": f"precision={self.core.precision!r} was chosen for this run: autocast changes nothing"}
-            unsafe = self.core.device.type == "cpu" and builds_bf16_kernels_under_a_hard_cap()
+            unsafe = self._autocast_unsafe()
             if unsafe:  # counted as applied, so the ladder goes on to its next relief
                 return {"note": f"skipped: {unsafe}"}
             plan = self.core.enable_autocast()
@@ -160,6 +160,10 @@ class ReliefLadder:
                 return {"note": f"no autocast on {self.core.device.type}"}
             return {"dtype": str(plan.dtype).replace("torch.", ""), "grad_scaler": plan.needs_scaler}
         return {"blocks": checkpoint_blocks(self.model)}
+
+    def _autocast_unsafe(self) -> str | None:
+        # Why bf16 kernels would be compiled under a hard cap here (onednn.py), where one can kill the process.
+        return builds_bf16_kernels_under_a_hard_cap() if self.core.device.type == "cpu" else None
 
     def _prune(self, ratio: float, save_checkpoint: Callable[[str], Any]) -> dict[str, Any]:
         if self.ranks.job.why_not_prunable is not None:
@@ -216,7 +220,7 @@ class ReliefLadder:
                              f"{applied}: resume into a fresh trainer built like the original one")
         prunes = iter(saved["pruning"])
         for kind in applied:
-            if kind == "autocast" and not (self.core.device.type == "cpu" and builds_bf16_kernels_under_a_hard_cap()):
+            if kind == "autocast" and not self._autocast_unsafe():  # skipped alike where it was skipped
                 self.core.enable_autocast()
             elif kind == "checkpointing":
                 checkpoint_blocks(self.model)
