@@ -11,7 +11,8 @@ pickle and loads it with `weights_only=False`; everything else is in `rest.pt`, 
 DCP holds stands as `IN_DCP` and which `torch.load(weights_only=True)` reads: a checkpoint
 still holds tensors and plain data, never code. DCP's own `.metadata` is a pickle its reader
 loads whole; here it is read by `_MetadataUnpickler`, which builds DCP's metadata classes, torch's
-sizes and dtypes, and paths, and refuses any other name (a planted payload never runs).
+sizes and dtypes, and paths, each named one by one, and refuses any other name, dotted ones included
+(a planted payload never runs).
 
 Loading needs somewhere to put the shards: the state of the model as it is now (its DTensors,
 the optimizer's state), which DCP fills in place, each rank reading the slices it owns. (DCP
@@ -127,21 +128,30 @@ def read_shards(folder: Path, rest: dict[str, Any], template: dict[str, Any]) ->
     return join(rest, wanted)
 
 
-# What a DCP `.metadata` pickle may name (besides its metadata module's classes): each builds data.
-_METADATA_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                   ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                   ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                   ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+# Every (module, name) a DCP `.metadata` pickle may name, each a class or function that builds data.
+# Listed one by one, never a whole module: from pickle protocol 4 a name may be dotted
+# ("os.mkdir" looked up in a module that imports os), so a module-wide rule lets code in.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_METADATA_NAMES = frozenset({
+    *((_DCP_METADATA, name) for name in ("BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex",
+                                         "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                                         "_MEM_FORMAT_ENCODING")),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's metadata classes and plain data only: any other name is refused, naming it."""
+    """DCP's metadata classes and plain data only: any other name, and any dotted one, is refused,
+    naming it."""
 
     path: Path
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (module == "torch.distributed.checkpoint.metadata" or (module, name) in _METADATA_NAMES
-                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        allowed = "." not in name and ((module, name) in _METADATA_NAMES
+                                       or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
         if not allowed:
             raise pickle.UnpicklingError(f"{self.path} names {module}.{name}, which is not checkpoint metadata: "
                                          "refused (a checkpoint holds data, never code)")

@@ -104,19 +104,34 @@ class _Payload:
         return (os.mkdir, (self.marker,))
 
 
-def test_a_sharded_checkpoints_metadata_never_runs_code(tmp_path, capfd):
-    # A folder with a valid rest.pt and a pickled payload for DCP's .metadata, no sums (made by hand, or by
-    # someone else): DCP's reader would unpickle it whole. Refused, naming what it names, and the one before loads.
+def _dotted_payload(marker: str) -> bytes:
+    # Pickle protocol 4 by hand: STACK_GLOBAL("torch.distributed.checkpoint.metadata", "os.mkdir") finds os.mkdir
+    # through that module's own `import os`; a rule allowing the whole module let it run (issue 56).
     import pickle
 
+    def text(value: str) -> bytes:
+        data = value.encode()
+        return pickle.SHORT_BINUNICODE + bytes([len(data)]) + data
+
+    return (pickle.PROTO + bytes([4]) + text("torch.distributed.checkpoint.metadata") + text("os.mkdir")
+            + pickle.STACK_GLOBAL + text(marker) + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+
+
+@pytest.mark.parametrize("payload, named", [
+    (lambda marker: __import__("pickle").dumps(_Payload(marker)), "posix.mkdir"),
+    (_dotted_payload, "torch.distributed.checkpoint.metadata.os.mkdir"),
+], ids=["plain-global", "dotted-name"])
+def test_a_sharded_checkpoints_metadata_never_runs_code(tmp_path, capfd, payload, named):
+    # A folder with a valid rest.pt and a pickled payload for DCP's .metadata, no sums (made by hand, or by
+    # someone else): DCP's reader would unpickle it whole. Refused, naming what it names, and the one before loads.
     checkpoints = Checkpoints(tmp_path / "ckpt")
     checkpoints.save({"step": 1}, 1)
     path, _ = checkpoints.save_sharded({"model": {"w": torch.zeros(4)}, "step": 2}, 2, is_main=True)
     (path / MANIFEST).unlink()
     marker = tmp_path / "the-payload-ran"
-    (path / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    (path / ".metadata").write_bytes(payload(str(marker)))
     state, found = checkpoints.load_latest(template=lambda: {"model": {"w": torch.zeros(4)}, "step": 0},
                                            ranks=Solo())
     assert not marker.exists()
     assert state["step"] == 1 and found.name == "step-000000001.pt"
-    assert "names posix.mkdir, which is not checkpoint metadata: refused" in capfd.readouterr().err
+    assert f"names {named}, which is not checkpoint metadata: refused" in capfd.readouterr().err
