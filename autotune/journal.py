@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator
 
 from tqdm.auto import tqdm
 
@@ -40,7 +41,7 @@ class Journal:
         self._lock = threading.Lock()  # a background checkpoint's line comes from its writer thread
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1, encoding="utf-8")
+            self._file = open_for_append(path)
 
     def write(self, kind: str, step: int, epoch: int, **fields: Any) -> dict[str, Any]:
         """Append one record (a kind of records.py's, with its fields) and return it."""
@@ -72,15 +73,70 @@ class Journal:
                      key=f"journal lost {self.path}")
 
 
+def open_for_append(path: Path) -> IO[str]:
+    """`path` opened to append JSONL lines (line-buffered). A file that ends mid-line (a process
+    killed mid-write, a short write on a full disk) gets its newline first: the fragment stays an
+    unreadable line of its own, and the next record is whole (appended to the fragment, it was lost)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+    except OSError:  # no file yet, an empty one (the seek fails), or one that cannot be read
+        torn = False
+    file = open(path, "a", buffering=1, encoding="utf-8")
+    if torn:
+        file.write("\n")
+    return file
+
+
+MAX_LINE_BYTES = 2**20  # a record autotune writes is a few hundred bytes; a longer line is skipped
+
+
+class NotAFile(ValueError):
+    """A run file (the journal, samples.jsonl) that is not a regular file: a FIFO would block the
+    reader, a device (a link to /dev/zero) never ends, a directory has no lines."""
+
+
+def _open_regular(path: Path) -> IO[bytes] | None:
+    # Opened without blocking (a FIFO's open waits for a writer), then refused unless regular.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
+        raise NotAFile(f"{path} is {what}, not a regular file: not read")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _bounded_lines(f: IO[bytes]) -> Iterator[bytes | None]:
+    # Each line of `f`, or None for one longer than MAX_LINE_BYTES, read past in pieces: memory stays
+    # bounded whatever the file holds (a 2 GiB tail of NULs is one such line).
+    while line := f.readline(MAX_LINE_BYTES + 1):
+        if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = f.readline(MAX_LINE_BYTES)
+        yield None
+
+
 def each_line(path: Path) -> Iterator[tuple[int, dict[str, Any] | ValueError]]:
     """(line number, its record) for each non-blank line of a JSONL file, a line at a time; a line
-    that is not UTF-8, not JSON or not a JSON object gives its ValueError instead. A missing file
-    has none."""
-    path = Path(path)
-    if not path.exists():
+    that is not UTF-8, not JSON, not a JSON object or longer than MAX_LINE_BYTES gives its
+    ValueError instead. A missing file has none; one that is not a regular file is `NotAFile`."""
+    f = _open_regular(Path(path))
+    if f is None:
         return
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
+    with f:
+        for number, line in enumerate(_bounded_lines(f), start=1):
+            if line is None:
+                yield number, ValueError(f"a line longer than {MAX_LINE_BYTES} bytes")
+                continue
             if not line.strip():
                 continue
             try:

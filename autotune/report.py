@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.journal import each_line, read_lines
+from autotune.journal import NotAFile, each_line, read_lines
+from autotune.notices import warn
 from autotune.records import Kind, RecordsByKind
 from autotune.units import describe_breakdown, format_bytes
 
@@ -47,8 +48,21 @@ def _read_run(run_dir: Path) -> _Run:
     records, unreadable = read_lines(_journal_path(run_dir))
     readable = [r for r in records if _readable(r)]  # a line without what the report reads is counted, not read
     return _Run(readable, unreadable + len(records) - len(readable),
-                [s for s in read_lines(run_dir / "samples.jsonl")[0] if _has(s, {"time": (int, float)})],
-                [s for s in read_lines(run_dir / "steps.jsonl")[0] if _has(s, {"time": (int, float)})])
+                _timed(run_dir / "samples.jsonl"), _timed(run_dir / "steps.jsonl"))
+
+
+def _timed(path: Path) -> list[dict[str, Any]]:
+    # The records of a side file that have a time (the plot's x).
+    return [s for _, s in _side_file(path) if isinstance(s, dict) and _has(s, {"time": (int, float)})]
+
+
+def _side_file(path: Path) -> Any:
+    # The monitor's timeline or the steps log, line by line: one that is not a regular file (a FIFO,
+    # a link to a device) is left out with a word; the journal's summary still stands.
+    try:
+        yield from each_line(path)
+    except NotAFile as exc:
+        warn(f"{exc}; the report goes on without it", key=f"not a file {path}")
 
 
 # What the report reads of every journal record; a record without them (a hand-edited line, another
@@ -203,7 +217,7 @@ def _tally(run_dir: Path) -> _Tally:
 def _memory(path: Path) -> dict[str, Any]:
     # The monitor's samples, streamed: the peak, the last cap and its source.
     peak, cap, source, count = None, None, None, 0
-    for _, sample in each_line(path):
+    for _, sample in _side_file(path):
         if not (isinstance(sample, dict) and _has(sample, {"time": (int, float)})):
             continue
         count += 1
@@ -216,7 +230,7 @@ def _memory(path: Path) -> dict[str, Any]:
 
 def _steps(path: Path) -> list[dict[str, Any]]:
     # steps.jsonl, only what the throughput reads (its lines are thinned as the run grows).
-    return [{"time": s["time"], "samples_seen": s.get("samples_seen")} for _, s in each_line(path)
+    return [{"time": s["time"], "samples_seen": s.get("samples_seen")} for _, s in _side_file(path)
             if isinstance(s, dict) and _has(s, {"time": (int, float)})]
 
 

@@ -1,6 +1,7 @@
 """`autotune report` on real run directories: normal, with OOMs, crashed mid-write, empty, not a run."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +214,64 @@ def test_the_reports_memory_does_not_grow_with_the_journal(tmp_path):
     assert len(summary["actions"]["halve_on_oom"]) == KEEP and len(summary["checkpoints"]) == KEEP
     assert summary["ooms"]["survived"] + summary["counts"]["checkpoints"] \
         + summary["action_counts"]["halve_on_oom"]["applied"] + summary["counts"]["epochs"] + 1 == records[1]
+
+
+def _report_in_a_child(run_dir: Path, cap_bytes: int = 2**30) -> tuple[subprocess.CompletedProcess, float]:
+    # `autotune report` in its own interpreter, under an address-space cap (so a report that reads without
+    # bound fails here instead of taking the machine) and a time limit (so one that blocks fails too); with
+    # its peak RSS in MiB.
+    script = ("import resource, subprocess, sys\n"
+              f"def cap(): resource.setrlimit(resource.RLIMIT_AS, ({cap_bytes}, {cap_bytes}))\n"
+              "done = subprocess.run([sys.executable, '-m', 'autotune.cli', 'report', sys.argv[1]], preexec_fn=cap,"
+              " capture_output=True, text=True, timeout=60)\n"
+              "sys.stdout.write(done.stdout); sys.stderr.write(done.stderr)\n"
+              "print(f'\\nRC={done.returncode} RSS={resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}')")
+    done = subprocess.run([sys.executable, "-c", script, str(run_dir)], capture_output=True, text=True, timeout=120)
+    tail = done.stdout.rsplit("RC=", 1)[-1].split()
+    return (subprocess.CompletedProcess(done.args, int(tail[0]), done.stdout, done.stderr),
+            float(tail[1].removeprefix("RSS=")))
+
+
+def _one_record_run(run_dir: Path) -> None:
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text(json.dumps({"kind": "fit_start", "time": 1.0, "step": 0, "epoch": 0}) + "\n")
+
+
+def test_the_report_refuses_a_journal_that_is_not_a_regular_file(tmp_path):
+    # A FIFO blocked the old report for ever; a directory was an IsADirectoryError traceback.
+    fifo_run, dir_run = tmp_path / "fifo", tmp_path / "dir"
+    fifo_run.mkdir()
+    os.mkfifo(fifo_run / "events.jsonl")
+    (dir_run / "events.jsonl").mkdir(parents=True)
+    for run_dir, what in ((fifo_run, "a FIFO"), (dir_run, "a directory")):
+        done, _ = _report_in_a_child(run_dir)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert f"events.jsonl is {what}, not a regular file" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_report_reads_the_journal_whatever_the_side_files_are(tmp_path):
+    # samples.jsonl a link to /dev/zero (the old report grew until MemoryError) and steps.jsonl a FIFO (blocked):
+    # the report says so and reports the journal.
+    run_dir = tmp_path / "run"
+    _one_record_run(run_dir)
+    (run_dir / "samples.jsonl").symlink_to("/dev/zero")
+    os.mkfifo(run_dir / "steps.jsonl")
+    done, _ = _report_in_a_child(run_dir)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "samples.jsonl is a device, not a regular file" in done.stderr
+    assert "steps.jsonl is a FIFO, not a regular file" in done.stderr
+
+
+def test_a_huge_line_is_skipped_and_counted_in_bounded_memory(tmp_path):
+    # One 256 MiB line of NULs (a sparse tail a crash can leave) between two records: the old report held the
+    # line whole (a 300 MB line cost 650 MB); now it is read past in 1 MiB pieces and counted.
+    small, huge = tmp_path / "small", tmp_path / "huge"
+    _one_record_run(small)
+    _one_record_run(huge)
+    with open(huge / "events.jsonl", "r+b") as f:
+        f.seek(256 * 2**20, os.SEEK_END)
+        f.write(b"\n" + json.dumps({"kind": "fit_end", "time": 2.0, "step": 0, "epoch": 0}).encode() + b"\n")
+    (_, small_peak), (done, huge_peak) = _report_in_a_child(small), _report_in_a_child(huge)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "note: 1 journal line(s) could not be read" in done.stdout and "finished" in done.stdout
+    assert huge_peak - small_peak < 16, (small_peak, huge_peak)  # MiB

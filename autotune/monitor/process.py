@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 
+from autotune.journal import open_for_append
 from autotune.monitor import host
 from autotune.monitor.board import Board, default_path
 from autotune.monitor.nvml import session as nvml_session
@@ -82,7 +83,7 @@ class SampleLog:
             return
         if self.path.exists() and self.path.stat().st_size > self.max_bytes // 2:
             self.path.replace(self.path.with_suffix(".1.jsonl"))
-        with open(self.path, "a", encoding="utf-8") as f:
+        with open_for_append(self.path) as f:
             f.writelines(lines)
 
 
