@@ -45,6 +45,7 @@ from autotune import checksums
 from autotune.batching import tensor_bytes
 from autotune.checksums import write_beside, write_manifest
 from autotune.finite import nonfinite
+from autotune.journal import last_run_id
 from autotune.memory import start_with_small_stack
 from autotune.notices import info, warn
 from autotune.preemption import Preempted
@@ -250,18 +251,26 @@ class Checkpoints:
                 checksums.beside(old).unlink(missing_ok=True)
 
     def load_latest(self, map_location: str | torch.device = "cpu", template: Callable[[], dict[str, Any]] | None = None,
-                    ranks: Any = None) -> tuple[dict[str, Any], Path] | None:
-        """The newest checkpoint that loads; a truncated or corrupt one is skipped with a warning.
+                    ranks: Any = None, run_id: str | None = None) -> tuple[dict[str, Any], Path] | None:
+        """The newest checkpoint that loads; a truncated or corrupt one is skipped with a warning,
+        and so is one of another run than `run_id` (the folder's, from its journal; None: any).
         A sharded one needs `template` and `ranks` (see `load`)."""
         for path in self.paths():
             if path.is_dir() and template is None:  # not skipped: the run would start afresh instead
                 raise ValueError(f"{path} {NOT_SHARDED}")
             try:
-                return self.load(path, map_location, template, ranks), path
+                state = self.load(path, map_location, template, ranks)
             except BaseException as exc:  # truncated, changed on disk, bad pickle, DCP's CheckpointException
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
                 warn(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {exc}); trying an older one")
+                continue
+            theirs = run_id_of(state)
+            if run_id is None or theirs is None or theirs == run_id:
+                return state, path
+            warn(f"checkpoint {path} is another run's: run {theirs}, where this folder's journal is run {run_id}'s "
+                 f"(copied in from another folder?); trying an older one. To continue run {theirs}, resume it from "
+                 "a folder of its own (resume=PATH into an empty run_dir)")
         return None
 
     @staticmethod
@@ -271,15 +280,20 @@ class Checkpoints:
         `template()`'s tensors (the state now, of the model sharded alike); rank 0 reads the rest
         and hands it to the others, so every rank goes on, or skips the checkpoint, alike."""
         if not path.is_dir():
-            checksums.verify(path)
-            return torch.load(path, map_location=map_location, weights_only=True)
+            summed = checksums.verify(path)
+            state = torch.load(path, map_location=map_location, weights_only=True)
+            if not summed:
+                checksums.unsummed(path, run_id_of(state))
+            return state
         if template is None or ranks is None:
             raise ValueError(f"{path} {NOT_SHARDED}")
         rest: dict[str, Any] | str | None = None
         if ranks.is_main:
             try:
-                checksums.verify(path)
+                summed = checksums.verify(path)
                 rest = read_rest(path)
+                if not summed:
+                    checksums.unsummed(path, run_id_of(rest))
             except Exception as exc:  # what went wrong, to every rank
                 rest = f"{path / REST} does not load ({type(exc).__name__}: {exc})"
         rest = ranks.broadcast_object(rest)
@@ -475,7 +489,7 @@ class Checkpointer:
             except Exception as exc:
                 raise ValueError(f"resume={str(path)!r} is not a checkpoint that loads: {type(exc).__name__}: {exc}") from None
         else:
-            found = self.store.load_latest(device, template, self.ranks)
+            found = self.store.load_latest(device, template, self.ranks, run_id=self._folder_run_id())
         self.store.adopted = not elsewhere  # this run's from here: pruned as its own
         unloadable = self.store.paths() if found is None else []
         if unloadable:
@@ -493,6 +507,11 @@ class Checkpointer:
              f"{progress.epoch}, {progress.position} samples into it")
         self.journal.write(Kind.RESUME, progress.step, progress.epoch, found=True, path=str(path),
                            position=progress.position, samples_seen=progress.samples_seen, run_id=run_id)
+
+    def _folder_run_id(self) -> str | None:
+        # The run this folder's journal says wrote it last (rank 0 reads it; every rank skips alike).
+        run_id = last_run_id(self.journal.path) if self.ranks.is_main and self.journal.path is not None else None
+        return self.ranks.broadcast_object(run_id) if self.ranks.world > 1 else run_id
 
     def refuse_another_run(self) -> None:
         """Before a run starts afresh here (`fit(resume=False)`): `AnotherRunsCheckpoints`, on every

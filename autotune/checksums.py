@@ -5,8 +5,12 @@ load, so a file that changed on disk since it was written (a flipped bit) is nev
                                 temporary) is renamed to `final`: a checkpoint in place has its sum
     write_manifest(folder)      a sharded checkpoint's files' digests into `folder/SHA256SUMS`,
                                 before the folder is renamed into place
-    verify(path)                `ChecksumMismatch` naming the file whose digest differs; a
-                                checkpoint without sums (an older autotune's) is read as it is
+    verify(path)                `ChecksumMismatch` naming the file whose digest differs, or a sum
+                                file that holds no digest; False where there is no sum file
+    unsummed(path, run_id)      for a checkpoint read without a sum: one that names a run (every
+                                autotune that writes run ids writes sums) is `ChecksumMismatch`
+                                (a copy that left its `.sha256` behind); an older autotune's is read
+                                with a word
 
 Owns the `.sha256` files and `SHA256SUMS`. Touches nothing else.
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+
+from autotune.notices import warn
 
 SUFFIX = ".sha256"
 MANIFEST = "SHA256SUMS"
@@ -59,22 +65,40 @@ def write_manifest(folder: Path) -> None:
     _write("".join(f"{digest(p)}  {p.name}\n" for p in files), folder / MANIFEST)
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
 def _read_sums(text: str) -> dict[str, str]:
     sums = {}
     for line in text.splitlines():
         value, _, name = line.partition("  ")
-        if name:
+        if name and len(value) == 64 and set(value) <= _HEX:
             sums[name] = value
     return sums
 
 
-def verify(path: Path) -> None:
+def verify(path: Path) -> bool:
     """Raise `ChecksumMismatch` naming the file of checkpoint `path` (a file, or a sharded folder)
-    whose digest is not the one written with it, or that is missing."""
+    whose digest is not the one written with it, that is missing, or (a folder) that its manifest
+    does not list; or naming a sum file that holds no digest. True once checked; False where there
+    is no sum file (see `unsummed`)."""
     sums_file = path / MANIFEST if path.is_dir() else beside(path)
     if not sums_file.exists():
-        return  # written before checksums (or by a process killed between the two renames)
-    sums = _read_sums(sums_file.read_text())
+        return False
+    try:
+        sums = _read_sums(sums_file.read_text(errors="replace"))
+    except OSError as exc:
+        raise ChecksumMismatch(f"{sums_file} cannot be read ({exc}): {path} is not checked, so not trusted") from None
+    if not sums:
+        raise ChecksumMismatch(f"{sums_file} holds no sha256 digest (emptied or damaged): {path} is not checked, so "
+                               "not trusted")
+    if path.is_dir():
+        unlisted = sorted(p.name for p in path.iterdir() if p.name != MANIFEST and p.name not in sums)
+        if unlisted:
+            raise ChecksumMismatch(f"{path / unlisted[0]} is not listed in {sums_file} (put there since the checkpoint "
+                                   "was written)")
+    elif len(sums) != 1:
+        raise ChecksumMismatch(f"{sums_file} holds {len(sums)} digests where a checkpoint file's has one")
     for name, expected in sums.items():
         file = path / name if path.is_dir() else path
         if not file.exists():
@@ -82,3 +106,17 @@ def verify(path: Path) -> None:
         if digest(file) != expected:
             raise ChecksumMismatch(f"{file} is not the file written there: its sha256 differs from the one in "
                                    f"{sums_file} (changed on disk since: a flipped bit, a partial copy)")
+    return True
+
+
+def unsummed(path: Path, run_id: str | None) -> None:
+    """For checkpoint `path`, read without a sum file: `ChecksumMismatch` where it names a run
+    (`run_id`; autotunes that write run ids write sums, so its sum was lost: a copy that left the
+    `.sha256` behind, or a deletion); an older autotune's is read as it is, said once."""
+    sums_file = path / MANIFEST if path.is_dir() else beside(path)
+    if run_id is not None:
+        raise ChecksumMismatch(
+            f"{path} has no {sums_file.name} beside it, though the autotune that wrote it (run {run_id}) writes one: "
+            f"it cannot be checked, so it is not trusted. If the file is intact (copied without its sum), copy "
+            f"{sums_file.name} with it")
+    warn(f"checkpoint {path} has no checksum (an older autotune's): read without a check", key=f"unsummed {path}")

@@ -148,6 +148,46 @@ def each_line(path: Path) -> Iterator[tuple[int, dict[str, Any] | ValueError]]:
                 f"a JSON {type(record).__name__}, not an object")
 
 
+def last_run_id(path: Path) -> str | None:
+    """The run id of a journal's newest `fit_start` or `resume` record that names one: the run that
+    wrote this folder last (None: no journal, or none names a run). Read from the end, a block at a
+    time, so a long run's journal costs no more than its last records."""
+    try:
+        f = _open_regular(Path(path))
+    except NotAFile:
+        return None
+    if f is None:
+        return None
+    with f:
+        end, carry = f.seek(0, os.SEEK_END), b""
+        while end > 0:
+            start = max(0, end - MAX_LINE_BYTES)
+            f.seek(start)
+            lines = (f.read(end - start) + carry).split(b"\n")
+            carry = lines.pop(0) if start > 0 else b""  # the first may begin in the block before
+            for line in reversed(lines):
+                run_id = _run_id_in(line)
+                if run_id is not None:
+                    return run_id
+            if len(carry) > MAX_LINE_BYTES:  # an overlong line: its other pieces are never a record
+                carry = b""
+            end = start
+    return None
+
+
+def _run_id_in(line: bytes) -> str | None:
+    if b'"run_id"' not in line:
+        return None
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except ValueError:
+        return None
+    if isinstance(record, dict) and record.get("kind") in (Kind.FIT_START, Kind.RESUME):
+        run_id = record.get("run_id")
+        return run_id if isinstance(run_id, str) else None
+    return None
+
+
 def read_lines(path: Path, strict: bool = False) -> tuple[list[dict[str, Any]], int]:
     """The records of a JSONL file (the journal, steps.jsonl, samples.jsonl) and how many of its
     lines could not be read (`each_line`). A line that cannot be read (a truncated last line, a

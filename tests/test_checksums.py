@@ -56,6 +56,77 @@ def test_a_flipped_bit_is_named_and_the_previous_checkpoint_resumed(tmp_path, ca
     assert again.tuner.step_count == 4  # step 2's run went on through the epoch
 
 
+@pytest.mark.parametrize("sum_file", ["missing", "empty"])
+def test_a_checkpoint_whose_sum_is_gone_is_not_trusted(tmp_path, capfd, sum_file):
+    # `cp checkpoints/*.pt` leaves the .sha256 behind; a sum emptied holds no digest. Either way the old code read
+    # the file unchecked: with one exponent bit flipped it resumed from a weight of ~5e34 with no word.
+    trainer = _trainer(tmp_path / "run")
+    trainer.fit(epochs=1)
+    trainer.close()
+    newest = tmp_path / "run" / "checkpoints" / "step-000000004.pt"
+    _flip_a_bit_of(newest, torch.load(newest, weights_only=True)["core"]["model"]["0.weight"])
+    if sum_file == "missing":
+        newest.with_name(newest.name + ".sha256").unlink()
+    else:
+        newest.with_name(newest.name + ".sha256").write_text("\n")
+    capfd.readouterr()
+    again = _trainer(tmp_path / "run")
+    again.fit(epochs=1, resume=True)
+    err = capfd.readouterr().err
+    again.close()
+    said = "has no step-000000004.pt.sha256 beside it" if sum_file == "missing" else "holds no sha256 digest"
+    assert said in err and "not trusted" in err, err
+    (resumed,) = [r for r in journal(tmp_path / "run") if r["kind"] == "resume"]
+    assert resumed["path"].endswith("step-000000002.pt")
+
+
+def test_an_older_autotunes_checkpoint_without_a_sum_is_read_with_a_word(tmp_path, capfd):
+    # No run id, no sum: written before either existed. Read as it is, and said.
+    checkpoints = Checkpoints(tmp_path)
+    path, _ = checkpoints.save({"step": 3}, 3)
+    path.with_name(path.name + ".sha256").unlink()
+    state, found = checkpoints.load_latest()
+    assert state["step"] == 3 and found == path
+    assert f"checkpoint {path} has no checksum (an older autotune's): read without a check" in capfd.readouterr().err
+
+
+def test_another_runs_checkpoint_copied_into_the_folder_is_named_and_passed_over(tmp_path, capfd):
+    # Run B's newest checkpoint (with its sum) copied into run A's folder: the old code resumed it, saying only
+    # "resuming run <B's id>". The folder's journal says whose run it is.
+    for name in ("a", "b"):
+        trainer = _trainer(tmp_path / name)
+        trainer.fit(epochs=2 if name == "b" else 1)  # b's newest is step 8, a's step 4
+        trainer.close()
+    a, b = tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints"
+    for file in ("step-000000008.pt", "step-000000008.pt.sha256"):
+        (a / file).write_bytes((b / file).read_bytes())
+    b_id = torch.load(b / "step-000000008.pt", weights_only=True)["run"]["id"]
+    capfd.readouterr()
+    again = _trainer(tmp_path / "a")
+    again.fit(epochs=1, resume=True)
+    err = capfd.readouterr().err
+    again.close()
+    assert f"checkpoint {a / 'step-000000008.pt'} is another run's: run {b_id}" in err, err
+    (resumed,) = [r for r in journal(tmp_path / "a") if r["kind"] == "resume"]
+    assert resumed["path"].endswith("step-000000004.pt") and resumed["run_id"] != b_id
+
+
+def test_the_folders_run_is_read_from_the_end_of_its_journal(tmp_path, monkeypatch):
+    # Blocks of 64 bytes, so a record spans two; an overlong line, a torn one and another kind's on the way.
+    import json
+
+    from autotune import journal as journal_module
+
+    monkeypatch.setattr(journal_module, "MAX_LINE_BYTES", 64)
+    path = tmp_path / "events.jsonl"
+    lines = [json.dumps({"kind": "fit_start", "run_id": "aaaaaaaaaaaa", "time": 1, "step": 0, "epoch": 0}),
+             json.dumps({"kind": "resume", "run_id": "bbbbbbbbbbbb", "step": 0}),
+             "x" * 300, '{"kind": "resume", "run_id": "cccc', json.dumps({"kind": "oom", "run_id": "dddddddddddd"})]
+    path.write_text("\n".join(lines) + "\n")
+    assert journal_module.last_run_id(path) == "bbbbbbbbbbbb"
+    assert journal_module.last_run_id(tmp_path / "none.jsonl") is None
+
+
 def test_no_checkpoint_that_loads_is_an_error_not_a_fresh_start(tmp_path):
     trainer = _trainer(tmp_path / "run")
     trainer.fit(epochs=1)

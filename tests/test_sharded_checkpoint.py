@@ -19,6 +19,8 @@ class ShardedSolo(Solo):
 
 
 class Journal:
+    path = None  # a journal that writes no file (a rank other than 0's)
+
     def __init__(self):
         self.records = []
 
