@@ -34,13 +34,14 @@ from autotune.arguments import TRAINER, with_arguments
 from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed
 from autotune.config import (OptimizerFactory, check_evaluation, check_run_limits, check_sample_layout,
                              resolve_device, resolve_micro_batch)
-from autotune.data.pipeline import InputPipeline
+from autotune.data.pipeline import InputPipeline, changed_input
 from autotune.distributed import from_environment
 from autotune.evaluation import EvaluationPlan, Evaluator, Metric
 from autotune.events import Event
 from autotune.host_face import Wiring
 from autotune.memory import gc_frozen, memory_text
 from autotune.monitor.host import room_bytes
+from autotune.notices import warn
 from autotune.oom import OutOfMemory
 from autotune.policy import Policy
 from autotune.preemption import StopRequests
@@ -316,7 +317,7 @@ class AutoTrainer:
         (checkpoint_format.py has the layout)."""
         state = self.tuner.state_dict()
         state["host"] = {"num_workers": self.knobs.num_workers, "evaluation": self.evaluator.state_dict(),
-                         "callbacks": self.callbacks.state_dict()}
+                         "callbacks": self.callbacks.state_dict(), "input": self.input.input()}
         # A caller's loader's position is this rank's, as the random states are: it travels with them.
         state["rng"]["loader"] = self.input.state_dict()
         return state
@@ -330,6 +331,7 @@ class AutoTrainer:
         elif saved_batch != self.knobs.batch_size:
             raise ValueError(f"the checkpoint was made with batch_size {saved_batch}, this trainer "
                              f"has {self.knobs.batch_size}: the position in the epoch would not line up")
+        self._check_input(state["host"].get("input", {}), state["progress"]["position"])
         self.tuner.load_state_dict(state)
         self.input.load_state_dict(checkpoint_format.rank_rng(state, self.ranks.rank, self.ranks.world).get("loader"))
         host = state["host"]
@@ -343,6 +345,19 @@ class AutoTrainer:
         if host.get("evaluation"):
             self.evaluator.load_state_dict(host["evaluation"])
         self.callbacks.load_state_dict(host.get("callbacks", {}))
+
+    def _check_input(self, saved: dict[str, Any], position: int) -> None:
+        # The order of an epoch is a function of the input: mid-epoch, another one would train some samples
+        # twice and others never (refused, before anything is loaded); at an epoch's end the next epoch is
+        # drawn from the new one (said).
+        changed = changed_input(saved, self.input.input())
+        if changed and position:
+            raise ValueError(f"the checkpoint stopped {position} samples into an epoch of another input "
+                             f"({'; '.join(changed)}): resuming it would train some of this epoch's samples twice "
+                             "and others never. Resume with the input it had, or start a new run in another run_dir")
+        if changed:
+            warn(f"resuming at an epoch's end with another input ({'; '.join(changed)}): the next epochs are drawn "
+                 "from this one")
 
     # ----------------------------------------------------------------------------- what a host lends its Tuner
     def checkpoint_now(self, reason: str, report_failure: bool = True, background: bool = False) -> Path | None:

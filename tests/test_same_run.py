@@ -154,3 +154,55 @@ def test_the_checkpoints_hyperparameters_win_and_the_changed_ones_are_listed(tmp
     assert "lr" not in err.split("differs (")[1].split(")")[0]  # the same lr is not listed
     assert "resuming run " in err and "step-000000002.pt: step 2" in err
     assert second.optimizer.param_groups[0]["weight_decay"] == 0.01  # the rule: the checkpoint's
+
+
+def _input_trainer(run_dir, samples=256, seed=0, shuffle=True, loader=False):
+    # A first layer's worth of model: what matters is which samples each batch holds.
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(samples, 8, generator=g), torch.randint(0, 2, (samples,), generator=g))
+    if loader:
+        data = torch.utils.data.DataLoader(data, batch_size=32, shuffle=shuffle,
+                                           generator=torch.Generator().manual_seed(seed))
+    return AutoTrainer(nn.Linear(8, 2), data, loss_fn=nn.functional.cross_entropy, batch_size=32, seed=seed,
+                       shuffle=shuffle, device="cpu", progress=False, monitor=False, checkpoint_interval=None,
+                       run_dir=run_dir)
+
+
+@pytest.mark.parametrize("loader", [False, True], ids=["autotunes-loader", "your-dataloader"])
+@pytest.mark.parametrize("change, said", [
+    ({"samples": 200}, "the dataset's length 256 in the checkpoint, 200 now"),
+    ({"samples": 320}, "the dataset's length 256 in the checkpoint, 320 now"),
+    ({"seed": 1}, "seed 0 in the checkpoint, 1 now"),
+    ({"shuffle": False}, "shuffle True in the checkpoint, False now"),
+], ids=["fewer-samples", "more-samples", "another-seed", "no-shuffle"])
+def test_a_resume_mid_epoch_on_another_input_is_refused_naming_both(tmp_path, loader, change, said):
+    # The old code resumed each silently: 37 (63) samples of the epoch trained twice and as many never with 200
+    # (320) samples, 57 with seed 1. Your own DataLoader's seed is its generator's state, which the checkpoint
+    # carries: there the sampler's kind tells a shuffle that changed.
+    if loader and "seed" in change:
+        pytest.skip("your DataLoader's order comes from the random states the checkpoint holds, not a seed")
+    if loader and "shuffle" in change:
+        said = "the sampler 'RandomSampler' in the checkpoint, 'SequentialSampler' now"
+    first = _input_trainer(tmp_path / "run", loader=loader)
+    first.fit(max_steps=3)  # 96 of the epoch's 256 samples
+    first.close()
+    before = _files(tmp_path / "run" / "checkpoints")
+    again = _input_trainer(tmp_path / "run", loader=loader, **change)
+    with pytest.raises(ValueError, match="stopped 96 samples into an epoch of another input") as refused:
+        again.fit(epochs=1, resume=True)
+    again.close()
+    assert said in str(refused.value)
+    assert _files(tmp_path / "run" / "checkpoints") == before
+
+
+def test_a_resume_at_an_epochs_end_takes_the_new_input_with_a_word(tmp_path, capfd):
+    first = _input_trainer(tmp_path / "run")
+    first.fit(epochs=1)  # 8 steps, the epoch done
+    first.close()
+    capfd.readouterr()
+    again = _input_trainer(tmp_path / "run", samples=320)
+    result = again.fit(epochs=2, resume=True)
+    again.close()
+    assert "resuming at an epoch's end with another input (the dataset's length 256 in the checkpoint, 320 now)" \
+        in capfd.readouterr().err
+    assert result.samples_seen == 256 + 320

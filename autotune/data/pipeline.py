@@ -27,7 +27,7 @@ from autotune.batching import map_tensors
 from autotune.data.cache import CachedDataset, NotCacheable, SampleCache, cache_budget, profile_input, split_for_caching
 from autotune.data.sampler import EpochSampler
 from autotune.data.tensors import batched_view, take_batch
-from autotune.data.user_loader import UserLoaderPosition
+from autotune.data.user_loader import UserLoaderPosition, input_of
 from autotune.detectors import InputDetector
 from autotune.distributed import Ranks, Solo
 from autotune.events import Event
@@ -38,6 +38,16 @@ from autotune.records import Kind
 from autotune.snapshot import InputProfile, InputState, StepTiming
 from autotune.stale import die_with_parent
 from autotune.units import format_bytes
+
+
+_INPUT_NAMES = {"length": "the dataset's length", "seed": "seed", "shuffle": "shuffle", "sampler": "the sampler"}
+
+
+def changed_input(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between a checkpoint's `InputPipeline.input()` and this run's, in words (a key
+    the checkpoint lacks, an older autotune's, is not compared)."""
+    return [f"{name} {saved[key]!r} in the checkpoint, {now[key]!r} now" for key, name in _INPUT_NAMES.items()
+            if key in saved and key in now and saved[key] != now[key]]
 
 
 def cpu_cores() -> int:
@@ -205,6 +215,15 @@ class InputPipeline:
     def _batch_indices(self, position: int) -> list[int]:
         # The dataset indices of the batch starting at sample `position` (the sampler is at its epoch).
         return self.sampler.order()[position:position + self._batch_size]
+
+    def input(self) -> dict[str, Any]:
+        """What the order of the samples is a function of, kept in every checkpoint (`changed_input`):
+        the dataset's length, and the seed, shuffle and sampler of the loader built here (of a
+        caller's loader: `user_loader.input_of`)."""
+        if not self.owned:
+            return input_of(self.loader)
+        return {"length": len(self.dataset), "seed": self.seed, "shuffle": self.sampler.shuffle,
+                "sampler": type(self.sampler).__name__}
 
     def state_dict(self) -> dict[str, Any]:
         """A caller's loader's position, for a checkpoint (per rank); {} for the loader built here,

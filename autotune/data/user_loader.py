@@ -52,16 +52,33 @@ def generators(loader: DataLoader) -> dict[str, torch.Generator]:
     return found
 
 
+def _sampler_of(loader: DataLoader) -> Any:
+    # What draws the order: the batch sampler's sampler, a batch sampler of the user's own, or the sampler.
+    if isinstance(loader.batch_sampler, BatchSampler) and loader.batch_sampler.sampler is not None:
+        return loader.batch_sampler.sampler
+    if loader.batch_sampler is not None and not isinstance(loader.batch_sampler, BatchSampler):
+        return loader.batch_sampler
+    return loader.sampler
+
+
+def input_of(loader: DataLoader) -> dict[str, Any]:
+    """What a caller's loader's order depends on that a checkpoint can hold and a resume compare:
+    its dataset's length (None: an IterableDataset's stream, which `why_not_exact` speaks of) and
+    its sampler's kind. Its seed is not asked: the random states it draws from travel in the
+    checkpoint (`UserLoaderPosition`)."""
+    try:
+        length: int | None = len(loader.dataset)
+    except TypeError:
+        length = None
+    return {"length": length, "sampler": type(_sampler_of(loader)).__name__}
+
+
 def why_not_exact(loader: DataLoader) -> str | None:
     """Why a replay of `loader` may not give the same samples (None: it will)."""
     if isinstance(loader.dataset, IterableDataset):
         return (f"its dataset is an IterableDataset ({type(loader.dataset).__name__}): the replay is exact only if "
                 "its stream is a function of torch's, numpy's and Python's random states")
-    sampler = loader.sampler
-    if isinstance(loader.batch_sampler, BatchSampler) and loader.batch_sampler.sampler is not None:
-        sampler = loader.batch_sampler.sampler
-    elif loader.batch_sampler is not None and not isinstance(loader.batch_sampler, BatchSampler):
-        sampler = loader.batch_sampler
+    sampler = _sampler_of(loader)
     if not isinstance(sampler, KNOWN_SAMPLERS):
         return (f"its sampler is a {type(sampler).__name__}: the replay is exact only if its order is a function of "
                 "torch's, numpy's and Python's random states or its `generator`")
