@@ -148,6 +148,39 @@ def test_state_not_shaped_like_its_parameter_is_cut_where_it_follows_it():
     assert torch.isfinite(torch.tensor(train_step(model, optimizer, x)))  # on the old code: a shape error
 
 
+class FlatMomentum(torch.optim.Optimizer):
+    """A momentum kept flat (as LBFGS keeps its history): its state follows no dimension of the parameter."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    flat = self.state[p].setdefault("flat", torch.zeros(p.numel()))
+                    p.sub_(group["lr"] * flat.mul_(0.9).add_(p.grad.flatten()).view_as(p))
+
+
+def test_state_that_cannot_be_cut_starts_fresh_with_a_word(tmp_path, capfd):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    optimizer = FlatMomentum(model.parameters())
+    batch = (torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    with Tuner(model, optimizer, loss_fn=nn.functional.cross_entropy, device="cpu", run_dir=tmp_path / "run",
+               monitor=False) as tuner:
+        tuner.step(batch)
+        uncut = optimizer.state[model[2].bias]["flat"].clone()
+        assert tuner.carry_out(PruneChannels(ratio=0.25))
+        # A bias's flat state is shaped like it, and cut; the matrices' start afresh; the uncut bias keeps its own.
+        assert set(optimizer.state) == {model[0].bias, model[2].bias}
+        assert torch.equal(optimizer.state[model[2].bias]["flat"], uncut)
+        assert "2 pruned parameter(s) start with fresh optimizer state: FlatMomentum's state is not shaped like " \
+               "its parameter ((32, 8): flat; (3, 32): flat)" in capfd.readouterr().err
+        assert torch.isfinite(tuner.step(batch))  # on the old code: the old flat state, a shape error here
+
+
 PEAK = """
 import torch, torchvision
 from torch import nn
