@@ -66,7 +66,7 @@ class CheckpointActivations:
 @dataclasses.dataclass(frozen=True)
 class PruneChannels:
     """Remove `ratio` of the channels of every prunable layer but the output layers (Torch-Pruning);
-    the optimizer is rebuilt with its state for the kept channels. A checkpoint is written first."""
+    the same optimizer keeps its state for the kept channels. A checkpoint is written first."""
 
     ratio: float
     reason: str = ""

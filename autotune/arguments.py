@@ -105,7 +105,7 @@ TRAINER = """        model: the `nn.Module` to train; moved to `device`.
 
 TUNER = """        model: the `nn.Module` to train; moved to `device` (wrapped in DDP under torchrun).
         optimizer: an optimizer over the model's parameters, or a factory `params -> Optimizer`;
-            default AdamW(lr=1e-3). Pruning (a relief) rebuilds it: use `tuner.optimizer`.
+            default AdamW(lr=1e-3). Pruning (a relief) keeps it, remapped in place.
         loss_fn: the default for `step`: `loss_fn(outputs, targets)` on `(inputs, targets)` batches.
         step_fn: or the default for `step`: `step_fn(model, micro_batch) -> loss | (loss, n_items)`.
         scheduler: an LR scheduler over the optimizer (or a factory), stepped after each

@@ -196,7 +196,7 @@ class OptimizerStep:
         return self.ranks.job.finite_everywhere(ok, self.device)
 
     def _stepped_parameters(self) -> tuple[tuple[nn.Parameter, ...], bool]:
-        # The optimizer's parameters, walked again only when it changed (pruning rebuilds it; a
+        # The optimizer's parameters, walked again only when they changed (pruning: `forget_parameters`; a
         # group may be added), and whether all are plain tensors (sharded ones are DTensors).
         optimizer = self.optimizer
         cached = self._stepped
@@ -252,7 +252,7 @@ class OptimizerStep:
             p.grad = None
 
     def forget_parameters(self) -> None:
-        """A relief replaced the model's parameters (pruning rebuilds the optimizer): walked again."""
+        """A relief replaced the model's parameters (pruning remaps the optimizer's): walked again."""
         self._stepped = None
 
     def state_dict(self) -> dict[str, Any]:

@@ -171,7 +171,7 @@ def reliefs_checked(state: dict[str, Any], restore_reliefs: Callable[[], None],
     """`check_resumable` around `restore_reliefs()`: before it (nothing is changed by a refusal),
     or after it where the checkpoint has reliefs (they change the model's names and shapes); the
     hyperparameters the checkpoint changes said (`say_changed`). `now()`: the model's weights as
-    checkpoints save them, and the optimizer (pruning rebuilds it)."""
+    checkpoints save them, and the optimizer (pruning remaps it in place)."""
     if state["tuning"]["reliefs"]["applied"]:
         restore_reliefs()
         say_changed(check_resumable(state, *now()))

@@ -138,7 +138,7 @@ class AutoTrainer:
 
     step, epoch, position, batches_done, ooms, samples_seen = map(
         _counter, ("step", "epoch", "position", "batches_done", "ooms", "samples_seen"))
-    optimizer = property(lambda self: self.tuner.stepper.optimizer, doc="the optimizer (rebuilt when pruning)")
+    optimizer = property(lambda self: self.tuner.stepper.optimizer, doc="the optimizer (yours: pruning remaps it in place)")
     scheduler = property(lambda self: self.tuner.stepper.scheduler, doc="the LR scheduler, or None")
     reliefs = property(lambda self: self.tuner.reliefs, doc="memory reliefs applied, in order")
     monitor = property(lambda self: self.tuner.monitor_process, doc="the monitor process, while one runs")

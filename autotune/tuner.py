@@ -164,7 +164,7 @@ class Tuner:
     ooms = property(lambda self: self.counters.ooms, doc="out-of-memory errors survived")
     samples_seen = property(lambda self: self.counters.samples_seen, doc="samples in completed optimizer steps")
     micro_batch_size = property(lambda self: self.knobs.micro_batch_size, doc="samples per forward/backward now")
-    optimizer = property(lambda self: self.stepper.optimizer, doc="the optimizer (rebuilt when pruning)")
+    optimizer = property(lambda self: self.stepper.optimizer, doc="the optimizer (yours: pruning remaps it in place)")
     scheduler = property(lambda self: self.stepper.scheduler, doc="the LR scheduler, or None")
     reliefs = property(lambda self: self.ladder.applied, doc="memory reliefs applied, in order")
     monitor_process = property(lambda self: self.monitor_link.process, doc="the monitor process, while one runs")

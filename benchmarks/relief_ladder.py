@@ -84,7 +84,7 @@ def worker(spec: dict) -> dict:
     from autotune.demand import StepPeak
     from autotune.relief.autocast import autocast_plan
     from autotune.relief.checkpointing import checkpoint_blocks
-    from autotune.relief.pruning import prune_channels, rebuild_optimizer, tensor_bytes
+    from autotune.relief.pruning import prune_channels, remap_optimizer, tensor_bytes
 
     fix_mmap_threshold()
     torch.manual_seed(0)
@@ -119,7 +119,7 @@ def worker(spec: dict) -> dict:
     if spec["task"] == "accuracy":
         for i in range(spec["steps"]):
             if spec["prune"] and i == spec["steps"] // 2:
-                optimizer = rebuild_optimizer(optimizer, prune_channels(model, make_batch(2, g)[0], 0.3))
+                remap_optimizer(optimizer, prune_channels(model, make_batch(2, g)[0], 0.3)).apply()
             step(*make_batch(batch, g))
         return {"accuracy": accuracy(), "parameters": sum(p.numel() for p in model.parameters())}
 
@@ -131,9 +131,9 @@ def worker(spec: dict) -> dict:
     if RUNGS.index(rung) >= 2:
         checkpoint_blocks(model)
     if RUNGS.index(rung) >= 3:
-        optimizer = rebuild_optimizer(optimizer, prune_channels(model, x[:2], 0.1))
+        remap_optimizer(optimizer, prune_channels(model, x[:2], 0.1)).apply()
     if RUNGS.index(rung) >= 4:
-        optimizer = rebuild_optimizer(optimizer, prune_channels(model, x[:2], 1 - 0.7 / 0.9))  # 30% in all
+        remap_optimizer(optimizer, prune_channels(model, x[:2], 1 - 0.7 / 0.9)).apply()  # 30% in all
     step(x, y)
     step(x, y)  # warm: kernels paged in
     peak = StepPeak(torch.device("cpu"))

@@ -187,7 +187,7 @@ def train_tuned(model, optimizer, data, streams, cfg: Config, run_dir: str = "ru
     with tuner:
         for iter_num in range(cfg.max_iters):
             lr = get_lr(iter_num, cfg)
-            for param_group in tuner.optimizer.param_groups:                     # autotune (pruning rebuilds it)
+            for param_group in optimizer.param_groups:
                 param_group["lr"] = lr
             if iter_num % cfg.eval_interval == 0:
                 cfg.seen.setdefault("estimates", []).append(estimate_loss())

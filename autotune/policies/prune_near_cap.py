@@ -5,9 +5,9 @@ under the cap for `persist_steps` steps (see autotune/relief/trigger.py); after 
 rungs in the preset have been applied (one relief per trigger, in preset order).
 What: `PruneChannels(step_ratio)`: Torch-Pruning removes `step_ratio` of the channels of
 every Linear/Conv layer but the output layers (outputs keep their shape), by L2 magnitude.
-Parameters, gradients, optimizer state and activations all shrink; the optimizer is
-rebuilt with the state of the kept channels, the LR scheduler re-bound, and a checkpoint
-written before. Again on the next trigger, until `max_ratio` of the channels are gone.
+Parameters, gradients, optimizer state and activations all shrink; the same optimizer
+object keeps the state of the kept channels (remapped in place: a scheduler on it keeps
+working), and a checkpoint is written before. Again on the next trigger, until `max_ratio` of the channels are gone.
 The pruning is first tried on a memory-free (meta) copy: if it would break the model (e.g.
 a residual stream that starts at the raw input), or if pruning itself runs out of memory,
 the model is left as it was and this policy asks no more.

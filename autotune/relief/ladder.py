@@ -7,8 +7,8 @@ safe point (between attempts: after a batch, or after an OOM at the smallest mic
 Owns: the reliefs applied so far and their order, the model's captured example inputs (for
 tracing it when pruning), the pruning history (to prune a fresh model the same way on
 resume), the effect watch. May touch: the model's structure and forward, the step core's
-precision, the optimizer step's optimizer and scheduler (pruning rebuilds them), the DDP
-wrapper (re-wrapped).
+precision, the optimizer's param groups and state (pruning remaps them in place: the object stays
+the user's, and so does what holds it), the DDP wrapper (re-wrapped).
 
 A relief that itself runs out of memory (Torch-Pruning's importance estimate allocates, say)
 leaves the model as it was: pruning replaces parameters and edits layer attributes, so the
@@ -32,8 +32,8 @@ from autotune.oom import is_oom, oom_message
 from autotune.optimizer_step import OptimizerStep
 from autotune.records import Kind
 from autotune.relief.checkpointing import checkpoint_blocks
-from autotune.relief.pruning import (UnsafePruning, adopt_unrecorded, prune_channels, rebind_scheduler,
-                                     rebuild_optimizer, replay_pruning)
+from autotune.relief.pruning import (OptimizerRemap, UnsafePruning, adopt_unrecorded, prune_channels, remap_optimizer,
+                                     replay_pruning)
 from autotune.run import Run
 from autotune.step import StepCore, to_device
 
@@ -176,22 +176,30 @@ class ReliefLadder:
             # Traced with the model's own captured inputs, called as the training step called it.
             example = to_device(self._inputs.example, self.core.device)
             result = prune_channels(self.model, example, ratio, forward_fn=_call_with)
-            optimizer = rebuild_optimizer(self.stepper.optimizer, result)
+            remap = remap_optimizer(self.stepper.optimizer, result)  # the cut state: it may run out of memory
         except BaseException:
             _put_back(structure)  # half-pruned layers back to what they were; the optimizer was not touched
             raise
         del structure
         self._history.append({"example": map_tensors(torch.clone, example), "history": result.history})
-        self.stepper.optimizer = optimizer
-        adopted = adopt_unrecorded(optimizer, self.model)
-        if adopted:
-            warn(f"{adopted} pruned parameter(s) start with fresh optimizer state (not carried over)")
-        rebind_scheduler(self.stepper.scheduler, optimizer)
+        self._remap(remap)
         self.ranks.wrap(self.model, self.core.device)  # new parameters: a new DDP wrapper and gradient buffer
         self.pruned_fraction = 1 - (1 - self.pruned_fraction) * (1 - result.removed_fraction)
         return {"channel_ratio": ratio, "parameters_before": result.parameters_before,
                 "parameters_after": result.parameters_after, "kept_whole": result.ignored,
                 "parameters_removed_in_all": round(self.pruned_fraction, 4)}
+
+    def _remap(self, remap: OptimizerRemap) -> None:
+        """The pruned parameters into the same optimizer object (`OptimizerRemap.apply`), and said
+        where some start with fresh state."""
+        remap.apply()
+        adopted = adopt_unrecorded(self.stepper.optimizer, self.model)
+        if adopted:
+            warn(f"{adopted} pruned parameter(s) start with fresh optimizer state (not carried over)")
+        if remap.fresh:
+            warn(f"{len(remap.fresh)} pruned parameter(s) start with fresh optimizer state: "
+                 f"{type(self.stepper.optimizer).__name__}'s state is not shaped like its parameter "
+                 f"({'; '.join(remap.fresh[:3])}{', ...' if len(remap.fresh) > 3 else ''})")
 
     def effect(self, demand: float | None, step: int, epoch: int) -> None:
         """A few steps after a relief, journal what the steps demand now."""
@@ -229,8 +237,7 @@ class ReliefLadder:
                 example = to_device(entry["example"], self.core.device)
                 result = replay_pruning(self.model, example, entry["history"], forward_fn=_call_with)
                 self.ranks.wrap(self.model, self.core.device)
-                self.stepper.optimizer = rebuild_optimizer(self.stepper.optimizer, result)  # its state is loaded after
-                rebind_scheduler(self.stepper.scheduler, self.stepper.optimizer)
+                self._remap(remap_optimizer(self.stepper.optimizer, result))  # its state is loaded after
                 self._history.append(entry)
             self.applied.append(kind)
         self.pruned_fraction = saved["pruned_fraction"]

@@ -1,5 +1,5 @@
 """Structured pruning that really frees memory: whole channels removed with Torch-Pruning, the
-optimizer rebuilt around the smaller parameters with its state carried over.
+same optimizer object remapped onto the smaller parameters with its state carried over.
 
 Why not `torch.nn.utils.prune`: it keeps `weight_orig` and a mask and recomputes the weight
 every forward, so a step needs *more* memory after it. Removing channels shrinks the
@@ -11,8 +11,12 @@ while it prunes, to learn for each new parameter which old one it came from and 
 indices it kept along which dimension; the optimizer state (momentum, Adam moments) is cut
 the same way, so the kept channels continue exactly where they were.
 
+The optimizer is never replaced: its groups' `params` lists and its `state` are remapped in
+place, so an LR scheduler, a GradScaler or a script that holds it goes on steering the
+parameters that train.
+
 Owns: the pruning and its replay. Touches: the model's parameters (replaced by smaller ones), the
-optimizer (rebuilt, its state carried over), the scheduler (rebound).
+optimizer's param groups and state (remapped in place).
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -203,32 +206,76 @@ def _cut(tensor: torch.Tensor, cuts: list[tuple[int, list[int]]]) -> torch.Tenso
     return tensor.contiguous()
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, result: PruneResult) -> torch.optim.Optimizer:
-    """A new optimizer of the same class and settings over the pruned parameters, each
-    parameter's state (momentum, Adam moments, step) cut to the kept channels."""
+_UNCUTTABLE = object()  # a state tensor whose dimensions do not follow the parameter's
+
+
+def _cut_state(value: Any, shape: torch.Size, cuts: list[tuple[int, list[int]]]) -> Any:
+    """One state entry cut as its parameter was: a tensor shaped like the parameter (momentum, Adam's
+    moments), or like it with some dimensions reduced to 1 (Adafactor's row and column factors), along
+    each cut dimension it has in full; a scalar (step) or a non-tensor as it is; anything else
+    `_UNCUTTABLE`."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if value.dim() != len(shape) or any(n not in (size, 1) for n, size in zip(value.shape, shape)):
+        return _UNCUTTABLE
+    sizes = list(shape)  # the parameter's, as each cut leaves it
+    for dim, keep in cuts:
+        if value.shape[dim] == sizes[dim]:  # a dimension reduced to 1 stays as it is
+            value = torch.index_select(value, dim, torch.tensor(keep, device=value.device))
+        sizes[dim] = len(keep)
+    return value.contiguous()
+
+
+@dataclasses.dataclass
+class OptimizerRemap:
+    """What pruning makes of an optimizer, computed and not yet put in: each group's parameters
+    (the pruned ones in the place of those they replace, same order) and their state cut to the
+    kept channels. `apply` puts it into the same optimizer object, allocating nothing, so a failure
+    before it leaves the optimizer as it was and nothing after it can fail half-way."""
+
+    optimizer: torch.optim.Optimizer
+    params: list[list[nn.Parameter]]  # per group
+    state: dict[nn.Parameter, dict[str, Any]]  # new parameter -> its cut state
+    replaced: list[nn.Parameter]  # the old parameters whose state goes
+    fresh: list[str]  # "shape: key" of each parameter whose state could not be cut (it starts fresh)
+
+    def apply(self) -> None:
+        """Remap in place: the groups' own `params` lists and the optimizer's own `state`, so that
+        whatever holds the optimizer (an LR scheduler, a GradScaler, the user's script) or a group
+        (LBFGS keeps its group's list) sees the pruned parameters."""
+        for group, params in zip(self.optimizer.param_groups, self.params):
+            group["params"][:] = params
+        state = self.optimizer.state
+        for old in self.replaced:
+            state.pop(old, None)  # the old channels' state: the memory pruning frees
+        state.update(self.state)
+
+
+def remap_optimizer(optimizer: torch.optim.Optimizer, result: PruneResult) -> OptimizerRemap:
+    """The same optimizer over the pruned parameters (see `OptimizerRemap`), each replaced
+    parameter's state (momentum, Adam moments, step) cut to the kept channels. Allocates the cut
+    state (it may run out of memory); touches nothing until `apply`."""
     new_of = {key: new for key, (_, new, _) in result.replaced.items()}
     cuts_of = {key: cuts for key, (_, _, cuts) in result.replaced.items()}
-    groups = []
+    params = [[new_of.get(id(p), p) for p in group["params"]] for group in optimizer.param_groups]
+    state: dict[nn.Parameter, dict[str, Any]] = {}
+    replaced: list[nn.Parameter] = []
+    fresh: list[str] = []
     for group in optimizer.param_groups:
-        settings = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**settings, "params": [new_of.get(id(p), p) for p in group["params"]]})
-    # Only the settings its constructor takes (defaults also hold derived keys); each group
-    # carries all of its own settings anyway.
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    rebuilt = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-    rebuilt.defaults = dict(optimizer.defaults)
-    for group, new_group in zip(optimizer.param_groups, rebuilt.param_groups):
-        for old, new in zip(group["params"], new_group["params"]):
-            state = optimizer.state.get(old)
-            if not state:
+        for old in group["params"]:
+            if id(old) not in new_of:
                 continue
-            cuts = cuts_of.get(id(old), [])
-            rebuilt.state[new] = {
-                key: _cut(value, cuts) if isinstance(value, torch.Tensor) and value.shape == old.shape and cuts
-                else value
-                for key, value in state.items()
-            }
-    return rebuilt
+            replaced.append(old)
+            entries = optimizer.state.get(old)
+            if not entries:
+                continue
+            cut = {key: _cut_state(value, old.shape, cuts_of[id(old)]) for key, value in entries.items()}
+            uncuttable = [key for key, value in cut.items() if value is _UNCUTTABLE]
+            if uncuttable:  # half a state would be worse than none: the optimizer starts it afresh
+                fresh.append(f"{tuple(old.shape)}: {', '.join(uncuttable)}")
+            else:
+                state[new_of[id(old)]] = cut
+    return OptimizerRemap(optimizer, params, state, replaced, fresh)
 
 
 def adopt_unrecorded(optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
@@ -238,19 +285,10 @@ def adopt_unrecorded(optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
     live = {id(p) for p in model.parameters()}
     held = set()
     for group in optimizer.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) in live]
+        for gone in [p for p in group["params"] if id(p) not in live]:
+            optimizer.state.pop(gone, None)
+        group["params"][:] = [p for p in group["params"] if id(p) in live]
         held.update(id(p) for p in group["params"])
     missing = [p for p in model.parameters() if id(p) not in held]
     optimizer.param_groups[0]["params"].extend(missing)
     return len(missing)
-
-
-def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Point an LR scheduler (and those it chains) at the rebuilt optimizer; the param groups
-    keep their order, so its per-group state still lines up."""
-    if scheduler is None:
-        return
-    if hasattr(scheduler, "optimizer"):
-        scheduler.optimizer = optimizer
-    for inner in getattr(scheduler, "_schedulers", []):  # SequentialLR, ChainedScheduler
-        rebind_scheduler(inner, optimizer)

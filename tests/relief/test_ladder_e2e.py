@@ -84,18 +84,25 @@ def test_a_pruned_run_resumes_from_its_checkpoint_into_a_fresh_model(tmp_path):
     from autotune import AutoTrainer
     from autotune.actions import CheckpointActivations, PruneChannels
 
+    built = []  # every optimizer the factory made: the trainer must keep training that one
+
+    def factory(params):
+        built.append(torch.optim.AdamW(params, lr=1e-3))
+        return built[-1]
+
     def build():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
         data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
         return AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_size=8, device="cpu",
-                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), progress=False, monitor=False,
+                           optimizer=factory, progress=False, monitor=False,
                            checkpoint_interval=None, run_dir=tmp_path / "run", policies=[])
 
     first = build()
     first.fit(max_steps=2)
     for relief in (CheckpointActivations(), PruneChannels(ratio=0.25)):  # as the ladder would
         assert first.tuner.carry_out(relief)
+    assert first.optimizer is built[0]  # pruning remapped the factory's optimizer: it did not make another
     first.fit(max_steps=4)  # trains pruned, ends with a checkpoint
     shapes = [tuple(p.shape) for p in first.model.parameters()]
     assert shapes[0] == (24, 8)
@@ -104,5 +111,6 @@ def test_a_pruned_run_resumes_from_its_checkpoint_into_a_fresh_model(tmp_path):
     resumed.fit(max_steps=6, resume=True)
     assert [tuple(p.shape) for p in resumed.model.parameters()] == shapes
     assert resumed.reliefs == ["checkpointing", "pruning"] and resumed.step == 6
+    assert resumed.optimizer is built[1]  # the replayed pruning remapped the fresh trainer's own optimizer
     state = resumed.optimizer.state[next(iter(resumed.model.parameters()))]
     assert state["exp_avg"].shape == (24, 8)  # the carried Adam state was restored, pruned shape and all

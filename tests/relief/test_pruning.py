@@ -1,5 +1,6 @@
 """Channel pruning frees memory for real: parameters, optimizer state and the step peak shrink;
-outputs keep their shape; the optimizer state of the kept channels carries over exactly."""
+outputs keep their shape; the optimizer stays the user's object, and the state of the kept channels
+carries over exactly, so a scheduler the user steps keeps steering the parameters that train."""
 
 import concurrent.futures
 
@@ -8,7 +9,9 @@ import torch
 import torchvision
 from torch import nn
 
-from autotune.relief.pruning import _cut, prune_channels, rebind_scheduler, rebuild_optimizer, tensor_bytes
+from autotune.actions import PruneChannels
+from autotune.relief.pruning import _cut, prune_channels, remap_optimizer, tensor_bytes
+from autotune.tuner import Tuner
 from tests.conftest import run_python
 
 
@@ -51,13 +54,17 @@ def test_pruning_shrinks_parameters_and_carries_the_optimizer_state(build, optim
                  for p in model.parameters()}
 
     result = prune_channels(model, x, 0.25)
-    optimizer = rebuild_optimizer(optimizer, result)
+    held = optimizer
+    remap_optimizer(optimizer, result).apply()
+
+    assert optimizer is held
 
     assert model(x).shape == shape  # the output layer was left whole
     assert result.ignored and 0.3 < result.removed_fraction < 0.5  # 25% of channels in and out: ~44% of weights
     assert tensor_bytes(list(model.parameters())) < 0.7 * params_before
     assert tensor_bytes(list(optimizer.state.values())) < 0.7 * state_before
     assert set(map(id, model.parameters())) == {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert set(map(id, optimizer.state)) <= set(map(id, model.parameters()))  # no old entry holds its memory
     for key, (old, new, cuts) in result.replaced.items():
         assert torch.equal(_cut(old_values[key], cuts), new.detach())  # kept weights are the old ones
         for name, value in old_state[key].items():
@@ -70,18 +77,108 @@ def test_pruning_shrinks_parameters_and_carries_the_optimizer_state(build, optim
         assert torch.isfinite(torch.tensor(train_step(model, optimizer, x)))
 
 
-def test_the_scheduler_follows_the_rebuilt_optimizer():
+def kept_rows(old: torch.Tensor, new: torch.Tensor) -> list[int]:
+    """Which of `old`'s rows `new`'s are, found by value (each row of a random init is unique)."""
+    return [next(i for i, row in enumerate(old) if torch.equal(row, kept)) for kept in new]
+
+
+@pytest.mark.parametrize("schedule", [
+    lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.0),
+    lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0 if n < 3 else 0.0),
+], ids=["StepLR", "LambdaLR"])
+def test_a_scheduler_the_user_steps_steers_the_pruned_parameters_through_the_same_optimizer(tmp_path, schedule):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = schedule(optimizer)  # the user's: stepped by the user, as torchvision's reference does per epoch
+    batch = (torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    with Tuner(model, optimizer, loss_fn=nn.functional.cross_entropy, device="cpu", run_dir=tmp_path / "run",
+               monitor=False) as tuner:
+        for _ in range(2):
+            tuner.step(batch)
+            scheduler.step()
+        first, last = model[0], model[2]
+        weight, bias, momentum = (first.weight.detach().clone(), first.bias.detach().clone(),
+                                  {name: optimizer.state[p]["momentum_buffer"].clone()
+                                   for name, p in model.named_parameters()})
+        assert tuner.carry_out(PruneChannels(ratio=0.25))
+
+        assert tuner.optimizer is optimizer  # on the old code: a new optimizer the scheduler knew nothing of
+        assert first.weight.shape == (24, 8) and last.weight.shape == (3, 24)
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        assert [id(p) for p in held] == [id(p) for p in model.parameters()]  # the trained ones, in order
+        rows = kept_rows(weight, first.weight.detach())
+        assert torch.equal(first.bias.detach(), bias[rows])
+        state = {name: optimizer.state[p]["momentum_buffer"] for name, p in model.named_parameters()}
+        assert torch.equal(state["0.weight"], momentum["0.weight"][rows])  # the kept channels' momentum, sliced
+        assert torch.equal(state["0.bias"], momentum["0.bias"][rows])
+        assert torch.equal(state["2.weight"], momentum["2.weight"][:, rows])
+        assert torch.equal(state["2.bias"], momentum["2.bias"])  # an uncut parameter's, as it was
+        assert len(optimizer.state) == 4  # the old parameters' state is gone with them
+
+        before = first.weight.detach().clone()
+        tuner.step(batch)  # the schedule's third step: lr 0.1 still
+        assert not torch.equal(first.weight.detach(), before)
+        scheduler.step()  # from here the schedule sets lr 0
+        assert [group["lr"] for group in tuner.optimizer.param_groups] == [0.0]
+        weights = [p.detach().clone() for p in model.parameters()]
+        tuner.step(batch)  # lr 0: SGD moves nothing, momentum or not
+        assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights))
+
+
+def test_state_not_shaped_like_its_parameter_is_cut_where_it_follows_it():
+    # Adafactor keeps a row and a column factor per matrix (dimensions reduced to 1): each is cut
+    # along the dimension it has in full, so the step after pruning runs on the kept channels' factors.
+    torch.manual_seed(0)
     model, x = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=1e-2)
     train_step(model, optimizer, x)
-    scheduler.step()
-    optimizer = rebuild_optimizer(optimizer, prune_channels(model, x, 0.25))
-    rebind_scheduler(scheduler, optimizer)
-    assert optimizer.param_groups[0]["lr"] == 0.05  # the group's settings carried over
-    train_step(model, optimizer, x)
-    scheduler.step()
-    assert optimizer.param_groups[0]["lr"] == 0.025
+    old = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()}
+    result = prune_channels(model, x, 0.25)
+    remap_optimizer(optimizer, result).apply()
+    for key, (old_param, new, cuts) in result.replaced.items():
+        state, kept = optimizer.state[new], dict(cuts)  # a dimension is cut once: its kept indices
+        if new.dim() == 2:
+            rows, cols = kept.get(0, range(old_param.shape[0])), kept.get(1, range(old_param.shape[1]))
+            assert torch.equal(state["row_var"], old[key]["row_var"][list(rows)])  # (out, 1): cut by rows
+            assert torch.equal(state["col_var"], old[key]["col_var"][:, list(cols)])  # (1, in): by columns
+        else:
+            assert torch.equal(state["variance"], old[key]["variance"][kept[0]])
+        assert torch.equal(state["step"], old[key]["step"])
+    assert torch.isfinite(torch.tensor(train_step(model, optimizer, x)))  # on the old code: a shape error
+
+
+class FlatMomentum(torch.optim.Optimizer):
+    """A momentum kept flat (as LBFGS keeps its history): its state follows no dimension of the parameter."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    flat = self.state[p].setdefault("flat", torch.zeros(p.numel()))
+                    p.sub_(group["lr"] * flat.mul_(0.9).add_(p.grad.flatten()).view_as(p))
+
+
+def test_state_that_cannot_be_cut_starts_fresh_with_a_word(tmp_path, capfd):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    optimizer = FlatMomentum(model.parameters())
+    batch = (torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    with Tuner(model, optimizer, loss_fn=nn.functional.cross_entropy, device="cpu", run_dir=tmp_path / "run",
+               monitor=False) as tuner:
+        tuner.step(batch)
+        uncut = optimizer.state[model[2].bias]["flat"].clone()
+        assert tuner.carry_out(PruneChannels(ratio=0.25))
+        # A bias's flat state is shaped like it, and cut; the matrices' start afresh; the uncut bias keeps its own.
+        assert set(optimizer.state) == {model[0].bias, model[2].bias}
+        assert torch.equal(optimizer.state[model[2].bias]["flat"], uncut)
+        assert "2 pruned parameter(s) start with fresh optimizer state: FlatMomentum's state is not shaped like " \
+               "its parameter ((32, 8): flat; (3, 32): flat)" in capfd.readouterr().err
+        assert torch.isfinite(tuner.step(batch))  # on the old code: the old flat state, a shape error here
 
 
 PEAK = """
@@ -89,7 +186,7 @@ import torch, torchvision
 from torch import nn
 from autotune.limits import fix_mmap_threshold
 from autotune.demand import StepPeak
-from autotune.relief.pruning import prune_channels, rebuild_optimizer
+from autotune.relief.pruning import prune_channels, remap_optimizer
 fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
 torch.set_num_threads(1)
 torch.backends.mkldnn.enabled = False  # its scratchpad, sized for the largest conv seen, outlives the pruning
@@ -112,7 +209,7 @@ def measure():
     return peak.peak() - before_step
 
 before = measure()
-optimizer = rebuild_optimizer(optimizer, prune_channels(model, x, 0.5))
+remap_optimizer(optimizer, prune_channels(model, x, 0.5)).apply()
 """
 
 
