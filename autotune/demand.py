@@ -13,6 +13,7 @@ import dataclasses
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -42,6 +43,12 @@ class StepPeak:
         self._clear: Any = None
         self._status: Any = None
         self.available = device.type == "cuda" or self._open_host()
+        # Closed by `close()`, or when this object goes (a Tuner never closed): never left to the GC's warning.
+        self._finalizer = weakref.finalize(self, _close_files, self._clear, self._status)
+
+    def close(self) -> None:
+        """Close the /proc files (idempotent); the CPU figures are not available after."""
+        self._finalizer()
 
     def _open_host(self) -> bool:
         try:
@@ -49,13 +56,15 @@ class StepPeak:
             self._status = open(self._STATUS, "rb", buffering=0)
             return self._reset_host()
         except OSError:
+            _close_files(self._clear, self._status)
+            self._clear = self._status = None
             return False
 
     def _reset_host(self) -> bool:
         try:
             self._clear.write(b"5")  # 5: reset the peak resident size to the current one
             return True
-        except OSError:
+        except (OSError, ValueError):  # ValueError: closed
             return False
 
     def start(self) -> None:
@@ -88,6 +97,12 @@ class StepPeak:
             return HostStatus(*(_kib_field(text, name) for name in (b"VmPeak:", b"VmSize:", b"VmHWM:", b"VmRSS:")))
         except (OSError, ValueError):
             return None
+
+
+def _close_files(*files: Any) -> None:
+    for file in files:
+        if file is not None:
+            file.close()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -377,6 +377,7 @@ class Tuner:
         if self._memory_fraction_set:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
         self.log.close()
+        self.demand.peak.close()
         self._lock.release()
 
     def __enter__(self) -> "Tuner":

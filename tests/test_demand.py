@@ -93,3 +93,25 @@ def test_a_steps_cuda_need_counts_what_the_allocator_wasted_not_what_it_had_cach
     gpu.step(peak_live=350 * MiB, reserved_peak=700 * MiB)
     demand.finish()
     assert demand.last_memory.need_bytes == 250 * MiB
+
+
+@pytest.mark.parametrize("closed", [True, False], ids=["closed", "dropped"])
+def test_the_step_peak_leaves_no_file_open(closed):
+    # /proc/self/status and clear_refs were left to the garbage collector (a ResourceWarning under -X dev).
+    import gc
+    import warnings
+
+    from autotune.demand import StepPeak
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peak = StepPeak(torch.device("cpu"))
+        peak.start()
+        assert peak.peak() is None or peak.peak() > 0
+        if closed:
+            peak.close()
+            peak.start()  # after close: nothing to read, no error
+            assert peak.status() is None
+        del peak
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
