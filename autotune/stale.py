@@ -29,8 +29,16 @@ BOARD = re.compile(r"^autotune-(\d+)-[0-9a-f]+\.board$")
 CACHE = re.compile(r"^autotune-cache-(\d+)-[0-9a-f]+$")
 
 
+SHM_DIR_VARIABLE = "AUTOTUNE_SHM_DIR"
+
+
 def shared_memory_dir() -> Path:
-    """Where boards and caches are made: /dev/shm when writable, else the temporary folder."""
+    """Where boards and caches are made: $AUTOTUNE_SHM_DIR when set (a bigger tmpfs than a
+    container's 64 MiB /dev/shm, or a small one in a test), else /dev/shm when writable, else
+    the temporary folder."""
+    chosen = os.environ.get(SHM_DIR_VARIABLE)
+    if chosen:
+        return Path(chosen)
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
