@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from autotune.notices import warn
+
 BOARD = re.compile(r"^autotune-(\d+)-[0-9a-f]+\.board$")
 CACHE = re.compile(r"^autotune-cache-(\d+)-[0-9a-f]+$")
 
@@ -38,7 +40,10 @@ def shared_memory_dir() -> Path:
     the temporary folder."""
     chosen = os.environ.get(SHM_DIR_VARIABLE)
     if chosen:
-        return Path(chosen)
+        if os.path.isdir(chosen) and os.access(chosen, os.W_OK):
+            return Path(chosen)
+        warn(f"{SHM_DIR_VARIABLE}={chosen!r} is not a folder this process can write to: boards and caches go to "
+             "the default place (/dev/shm)", key=SHM_DIR_VARIABLE)
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 

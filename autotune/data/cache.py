@@ -48,7 +48,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from autotune.notices import warn
-from autotune.shared_memory import reserve
+from autotune.shared_memory import NoRoom, no_room, reserve
 from autotune.snapshot import InputProfile
 from autotune.stale import remove_stale_shared_memory, shared_memory_dir
 from autotune.units import format_bytes
@@ -240,25 +240,28 @@ class SampleCache:
         folder = Path(directory or _shm_dir())
         remove_stale_shared_memory(folder)  # what killed runs left
         self.path = folder / f"autotune-cache-{os.getpid()}-{secrets.token_hex(4)}"
+        # The lock must come from the start method the workers use (a fork lock cannot be
+        # reopened by a spawned worker); the DataLoader's default is multiprocessing's default.
+        # It is a POSIX semaphore, a page of /dev/shm itself: taken before the region's pages.
+        try:
+            self._lock = multiprocessing.get_context(context).Lock()
+        except OSError as exc:
+            kind = NoRoom if no_room(exc) else OSError
+            raise kind(exc.errno, f"the cache's lock (a POSIX semaphore, in /dev/shm) could not be made: "
+                                  f"{exc.strerror}") from exc
+        self._owner = os.getpid()
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         reserved = min(self.budget, GROW_BYTES)
         try:
-            # Sparse beyond what is reserved: the data's pages are taken as it fills (`_grow`).
-            os.ftruncate(fd, self._data_start + self.budget)
-            reserve(fd, 0, self._data_start + reserved, self.path)  # no room: an error here, not SIGBUS later
-        except BaseException:
-            self.path.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
-        # The lock must come from the start method the workers use (a fork lock cannot be
-        # reopened by a spawned worker); the DataLoader's default is multiprocessing's default.
-        self._lock = multiprocessing.get_context(context).Lock()
-        self._owner = os.getpid()
-        try:
+            try:
+                # Sparse beyond what is reserved: the data's pages are taken as it fills (`_grow`).
+                os.ftruncate(fd, self._data_start + self.budget)
+                reserve(fd, 0, self._data_start + reserved, self.path)  # no room: an error here, not SIGBUS later
+            finally:
+                os.close(fd)
             self._map()
         except BaseException:
-            self.path.unlink(missing_ok=True)
+            self.path.unlink(missing_ok=True)  # a cache that could not be made leaves no file
             raise
         self._counts[_RESERVED] = reserved
 

@@ -91,3 +91,13 @@ def test_where_shared_memory_is_full_the_board_is_made_in_the_run_folder_with_a_
     with pytest.raises(OSError) as raised:  # no folder to fall back to: the caller's to handle
         create_board()
     assert raised.value.errno == errno.ENOSPC
+
+
+def test_an_shm_dir_that_is_not_a_writable_folder_is_said_and_the_default_is_used(tmp_path, monkeypatch, capsys):
+    from autotune.stale import shared_memory_dir
+
+    monkeypatch.setenv("AUTOTUNE_SHM_DIR", str(tmp_path / "missing"))
+    assert shared_memory_dir() != tmp_path / "missing"
+    assert f"AUTOTUNE_SHM_DIR='{tmp_path / 'missing'}' is not a folder" in capsys.readouterr().err
+    monkeypatch.setenv("AUTOTUNE_SHM_DIR", str(tmp_path))
+    assert default_path().parent == tmp_path
