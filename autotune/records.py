@@ -129,7 +129,8 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
           f"metrics:dict stopped:str|None compiles:int {_FIT_FIELDS}", shown=True),
     _kind(Kind.FIT_FAILED, "a run ended by an error (the checkpoint it left, the sample that failed to load, if any)",
           "error:str samples_seen:int checkpoint:str bad_sample:dict", shown=True),
-    _kind(Kind.MONITOR_START, "the memory monitor process started", "pid:int interval:float"),
+    _kind(Kind.MONITOR_START, "the memory monitor process started (`board`: its shared sample board, "
+          "in /dev/shm or, where that has no room, in the run folder)", "pid:int interval:float board:str"),
     _kind(Kind.MONITOR_RESTART, "the monitor process exited and was restarted", "returncode:int|None restarts:int "
           "pid:int|None", shown=True),
     _kind(Kind.MONITOR_GAVE_UP, "the monitor process exited too often: training goes on without it",
@@ -141,8 +142,9 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
     _kind(Kind.SAMPLE_CACHE_ON, "decoded samples cached in shared memory from here",
           "budget_bytes:int limited_by:str how:str path:str reason:str", shown=True),
     _kind(Kind.SAMPLE_CACHE_OFF, "the sample cache could not start, or stopped", "reason:str", shown=True),
-    _kind(Kind.SAMPLE_CACHE, "the sample cache over an epoch", "hits:int misses:int hit_rate:float|None entries:int "
-          "samples:int bytes:int budget_bytes:int full:bool"),
+    _kind(Kind.SAMPLE_CACHE, "the sample cache over an epoch (`no_room`: its filling stopped short of the budget, "
+          "as /dev/shm had no room)", "hits:int misses:int hit_rate:float|None entries:int "
+          "samples:int bytes:int budget_bytes:int full:bool no_room:bool"),
     _kind(Kind.STEP, "steps.jsonl: one step's figures (thinned over a long run)",
           "micro_batch_size:int samples:int samples_seen:int step_seconds:float data_wait_fraction:float "
           "demand:float|None allocated_bytes:int|None reserved_bytes:int|None grad_norm:float"),

@@ -25,12 +25,25 @@ import sys
 import tempfile
 from pathlib import Path
 
+from autotune.notices import warn
+
 BOARD = re.compile(r"^autotune-(\d+)-[0-9a-f]+\.board$")
 CACHE = re.compile(r"^autotune-cache-(\d+)-[0-9a-f]+$")
 
 
+SHM_DIR_VARIABLE = "AUTOTUNE_SHM_DIR"
+
+
 def shared_memory_dir() -> Path:
-    """Where boards and caches are made: /dev/shm when writable, else the temporary folder."""
+    """Where boards and caches are made: $AUTOTUNE_SHM_DIR when set (a bigger tmpfs than a
+    container's 64 MiB /dev/shm, or a small one in a test), else /dev/shm when writable, else
+    the temporary folder."""
+    chosen = os.environ.get(SHM_DIR_VARIABLE)
+    if chosen:
+        if os.path.isdir(chosen) and os.access(chosen, os.W_OK):
+            return Path(chosen)
+        warn(f"{SHM_DIR_VARIABLE}={chosen!r} is not a folder this process can write to: boards and caches go to "
+             "the default place (/dev/shm)", key=SHM_DIR_VARIABLE)
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 

@@ -16,6 +16,12 @@ so its memory does not grow with the worker count. Samples are pickled: PIL imag
 their raw pixels (uint8 for RGB), numpy arrays and tensors their raw buffers, out of band. Filling
 stops at the byte budget; the rest of the dataset is read as before (partial caching).
 
+Its space is reserved before it is written (shared_memory.reserve), `GROW_BYTES` at a time as it
+fills: a page of a sparse tmpfs file that /dev/shm cannot back would be SIGBUS at the write. A
+full /dev/shm at creation is an OSError (`NoRoom`: the pipeline then caches nothing, with a word);
+one that fills up later stops the filling there, said once on stderr (`stats()["no_room"]`), and
+what is cached stays served.
+
 Owns: the shared-memory region in /dev/shm (made, mapped, removed) and its counters. Touches the
 dataset only to read samples through it.
 """
@@ -41,11 +47,17 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
+from autotune.notices import warn
+from autotune.shared_memory import NoRoom, no_room, reserve
 from autotune.snapshot import InputProfile
 from autotune.stale import remove_stale_shared_memory, shared_memory_dir
+from autotune.units import format_bytes
 
-_HEADER = 8  # int64 slots: [bytes used, full, hits, misses, entries, ...spare]
-_USED, _FULL, _HITS, _MISSES, _ENTRIES = range(5)
+_HEADER = 8  # int64 slots: [bytes used, full, hits, misses, entries, bytes reserved, no room, spare]
+_USED, _FULL, _HITS, _MISSES, _ENTRIES, _RESERVED, _NO_ROOM = range(7)
+# The data's space is reserved this much at a time: few reservations (each one under the lock, ~0.1 ms
+# a MiB on tmpfs), and at most this much of /dev/shm held beyond what the samples fill.
+GROW_BYTES = 1 << 20
 
 
 class NotCacheable(Exception):
@@ -228,16 +240,30 @@ class SampleCache:
         folder = Path(directory or _shm_dir())
         remove_stale_shared_memory(folder)  # what killed runs left
         self.path = folder / f"autotune-cache-{os.getpid()}-{secrets.token_hex(4)}"
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, self._data_start + self.budget)  # sparse: pages are used only once written
-        finally:
-            os.close(fd)
         # The lock must come from the start method the workers use (a fork lock cannot be
         # reopened by a spawned worker); the DataLoader's default is multiprocessing's default.
-        self._lock = multiprocessing.get_context(context).Lock()
+        # It is a POSIX semaphore, a page of /dev/shm itself: taken before the region's pages.
+        try:
+            self._lock = multiprocessing.get_context(context).Lock()
+        except OSError as exc:
+            kind = NoRoom if no_room(exc) else OSError
+            raise kind(exc.errno, f"the cache's lock (a POSIX semaphore, in /dev/shm) could not be made: "
+                                  f"{exc.strerror}") from exc
         self._owner = os.getpid()
-        self._map()
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        reserved = min(self.budget, GROW_BYTES)
+        try:
+            try:
+                # Sparse beyond what is reserved: the data's pages are taken as it fills (`_grow`).
+                os.ftruncate(fd, self._data_start + self.budget)
+                reserve(fd, 0, self._data_start + reserved, self.path)  # no room: an error here, not SIGBUS later
+            finally:
+                os.close(fd)
+            self._map()
+        except BaseException:
+            self.path.unlink(missing_ok=True)  # a cache that could not be made leaves no file
+            raise
+        self._counts[_RESERVED] = reserved
 
     def _map(self) -> None:
         with open(self.path, "r+b") as f:
@@ -276,7 +302,8 @@ class SampleCache:
             if self._table[index, 1] or self._counts[_FULL]:
                 return bool(self._table[index, 1])
             offset = int(self._counts[_USED])
-            if offset + length > self.budget:
+            if offset + length > self.budget or (offset + length > self._counts[_RESERVED]
+                                                 and not self._grow(offset + length)):
                 self._counts[_FULL] = 1
                 return False
             self._counts[_USED] = offset + length
@@ -290,12 +317,34 @@ class SampleCache:
             self._counts[_ENTRIES] += 1
         return True
 
+    def _grow(self, needed: int) -> bool:
+        """Under the lock: reserve the data's space up to at least `needed` bytes (False, said once
+        in whichever process met it, when /dev/shm has no room: the filling stops there)."""
+        reserved = int(self._counts[_RESERVED])
+        target = min(self.budget, max(needed, reserved + GROW_BYTES))
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                reserve(fd, self._data_start + reserved, target - reserved, self.path)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._counts[_NO_ROOM] = 1
+            warn(f"the sample cache stops filling at {format_bytes(reserved)} of its {format_bytes(self.budget)} "
+                 f"budget: no more of {self.path.parent} could be reserved ({exc.strerror or exc}); what is cached "
+                 "is still served, the rest is read as before", key=f"sample cache no room {self.path}")
+            return False
+        self._counts[_RESERVED] = target
+        return True
+
     def stats(self) -> dict[str, Any]:
-        """Counters since the last `reset_counters`: hits, misses, entries, bytes, full."""
+        """Counters since the last `reset_counters`: hits, misses, entries, bytes, full, and
+        no_room (the filling stopped short of the budget: /dev/shm had no room)."""
         with self._lock:
-            used, full, hits, misses, entries = (int(v) for v in self._counts[:5])
+            used, full, hits, misses, entries, _reserved, no_room = (int(v) for v in self._counts[:7])
         return {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else None,
-                "entries": entries, "samples": self.n, "bytes": used, "budget_bytes": self.budget, "full": bool(full)}
+                "entries": entries, "samples": self.n, "bytes": used, "budget_bytes": self.budget, "full": bool(full),
+                "no_room": bool(no_room)}
 
     def reset_counters(self) -> None:
         with self._lock:

@@ -312,8 +312,14 @@ class InputPipeline:
         budget, limit = cache_budget(action.max_bytes, action.available_fraction, room_bytes=room)
         if budget <= 0:
             journal.write(Kind.SAMPLE_CACHE_OFF, step, epoch, reason=f"no room: {limit} is 0")
+            warn(f"not caching samples: no room ({limit} is 0)")
             return
-        self.cache = SampleCache(len(split.raw), budget)
+        try:
+            self.cache = SampleCache(len(split.raw), budget)
+        except OSError as exc:  # /dev/shm full (its space is reserved at creation: never SIGBUS later)
+            journal.write(Kind.SAMPLE_CACHE_OFF, step, epoch, reason=f"{type(exc).__name__}: {exc}")
+            warn(f"not caching samples: the cache's shared memory could not be made ({exc}); the data is read as before")
+            return
         weakref.finalize(self, self.cache.close)  # the region goes with the trainer, or at exit
         self._cached = CachedDataset(split, self.cache)
         journal.write(Kind.SAMPLE_CACHE_ON, step, epoch, budget_bytes=budget, limited_by=limit, how=split.how,

@@ -1,12 +1,16 @@
 """The latest sample, shared between the monitor process and the trainer: a seqlock over
 a small memory-mapped file (in /dev/shm when there is one).
 
+The file's page is reserved when it is made (shared_memory.reserve): a full /dev/shm is then an
+error at creation, never SIGBUS at a later write. `create_board` then makes it in the run folder
+instead, with a word on stderr: the monitor (another process) keeps working through it.
+
 The writer makes the sequence number odd, writes the fields, and makes it even again.
 A reader copies the fields between two reads of the sequence number and keeps the copy
 only if both reads are equal and even. A read costs microseconds and never waits: after
 a few torn reads it answers None ("no new figure this time").
 
-Owns the board file. Touches nothing else.
+Owns the board file. Touches nothing else (stale boards of dead processes in the folder it falls back to).
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import os
 import struct
 from pathlib import Path
 
+from autotune.notices import warn
+from autotune.shared_memory import reserve
 from autotune.snapshot import DeviceSample
-from autotune.stale import shared_memory_dir
+from autotune.stale import BOARD, remove_stale, shared_memory_dir
 
 _MAGIC = 0x41544D31  # "ATM1"
 _HEADER = struct.Struct("<IIQ")  # magic, layout version, sequence number
@@ -36,9 +42,30 @@ def _decode(value: int) -> int | None:
     return None if value < 0 else value
 
 
-def default_path() -> Path:
-    """A new board's path, named after this process (stale.py removes it once the process is gone)."""
-    return shared_memory_dir() / f"autotune-{os.getpid()}-{os.urandom(4).hex()}.board"
+def default_path(folder: Path | None = None) -> Path:
+    """A new board's path in `folder` (default: the shared-memory folder), named after this process
+    (stale.py removes it once the process is gone)."""
+    return (shared_memory_dir() if folder is None else folder) / f"autotune-{os.getpid()}-{os.urandom(4).hex()}.board"
+
+
+def create_board(fallback: Path | None = None) -> Board:
+    """A new board in shared memory; where it cannot be made there (no room, no permission), in
+    the `fallback` folder (the run folder), said once on stderr. Raises OSError when neither can
+    hold it (or there is no fallback)."""
+    if fallback is not None:
+        remove_stale(fallback, BOARD)  # what earlier runs, killed, left in the run folder
+    try:
+        return Board(default_path(), create=True)
+    except OSError as exc:
+        if fallback is None:
+            raise
+        why = exc
+    board = Board(default_path(fallback), create=True)
+    warn(f"the monitor's sample board could not be made in {shared_memory_dir()} ({why.strerror or why}; a "
+         "container's /dev/shm is 64 MiB unless `docker run --shm-size` says more; AUTOTUNE_SHM_DIR picks another "
+         f"folder): it is in the run folder instead ({board.path}), and the monitor works as before",
+         key="board in the run folder")
+    return board
 
 
 class Board:
@@ -51,9 +78,14 @@ class Board:
         try:
             if create:
                 os.ftruncate(fd, SIZE)
+                reserve(fd, 0, SIZE, self.path)  # a full tmpfs: an error here, not SIGBUS at the first write
             elif os.fstat(fd).st_size < SIZE:
                 raise ValueError(f"{self.path} is not an autotune sample board (too small)")
             self._map = mmap.mmap(fd, SIZE)
+        except BaseException:
+            if create:
+                self.path.unlink(missing_ok=True)  # a board that could not be made leaves no file
+            raise
         finally:
             os.close(fd)
         if create:

@@ -69,7 +69,8 @@ class MonitorLink:
                  "memory samples", error=True)
             return
         self.process = process
-        self.journal.write(Kind.MONITOR_START, step, epoch, pid=self.process.pid, interval=self.interval)
+        self.journal.write(Kind.MONITOR_START, step, epoch, pid=self.process.pid, interval=self.interval,
+                           board=str(self.process.board.path))
 
     def stop(self, wait: bool = True) -> None:
         """Stop the monitor; `wait=False` does not wait for its exit (see MonitorProcess.stop)."""

@@ -34,7 +34,7 @@ import psutil
 
 from autotune.journal import open_for_append
 from autotune.monitor import host
-from autotune.monitor.board import Board, default_path
+from autotune.monitor.board import Board, create_board
 from autotune.monitor.nvml import session as nvml_session
 from autotune.monitor.schedule import run_until_stopped, stop_on_signals
 from autotune.snapshot import DeviceSample
@@ -190,12 +190,13 @@ class MonitorProcess:
     def __init__(self, run_dir: Path, pid: int | None = None, interval: float = 0.5, gpu_uuid: str | None = None,
                  cap_bytes: int | None = None, max_restarts: int = 3):
         self.run_dir = Path(run_dir)
-        self.config = MonitorConfig(pid=pid or os.getpid(), board=str(default_path()),
+        self.config = MonitorConfig(pid=pid or os.getpid(), board="",
                                     samples_path=str(self.run_dir / "samples.jsonl"), interval=interval,
                                     gpu_uuid=gpu_uuid, cap_bytes=cap_bytes)
         self.max_restarts = max_restarts
         self.restarts = 0
-        self.board = Board(Path(self.config.board), create=True)
+        self.board = create_board(fallback=self.run_dir)  # /dev/shm, or the run folder when it has no room
+        self.config.board = str(self.board.path)
         self._proc: subprocess.Popen | None = None
         self.lowered = False  # whether it runs below the trainer's priority
         self.idle = False  # whether it runs only on idle cores (SCHED_IDLE, during its start-up)

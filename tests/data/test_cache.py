@@ -1,7 +1,11 @@
 """The shared-memory sample cache: exact samples, random transforms after it, one copy for
 all workers, a byte budget."""
 
+import errno
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +15,8 @@ from torchvision import datasets, transforms as T
 
 from autotune.data.cache import (CachedDataset, NotCacheable, SampleCache, cache_budget, profile_input,
                                  split_for_caching)
+from autotune.shared_memory import NoRoom
+from tests.small_tmpfs import full_shm, small_shm  # noqa: F401  (fixtures)
 
 AUGMENT = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.ToTensor()])
 
@@ -222,3 +228,58 @@ def test_a_killed_runs_region_is_removed_by_the_next_cache(tmp_path):
         assert not left.exists() and cache.path.exists()
     finally:
         cache.close()
+
+
+# -- a full /dev/shm (a container's 64 MiB): a real 1 MiB tmpfs (tests/small_tmpfs.py)
+
+def test_a_cache_in_a_full_shared_memory_folder_is_an_error_when_made(full_shm):
+    with pytest.raises(NoRoom) as raised:  # before: made sparse, and SIGBUS at its first write
+        SampleCache(256, 512 * 2**10)
+    assert raised.value.errno == errno.ENOSPC and str(full_shm) in str(raised.value)
+    assert [p.name for p in full_shm.iterdir()] == ["fill"]  # nothing half-made left
+
+
+FILL_UP = """
+import sys
+import torch
+from torch.utils.data import DataLoader, Dataset
+from autotune.data import cache as cache_module
+from autotune.data.cache import CachedDataset, SampleCache, split_for_caching
+from tests.small_tmpfs import fill
+
+cache_module.GROW_BYTES = 64 * 2**10  # reserved 64 KiB at a time, so it grows inside a 1 MiB tmpfs
+
+
+class Rows(Dataset):
+    cacheable = True
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return torch.full((4096,), float(index))  # 16 KiB a sample: 1 MiB in all
+
+
+cache = SampleCache(64, 4 * 2**20)  # a budget the tmpfs had room for when it was set
+fill(cache.path.parent, leave=256 * 2**10)  # then something else takes all but 256 KiB of it
+cached = CachedDataset(split_for_caching(Rows()), cache)
+for epoch in range(2):  # filled by the forked workers, then read back
+    for batch in DataLoader(cached, batch_size=8, num_workers=2, multiprocessing_context="fork"):
+        assert all(torch.equal(row, torch.full((4096,), float(row[0]))) for row in batch)
+stats = cache.stats()
+print(stats["entries"], stats["hits"], stats["no_room"], stats["full"])
+cache.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_cache_that_meets_a_full_shared_memory_folder_stops_filling_with_a_word(small_shm):
+    proc = subprocess.run([sys.executable, "-c", FILL_UP], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    # Before: a worker's write into a page tmpfs could not back was SIGBUS ("DataLoader worker ... killed
+    # by signal: Bus error"), the run's end.
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    entries, hits, no_room, full = proc.stdout.split()
+    assert 8 <= int(entries) < 24 and int(hits) == int(entries) and no_room == full == "True", proc.stdout
+    assert proc.stderr.count("the sample cache stops filling") == 1, proc.stderr
+    assert "could be reserved (no room" in proc.stderr

@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from autotune.monitor.process import MonitorConfig, MonitorProcess, SampleLog
+from tests.small_tmpfs import full_shm, small_shm  # noqa: F401  (fixtures)
 
 
 def gone(pid):
@@ -279,3 +280,28 @@ def test_a_monitor_that_cannot_start_mid_run_leaves_training_going_and_says_so(t
     from autotune.monitor.board import default_path
 
     assert not list(default_path().parent.glob(f"autotune-{os.getpid()}-*.board"))  # its board went with it
+
+
+SAMPLES_THROUGH = """
+import sys, time
+from pathlib import Path
+from autotune.monitor.process import MonitorProcess
+monitor = MonitorProcess(Path(sys.argv[1]), interval=0.05)  # its board's header is written here
+monitor.start()
+deadline = time.monotonic() + 10
+while (got := monitor.latest()) is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+monitor.stop()
+print(got is not None and got[0].used_bytes > 0, monitor.board.path.parent, monitor.board.path.exists())
+"""
+
+
+def test_with_shared_memory_full_the_monitor_samples_through_a_board_in_the_run_folder(full_shm, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = subprocess.run([sys.executable, "-c", SAMPLES_THROUGH, str(run)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])  # before: -7, SIGBUS making the board
+    assert proc.stdout.split() == ["True", str(run), "False"]  # sampled by the monitor, read here; then removed
+    assert "run folder instead" in proc.stderr
+    assert [p.name for p in full_shm.iterdir()] == ["fill"] and not list(run.glob("*.board"))
