@@ -50,7 +50,7 @@ from autotune.memory import start_with_small_stack
 from autotune.notices import info, warn
 from autotune.preemption import Preempted
 from autotune.records import Kind
-from autotune.same_run import AnotherRunsCheckpoints, another_runs_checkpoints, run_id_of
+from autotune.same_run import FRESH_FIT, AnotherRunsCheckpoints, another_runs_checkpoints, run_id_of
 from autotune.stale import remove_stale
 from autotune.sharded_checkpoint import REST, read_rest, read_shards, split, write_shards
 from autotune.units import format_bytes
@@ -513,11 +513,12 @@ class Checkpointer:
         run_id = last_run_id(self.journal.path) if self.ranks.is_main and self.journal.path is not None else None
         return self.ranks.broadcast_object(run_id) if self.ranks.world > 1 else run_id
 
-    def refuse_another_run(self) -> None:
-        """Before a run starts afresh here (`fit(resume=False)`): `AnotherRunsCheckpoints`, on every
-        rank alike, where the folder holds checkpoints this run neither wrote nor resumed from."""
+    def refuse_another_run(self, starting: tuple[str, str] = FRESH_FIT) -> None:
+        """Before a run starts afresh here (`fit(resume=False)`, a Tuner's first batch: `starting`):
+        `AnotherRunsCheckpoints`, on every rank alike, where the folder holds checkpoints this run
+        neither wrote nor resumed from."""
         others = self.store.others() if self.ranks.is_main else []
-        refusal = str(another_runs_checkpoints(self.folder, others)) if others else None
+        refusal = str(another_runs_checkpoints(self.folder, others, starting)) if others else None
         if self.ranks.world > 1:
             refusal = self.ranks.broadcast_object(refusal)
         if refusal is not None:

@@ -58,13 +58,21 @@ def run_id_of(state: dict[str, Any]) -> str | None:
     return run.get("id") if isinstance(run, dict) else None
 
 
-def another_runs_checkpoints(folder: Path, others: list[Path]) -> AnotherRunsCheckpoints:
-    """The error for `fit(resume=False)` where `others` (newest first) are not this run's."""
+FRESH_FIT = ("fit(resume=False) starts a new one", "Continue that run with fit(resume=True)")
+FRESH_TUNER = ("this Tuner starts a new one (it loaded no state)", "Continue that run with "
+               "tuner.load_state_dict(torch.load(its newest checkpoint, weights_only=True)) before the first step")
+
+
+def another_runs_checkpoints(folder: Path, others: list[Path],
+                             starting: tuple[str, str] = FRESH_FIT) -> AnotherRunsCheckpoints:
+    """The error for a fresh start where `others` (newest first) are not this run's; `starting`:
+    (what starts afresh, how to continue the other run instead), FRESH_FIT or FRESH_TUNER."""
     steps = _names(path.name for path in others)
+    what, instead = starting
     return AnotherRunsCheckpoints(
-        f"{folder} holds {len(others)} checkpoint(s) of another run ({steps}) and fit(resume=False) starts a new "
-        "one: its checkpoints would be pruned as this run's, and a later resume would pick either run. Continue "
-        "that run with fit(resume=True), or give this one another run_dir (or move that folder away)")
+        f"{folder} holds {len(others)} checkpoint(s) of another run ({steps}) and {what}: its checkpoints would be "
+        f"pruned as this run's, and a later resume would pick either run. {instead}, or give this one another "
+        "run_dir (or move that folder away)")
 
 
 def mismatch(saved_weights: dict[str, Any], weights: dict[str, Any], saved_optimizer: Any, optimizer: Any,

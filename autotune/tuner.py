@@ -59,7 +59,7 @@ from autotune.events import Event
 from autotune.host_face import Wiring
 from autotune.journal import RunLog
 from autotune.run_lock import hold_run_dir
-from autotune.same_run import new_run_id, reliefs_checked
+from autotune.same_run import FRESH_TUNER, new_run_id, reliefs_checked
 from autotune.knobs import Knobs
 from autotune.memory import one_arena_under_an_address_space_cap, warm_up_oom_path
 from autotune.memory_history import AllocationHistory
@@ -158,6 +158,7 @@ class Tuner:
         self.core.on_failure = functools.partial(read_at_failure, self.demand, self.history, self.model, self.device)
         self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"
         self._started = self._closed = False  # started: between begin() and end() (fit_start ... fit_end)
+        self._loaded = False  # a state loaded (load_state_dict): not a fresh run
         self._last_step_end: float | None = None  # a step's end: the next one's time runs from it
 
     step_count = property(lambda self: self.counters.step, doc="optimizer steps taken")
@@ -235,6 +236,8 @@ class Tuner:
     def begin(self, *, keep_gradients: bool = False, **fit_start: Any) -> None:
         """Before a run's first batch: the OOM path warmed up, stale gradients dropped (unless `keep_gradients`),
         `fit_start` journaled (with the host's fields), the monitor started, FIT_START."""
+        if self._checkpointer is not None and not self._loaded:  # alone: a fresh run, as fit(resume=False) is
+            self._checkpointer.refuse_another_run(FRESH_TUNER)
         self._started = True
         warm_up_oom_path(self.device, self.knobs.memory_cap_bytes)
         if not keep_gradients:
@@ -312,6 +315,9 @@ class Tuner:
         core = state["core"]
         self.ranks.job.load_model_state(self.model, self.stepper.optimizer, core["model"], core["optimizer"])
         self.run_id = state["run"]["id"] or self.run_id
+        self._loaded = True  # a run continued: the folder's checkpoints may be its own
+        if self._checkpointer is not None:
+            self._checkpointer.store.adopted = True
         self.core.load_state_dict(core)
         self.counters.load_state_dict(state["progress"])
         self.counters.on_ranks(self.ranks.world)  # this job's from here (AutoTrainer re-splits its position)

@@ -206,3 +206,28 @@ def test_a_resume_at_an_epochs_end_takes_the_new_input_with_a_word(tmp_path, cap
     assert "resuming at an epoch's end with another input (the dataset's length 256 in the checkpoint, 320 now)" \
         in capfd.readouterr().err
     assert result.samples_seen == 256 + 320
+
+
+def test_a_fresh_tuner_in_another_runs_folder_is_refused_at_its_first_step(tmp_path):
+    # The Tuner in your own loop writes run_dir/checkpoints (before a relief, before an OOM error): a script run
+    # again with the same run_dir trained beside the old run's checkpoints, which a later resume could pick.
+    from autotune import Tuner
+
+    def tuner():
+        torch.manual_seed(0)
+        model = nn.Linear(8, 2)
+        return Tuner(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy,
+                     device="cpu", monitor=False, run_dir=tmp_path / "run")
+
+    batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
+    with tuner() as first:
+        first.step(batch)
+        first.checkpoint("test")
+    (saved,) = (tmp_path / "run" / "checkpoints").glob("step-*.pt")
+    with tuner() as second, pytest.raises(AnotherRunsCheckpoints, match=r"this Tuner starts a new one .* "
+                                                                          r"tuner.load_state_dict"):
+        second.step(batch)
+    with tuner() as third:  # the same run, continued
+        third.load_state_dict(torch.load(saved, weights_only=True))
+        third.step(batch)
+        assert third.step_count == 2
