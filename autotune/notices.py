@@ -24,6 +24,7 @@ import os
 import sys
 
 from loguru import logger
+from tqdm.auto import tqdm
 
 LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 
@@ -42,6 +43,14 @@ class _Stderr(logging.StreamHandler):
     @stream.setter
     def stream(self, value) -> None:
         pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # Through tqdm: a progress bar on the same stream is cleared, the line written, the bar drawn again
+        # below it (written plainly, the line was glued onto the bar's).
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own rule: a handler never raises
+            self.handleError(record)
 
 
 def _library_logger() -> logging.Logger:

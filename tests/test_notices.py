@@ -61,3 +61,18 @@ def test_the_command_line_shows_each_warning_once_in_its_own_format():
                "notices.show_through_loguru()\n" + SCRIPT)
     assert proc.stderr.splitlines() == ["WARNING a failed checkpoint", "DEBUG a failed checkpoint, again",
                                         "WARNING an unsafe resume", "INFO a detail"]
+
+
+def test_a_warning_under_a_progress_bar_starts_a_line_of_its_own():
+    # The OOM line was glued onto tqdm's bar ("...it/s]autotune: ..."): written through tqdm, the bar is
+    # cleared first and drawn again below it.
+    code = ("from tqdm import tqdm\nfrom autotune.notices import warn\nimport sys\n"
+            "bar = tqdm(total=10, file=sys.stderr, ascii=True, mininterval=0)\nbar.update(3)\n"
+            "warn('an OOM survived')\nbar.update(1)\nbar.close()\n")
+    proc = run(code)
+    assert proc.returncode == 0, proc.stderr
+    before, _, after = proc.stderr.partition("autotune: an OOM survived")
+    assert after, proc.stderr
+    line_start = max(before.rfind("\r"), before.rfind("\n"))
+    assert before[line_start + 1:] == "", repr(proc.stderr)
+    assert after.startswith("\n") and "4/10" in after  # the bar drawn again below
