@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from autotune.checkpoint import CheckpointFailed, RankFailed
+from autotune.data.pipeline import UnlikeTheOthers
 from autotune.notices import warn
 from autotune.oom import ExchangeFailed, OutOfMemory
 from autotune.stall import StoppedWhileWaiting
@@ -131,6 +132,10 @@ class BatchInHand:
                          "(its collate_fn, or a worker)")
             return
         index, error = found
+        if isinstance(error, UnlikeTheOthers):
+            self.bad_sample = {"index": index, "error": str(error)[:300]}
+            exc.add_note(f"autotune: sample {index} of the dataset loads, but unlike the others: {error}")
+            return
         text = f"{type(error).__name__}: {error}"[:300]
         self.bad_sample = {"index": index, "error": text}
         exc.add_note(f"autotune: sample {index} of the dataset fails to load (fetched alone): {text}")

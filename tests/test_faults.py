@@ -333,3 +333,28 @@ def test_a_later_error_is_not_journaled_with_an_earlier_bad_sample(tmp_path):
     t.close()
     first, second = [r for r in journal(tmp_path / "run") if r["kind"] == "fit_failed"]
     assert first["bad_sample"]["index"] == 183 and "bad_sample" not in second
+
+
+@pytest.mark.parametrize("odd, said", [
+    (None, "it is None where the batch's other samples are (Tensor[8], Tensor[1])"),
+    ((torch.zeros(7), torch.ones(1)), "it is (Tensor[7], Tensor[1]) where the batch's other samples are "
+                                      "(Tensor[8], Tensor[1])"),
+], ids=["None", "another-shape"])
+def test_a_sample_unlike_the_others_is_named(tmp_path, odd, said):
+    # Each sample loads alone, so the collate's error ("stack expects each tensor to be equal size", "found
+    # <class 'NoneType'>") was all the user got, with the batch's 32 indices: now the odd one is named.
+    class OneOdd(torch.utils.data.Dataset):
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            return odd if i == 183 else (torch.full((8,), i / N), torch.ones(1))
+
+    t = trainer(tmp_path, model(), OneOdd())
+    with pytest.raises((RuntimeError, TypeError)) as caught:
+        t.fit(epochs=1)
+    t.close()
+    notes = "\n".join(caught.value.__notes__)
+    assert f"sample 183 of the dataset loads, but unlike the others: {said}" in notes, notes
+    (failed,) = [r for r in journal(tmp_path / "run") if r["kind"] == "fit_failed"]
+    assert failed["bad_sample"] == {"index": 183, "error": said}

@@ -13,6 +13,7 @@ DataLoader only to read its position (user_loader.py).
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import weakref
@@ -38,6 +39,24 @@ from autotune.records import Kind
 from autotune.snapshot import InputProfile, InputState, StepTiming
 from autotune.stale import die_with_parent
 from autotune.units import format_bytes
+
+
+class UnlikeTheOthers(ValueError):
+    """A sample that loads, but is not shaped as the rest of its batch (`find_bad_sample`)."""
+
+
+def shape_of(sample: Any) -> str:
+    """A sample's structure in words, what a collate needs alike in every sample of a batch:
+    "(Tensor[3, 32, 32], int)", "None", "{'input_ids': Tensor[128]}"."""
+    if sample is None:
+        return "None"
+    if hasattr(sample, "shape") and not isinstance(sample, type):
+        return f"{type(sample).__name__}{list(sample.shape)}"
+    if isinstance(sample, (list, tuple)):
+        return "(" + ", ".join(shape_of(item) for item in sample) + ")"
+    if isinstance(sample, dict) or hasattr(sample, "keys") and hasattr(sample, "__getitem__"):
+        return "{" + ", ".join(f"{key!r}: {shape_of(sample[key])}" for key in sample.keys()) + "}"
+    return type(sample).__name__
 
 
 _INPUT_NAMES = {"length": "the dataset's length", "seed": "seed", "shuffle": "shuffle", "sampler": "the sampler"}
@@ -198,15 +217,22 @@ class InputPipeline:
     def find_bad_sample(self, epoch: int, position: int) -> tuple[int, Exception] | None:
         """The first sample of the batch at `position` of `epoch` that fails to load, fetched one at
         a time in this process, with its exception: what a worker's error or a collate's does not
-        name. None where the indices are unknown (a caller's loader) or every sample loads alone."""
+        name. Where each loads, the one unlike the others (None, or a tensor of another shape: what
+        the collate's error does not name), as an `UnlikeTheOthers`. None where the indices are
+        unknown (a caller's loader) or the samples load alone and are alike."""
         if self.sampler is None:
             return None
+        shapes: dict[int, str] = {}
         for index in self._batch_indices(position):
             try:
-                self.dataset[index]
+                shapes[index] = shape_of(self.dataset[index])
             except Exception as exc:  # the sample's own error, named for the user (not raised again)
                 return index, exc
-        return None
+        usual, _ = collections.Counter(shapes.values()).most_common(1)[0]
+        odd = next((index for index, shape in shapes.items() if shape != usual), None)
+        if odd is None:
+            return None
+        return odd, UnlikeTheOthers(f"it is {shapes[odd]} where the batch's other samples are {usual}")
 
     def batch_indices(self, position: int) -> list[int] | None:
         """The dataset indices of the batch at sample `position` of this epoch; None for a caller's loader."""
