@@ -27,7 +27,7 @@ FORMAT = 2
 SECTIONS = ("core", "tuning", "progress", "rng", "host")
 PROGRESS_FIELDS = ("step", "epoch", "position", "batches_done", "samples_seen", "ooms")  # format 1's
 CORE_FIELDS = ("model", "optimizer", "optimizer_class", "scheduler", "grad_scaler", "injector")
-HOST_FIELDS = ("num_workers", "evaluation", "callbacks")  # AutoTrainer's, in format 1
+HOST_FIELDS = ("num_workers", "evaluation", "callbacks", "input")  # AutoTrainer's (format 1 had the first three)
 
 
 def build(*, core: dict[str, Any], tuning: dict[str, Any], progress: dict[str, Any], rng: dict[str, Any],
