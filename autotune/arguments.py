@@ -57,6 +57,11 @@ SHARED = """        device: "cpu", "cuda", "cuda:1" or a `torch.device`; default
             step (the default; journaled, said once on stderr, its samples not counted as trained)
             or "stop" with `autotune.NonFiniteStep` (AutoTrainer: after a checkpoint of the last
             finite step). A model whose weights are not finite is never checkpointed.
+        max_nonfinite_steps: this many optimizer steps in a row skipped on NaN or inf gradients
+            (default 50: a healthy run, fp16's loss scale finding its level included, skips a
+            few at most) stop the run with `autotune.TooManyNonFiniteSteps`, after a checkpoint of
+            the last finite step; None or 0: never. `FitResult.nonfinite_steps` and the journal's
+            `fit_end` count the steps skipped.
 """
 
 TRAINER = """        model: the `nn.Module` to train; moved to `device`.

@@ -4,7 +4,8 @@ import json
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from autotune import Tuner
@@ -149,7 +150,7 @@ def test_instance_norm_far_from_zero_keeps_the_float64_statistics(tmp_path):
     torch.testing.assert_close(model[0].running_var.double(), by_hand_var, rtol=2e-6, atol=0)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)  # the same cases each run, no files
 @given(offset=st.floats(-1e4, 1e4), log_spread=st.floats(-3, 2), positions=st.sampled_from([0, 1, 5]),
        pieces=st.lists(st.integers(1, 9), min_size=1, max_size=6), seed=st.integers(0, 2**16))
 def test_any_split_gives_the_float64_mean_and_unbiased_variance(offset, log_spread, positions, pieces, seed):
