@@ -15,7 +15,8 @@ from typing import Any
 @dataclasses.dataclass
 class Progress:
     """The run's counters. The optimizer step advances `step` and `samples_seen` (when a step
-    completes); OOM recovery `ooms`; the host the position in the epoch."""
+    completes); OOM recovery `ooms` and `nonfinite_steps` (the skipped steps it journals); the
+    host the position in the epoch."""
 
     step: int = 0  # optimizer steps, across fit() calls
     epoch: int = 0  # epochs completed
