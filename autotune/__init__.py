@@ -36,7 +36,8 @@ _EXPORTS = {
     "CacheSamples": "autotune.actions", "SetLoaderWorkers": "autotune.actions",
     "Event": "autotune.events",
     "OutOfMemory": "autotune.oom", "ExchangeFailed": "autotune.oom", "is_oom": "autotune.oom",
-    "NonFiniteStep": "autotune.oom", "CheckpointFailed": "autotune.checkpoint", "RunDirInUse": "autotune.run_lock",
+    "NonFiniteStep": "autotune.oom", "TooManyNonFiniteSteps": "autotune.oom",
+    "CheckpointFailed": "autotune.checkpoint", "RunDirInUse": "autotune.run_lock",
     "AnotherRunsCheckpoints": "autotune.same_run", "CheckpointMismatch": "autotune.same_run",
     "Policy": "autotune.policy", "PolicyBase": "autotune.policy",
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from autotune.events import Event
     from autotune.losses import StepResult
     from autotune.notices import set_verbosity
-    from autotune.oom import ExchangeFailed, NonFiniteStep, OutOfMemory, is_oom
+    from autotune.oom import ExchangeFailed, NonFiniteStep, OutOfMemory, TooManyNonFiniteSteps, is_oom
     from autotune.policy import Policy, PolicyBase
     from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
     from autotune.progress import FitResult

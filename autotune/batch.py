@@ -96,6 +96,7 @@ class BatchRunner:
         measured = self.measured = cadence.due(knobs.micro_batch_size)
         rebase = not cadence.last_measured
         done = 0  # samples whose optimizer step has completed (keep_effective_batch=False)
+        steps_before = stepper.steps_tried
         tried: list[int] = []
         losses: Losses | None = None
         while True:
@@ -140,7 +141,7 @@ class BatchRunner:
                     self._settle_norms(n)
                 self._complete(attempt, n, optimizer_step, held, reduced)
                 self.ranks.buffers_from_rank0()
-                return self._outcome(losses, len(tried), agreed, measured)
+                return self._outcome(losses, len(tried), agreed, measured, stepper.steps_tried - steps_before)
             # Out of the `except` block now, so the exception and its frames are gone and
             # the tensors they pinned (activations, partial gradients) can be freed.
             tried.append(agreed.failed_micro_batch)
@@ -182,9 +183,12 @@ class BatchRunner:
                                micro_batch_size=self.knobs.micro_batch_size, batch_size=n, modules=modules)
             warn(f"{change} (docs: getting-started, what stays exact)", key=f"batchnorm micro {self.run_dir}")
 
-    def _outcome(self, losses: Losses, retries: int, agreed: Agreement, measured: bool) -> BatchOutcome:
+    def _outcome(self, losses: Losses, retries: int, agreed: Agreement, measured: bool,
+                 steps_tried: int) -> BatchOutcome:
         if self.stepper.skipped:
             self.recovery.report_skipped(losses, self.keep_effective_batch)
+        if self.stepper.streak_reached(steps_tried):  # a run that trains nothing: stopped (every rank alike)
+            self.recovery.give_up_on_nonfinite(losses, self.keep_effective_batch)
         self.last_good_micro = self.knobs.micro_batch_size
         self.cadence.done(measured, self.demand.finish() if measured else None)
         self.last = BatchOutcome(retries, losses, self.core.device, agreed)

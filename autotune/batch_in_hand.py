@@ -5,8 +5,8 @@ non-finite step with on_nonfinite="stop") loses nothing: between optimizer steps
 are those of the last completed step, so that is checkpointed, and the error gets a note
 naming the batch and the checkpoint. An error while the batch was loading also names the
 sample: the batch's samples are fetched again one at a time, and the first that fails is named
-with its own error (in the note, and for the journal's `fit_failed`). An OOM error and a
-preemption have written theirs already. Under torchrun a checkpoint needs every rank, and the
+with its own error (in the note, and for the journal's `fit_failed`). An OOM error, a
+preemption and TooManyNonFiniteSteps have written theirs already. Under torchrun a checkpoint needs every rank, and the
 others are not here: the note says so. (A second Ctrl-C is not an Exception: it aborts at once.)
 
 Owns: which batch is in hand (its place in the epoch, and the step it started at). Touches: the
@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 from autotune.checkpoint import CheckpointFailed, RankFailed
 from autotune.data.pipeline import UnlikeTheOthers
 from autotune.notices import warn
-from autotune.oom import ExchangeFailed, OutOfMemory
+from autotune.oom import ExchangeFailed, OutOfMemory, TooManyNonFiniteSteps
 from autotune.stall import StoppedWhileWaiting
 
 END = object()  # what `BatchInHand.fetch` returns after an epoch's last batch
@@ -100,7 +100,7 @@ class BatchInHand:
             exc.add_note(f"autotune: {self._describe(*self._batch)}")
             if self._waiting_since is not None and self._find_bad is not None:
                 self._name_bad_sample(exc)
-        if isinstance(exc, (OutOfMemory, ExchangeFailed, RankFailed, CheckpointFailed)):
+        if isinstance(exc, (OutOfMemory, ExchangeFailed, RankFailed, CheckpointFailed, TooManyNonFiniteSteps)):
             return None
         if self._world > 1:
             exc.add_note(f"autotune: not checkpointed (under torchrun a checkpoint needs every rank); the newest "

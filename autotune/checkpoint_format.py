@@ -5,7 +5,7 @@
      "core":     {"model", "optimizer", "optimizer_class", "scheduler", "grad_scaler", "injector"}   # step.py + the weights
      "tuning":   {"micro_batch_size", "batch_size", "reliefs", "policies", "counters"}   # Tuner.tuning_state
      "progress": {"step", "epoch", "position", "batches_done", "samples_seen", "ooms",
-                  "world", "epoch_world"}   # progress.py (the last two came later: see migrate)
+                  "world", "epoch_world", "nonfinite_steps"}   # progress.py (the last three came later: see migrate)
      "rng":      this rank's random states (+ "loader": a caller's DataLoader's position),
                  + "ranks": every rank's, in a checkpoint written under torchrun
      "host":     the host's own part (AutoTrainer: "num_workers", "evaluation", "callbacks"; {} for a Tuner)}
@@ -61,7 +61,7 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
     # The job's number of ranks came later: an older checkpoint was made by as many ranks as saved
     # random states (every rank's under torchrun), or one.
     world = len(state["rng"].get("ranks") or [None])
-    progress = {"world": world, "epoch_world": world, **state["progress"]}
+    progress = {"world": world, "epoch_world": world, "nonfinite_steps": 0, **state["progress"]}  # counted later
     core = {"optimizer_class": None, **state["core"]}  # the optimizer's class name came later
     run = state.get("run") or {"id": None}  # so did the run id
     return {**state, "run": run, "core": core, "tuning": migrate_tuning(state["tuning"]), "progress": progress,

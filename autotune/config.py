@@ -171,10 +171,11 @@ NONFINITE = ("skip", "stop")
 
 
 def check_step_options(*, precision: Any, clip_grad_norm: Any, clip_grad_value: Any, scheduler_interval: Any,
-                       compile: Any, on_nonfinite: Any = "skip") -> None:
+                       compile: Any, on_nonfinite: Any = "skip", max_nonfinite_steps: Any = None) -> None:
     """Precision, clipping, the scheduler's interval, torch.compile's options, non-finite steps."""
     if on_nonfinite not in NONFINITE:
         raise ValueError(f"on_nonfinite={on_nonfinite!r}: pass one of {', '.join(map(repr, NONFINITE))}")
+    check_int("", "max_nonfinite_steps", max_nonfinite_steps, 0, optional=True)
     if not isinstance(compile, (bool, dict)):
         raise TypeError(f"compile={compile!r}: pass True/False or a dict of torch.compile options")
     if precision not in PRECISIONS:

@@ -101,3 +101,11 @@ class NonFiniteStep(RuntimeError):
     """A batch's gradients were not finite (NaN or inf) and `on_nonfinite="stop"`: the run stops
     before the optimizer step, with the weights of the last finite step (checkpointed first by
     AutoTrainer). The message names the step; AutoTrainer's note names the batch's samples."""
+
+
+class TooManyNonFiniteSteps(NonFiniteStep):
+    """`max_nonfinite_steps` optimizer steps in a row were skipped on NaN or inf gradients (a bad
+    init, a broken data transform, a learning rate that diverged): the run trains nothing, so it
+    stops, a permanent failure (a restart from the same state meets the same NaN). The weights are
+    those of the last finite step (a skipped step never changes them), checkpointed first; the
+    message names the count, the step and the checkpoint."""

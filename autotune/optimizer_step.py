@@ -2,15 +2,16 @@
 
     step(n samples):
       the last step's late check read first (settle), where a fused optimizer left one
-      non-finite gradients: never trained on ("skip": the step is not taken, said; "stop": raise)
+      non-finite gradients: never trained on ("skip": the step is not taken, said; "stop": raise);
+        `max_nonfinite_steps` skipped in a row: the run trains nothing (`streak_reached`, batch.py stops it)
       fp16: unscale; clip the whole batch's gradient; optimizer.step(); zero_grad
       counters: step, samples seen; the scheduler when it steps per optimizer step (a wrapper that
         held the step back, as Accelerate's does between its sync steps: the samples only)
     an OOM inside optimizer.step(): kept in `failure` (a smaller micro-batch cannot help it)
 
 Owns: the optimizer, the LR scheduler, the gradient scaler, gradient clipping, the non-finite
-check before a step (finite.py's, read at once or a step late), the steps not taken (`skipped`)
-and an optimizer step's OOM (`failure`). May touch: the model's gradients (reduced over the
+check before a step (finite.py's, read at once or a step late), the steps not taken (`skipped`,
+and how many in a row) and an optimizer step's OOM (`failure`). May touch: the model's gradients (reduced over the
 ranks, zeroed), `Progress.step` and `Progress.samples_seen`. Used by step.py's attempt (with
 keep_effective_batch=False it steps every micro-batch) and by batch.py after the agreement.
 """
@@ -35,7 +36,7 @@ class OptimizerStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, *,
                  device: torch.device, ranks: Solo | Ranks, counters: Progress,
                  clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
-                 scheduler_interval: str = "step", on_nonfinite: str = "skip"):
+                 scheduler_interval: str = "step", on_nonfinite: str = "skip", max_nonfinite_steps: int | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.ranks, self.counters = device, ranks, counters
         # fp16's, set by step.py where the precision needs one (its backward scales the loss); None without
@@ -44,6 +45,9 @@ class OptimizerStep:
         self.scheduler_interval, self.on_nonfinite = scheduler_interval, on_nonfinite
         # Optimizer steps not taken since the caller last looked: (step, why, by whom).
         self.skipped: list[tuple[int, str, str]] = []
+        self.max_nonfinite_steps = max_nonfinite_steps or None  # 0 or None: no limit
+        self.nonfinite_in_a_row = 0  # steps skipped on non-finite gradients since the last one taken
+        self.steps_tried = 0  # calls of `step`: the steps a batch tried, taken or not (`streak_reached`)
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on
         self.grad_norm: torch.Tensor | None = None  # the last step's gradient norm before clipping
         self._flag = finite.flag_for(device)  # the non-finite check's, for the model's device (all_finite)
@@ -69,6 +73,7 @@ class OptimizerStep:
         a smaller micro-batch cannot help it: it is not retried. It is kept in `failure` for
         the trainer (under torchrun every rank must learn of it before anyone stops)."""
         scaler, optimizer = self.scaler, self.optimizer
+        self.steps_tried += 1
         clipping = self.clip_grad_norm is not None or self.clip_grad_value is not None
         inner_steps = self._inner_steps(optimizer)
         steps_before = inner_steps[0] if inner_steps is not None else 0
@@ -122,7 +127,9 @@ class OptimizerStep:
         owed = self.scheduler is not None and self.scheduler_interval == "step" and not self.plateau
         if late:
             self._late.taken(counters.step, samples, owed)  # its scheduler step once the check is read
-        elif owed:
+            return  # taken or not is known when the check is read (`settle`): the streak waits for it
+        self.nonfinite_in_a_row = 0
+        if owed:
             self.scheduler.step()
 
     def _inner_steps(self, optimizer: Any) -> list[int] | None:
@@ -180,7 +187,10 @@ class OptimizerStep:
         if late.found():
             self.counters.unstepped(late.samples)
             self.skipped.append((late.step, "non-finite gradients (NaN or inf)", "autotune"))
-        elif late.scheduler_owed:
+            self.nonfinite_in_a_row += 1
+            return
+        self.nonfinite_in_a_row = 0
+        if late.scheduler_owed:
             self.scheduler.step()
 
     def _gradients_finite(self) -> bool:
@@ -210,6 +220,20 @@ class OptimizerStep:
         # The batch is consumed, not trained: no step, no samples counted, no scheduler step.
         self.zero_grad()
         self.skipped.append((self.counters.step + 1, why, by))
+        self.nonfinite_in_a_row += 1
+
+    def streak_reached(self, tried_in_batch: int) -> bool:
+        """Whether `max_nonfinite_steps` steps in a row were skipped on non-finite gradients, every
+        one of the `tried_in_batch` this batch tried among them (so no part of the batch is in the
+        weights: a checkpoint now holds the last finite step at the batch's start). A check left on
+        the device that could make the count is read now (a wait for the device, only then): the
+        step it guards may have been taken, or be the last of the streak."""
+        limit = self.max_nonfinite_steps
+        late = self._late
+        if limit is None or self.nonfinite_in_a_row + (late is not None and late.pending) < limit:
+            return False  # every batch: a few reads
+        self.settle()
+        return self.nonfinite_in_a_row >= max(limit, tried_in_batch)
 
     def _clip(self) -> None:
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]

@@ -15,7 +15,8 @@ from typing import Any
 @dataclasses.dataclass
 class Progress:
     """The run's counters. The optimizer step advances `step` and `samples_seen` (when a step
-    completes); OOM recovery `ooms`; the host the position in the epoch."""
+    completes); OOM recovery `ooms` and `nonfinite_steps` (the skipped steps it journals); the
+    host the position in the epoch."""
 
     step: int = 0  # optimizer steps, across fit() calls
     epoch: int = 0  # epochs completed
@@ -23,6 +24,7 @@ class Progress:
     batches_done: int = 0  # batches of the current epoch already trained
     samples_seen: int = 0  # each sample counted once per epoch, when its optimizer step completed
     ooms: int = 0  # out-of-memory errors survived
+    nonfinite_steps: int = 0  # optimizer steps skipped on NaN or inf gradients
     world: int = 1  # ranks of the job these counters are of (`position` is each rank's: the job's is position x world)
     epoch_world: int = 1  # ranks the current epoch began on: its order is padded for them (data/sampler.py)
 
@@ -42,6 +44,10 @@ class Progress:
 
     def survived_oom(self) -> None:
         self.ooms += 1
+
+    def skipped_nonfinite(self) -> None:
+        """An optimizer step was not taken: its gradients held a NaN or an inf."""
+        self.nonfinite_steps += 1
 
     def on_ranks(self, world: int, epoch_too: bool = False) -> None:
         """The counters are of a job of `world` ranks from here (`epoch_too`: the epoch begins on them)."""
@@ -80,7 +86,8 @@ class Progress:
         loss, wall time, run folder, metrics and stop reason, as `FitResult` names them."""
         step_size = knobs.batch_size if keep_effective_batch else min(knobs.micro_batch_size, knobs.batch_size)
         return FitResult(samples_seen=self.samples_seen, steps=self.step, epochs=self.epoch, batch_size=step_size,
-                         micro_batch_size=knobs.micro_batch_size, ooms=self.ooms, **fit)
+                         micro_batch_size=knobs.micro_batch_size, ooms=self.ooms,
+                         nonfinite_steps=self.nonfinite_steps, **fit)
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -105,6 +112,7 @@ class FitResult:
     run_dir: Path
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last evaluation's ("loss", ...)
     stopped: str | None = None  # why a callback's request_stop ended the fit early
+    nonfinite_steps: int = 0  # optimizer steps skipped on NaN or inf gradients (the run's, as `ooms`)
 
     @property
     def samples_per_second(self) -> float:

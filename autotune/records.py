@@ -125,7 +125,8 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
     _kind(Kind.EVALUATE, "an evaluation", "metrics:dict samples:int micro_batch_size:int ooms:int seconds:float"),
     _kind(Kind.EVAL_OOM, "an out-of-memory error in evaluation: the same samples again, smaller",
           "micro_batch_size:int message:str"),
-    _kind(Kind.FIT_END, "a run of steps ended", f"samples_seen:int ooms:int wall_seconds:float loss:float|None "
+    _kind(Kind.FIT_END, "a run of steps ended", f"samples_seen:int ooms:int nonfinite_steps:int wall_seconds:float "
+          f"loss:float|None "
           f"metrics:dict stopped:str|None compiles:int {_FIT_FIELDS}", shown=True),
     _kind(Kind.FIT_FAILED, "a run ended by an error (the checkpoint it left, the sample that failed to load, if any)",
           "error:str samples_seen:int checkpoint:str bad_sample:dict", shown=True),

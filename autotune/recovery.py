@@ -14,9 +14,13 @@
               (a pending relief is dropped, and said so); at the smallest, the relief (checkpoint
               first); else the `out_of_memory` record, a checkpoint of the progress, OutOfMemory
 
+The other end of a batch that trains nothing: the steps skipped on NaN or inf gradients journaled
+and counted (`report_skipped`), and where `max_nonfinite_steps` came in a row, a checkpoint of
+the last finite step and TooManyNonFiniteSteps (`give_up_on_nonfinite`).
+
 Owns: the last failure's breakdown and snapshot. Touches: the model's gradients (dropped), the
 allocator (freed), the demand's room (measured again), the cadence, the knobs (rank 0's size, the
-pending relief), the counters' `ooms`, the journal. What needs the whole run (the policies told,
+pending relief), the counters' `ooms` and `nonfinite_steps`, the journal. What needs the whole run (the policies told,
 a relief carried out, a checkpoint) is the Tuner's, lent through `run.lent` (run.py).
 """
 
@@ -39,7 +43,7 @@ from autotune.losses import Losses
 from autotune.memory import describe_memory, free_memory
 from autotune.memory_history import AllocationHistory
 from autotune.notices import warn
-from autotune.oom import OutOfMemory
+from autotune.oom import OutOfMemory, TooManyNonFiniteSteps
 from autotune.optimizer_step import OptimizerStep
 from autotune.records import Kind
 from autotune.run import Run
@@ -166,6 +170,7 @@ class OOMRecovery:
     def report_skipped(self, losses: Losses | None, keep_effective_batch: bool) -> None:
         """Journal the optimizer steps not taken on non-finite gradients, and tell the user once."""
         for step, why, by in self.stepper.skipped:
+            self.counters.skipped_nonfinite()
             self.journal.write(Kind.NONFINITE, self.counters.step, self.counters.epoch, at_step=step, error=why,
                                action=f"optimizer step skipped by {by}")
             warn(f"{why} at step {step}: the optimizer step was skipped by {by} (its samples are not counted as "
@@ -173,6 +178,22 @@ class OOMRecovery:
         self.stepper.skipped.clear()
         if losses is not None and keep_effective_batch:
             losses.parts.clear()  # a skipped batch's loss is not the epoch's
+
+    def give_up_on_nonfinite(self, losses: Losses | None, keep_effective_batch: bool) -> NoReturn:
+        """`max_nonfinite_steps` steps in a row skipped (`OptimizerStep.streak_reached`, every rank
+        alike: the ranks agree on each check): the weights are the last finite step's, so they are
+        checkpointed, and the run stops. A skip read just now (a fused optimizer's) is journaled first."""
+        self.report_skipped(losses, keep_effective_batch)
+        in_a_row, limit = self.stepper.nonfinite_in_a_row, self.stepper.max_nonfinite_steps
+        path = self.lent.checkpoint("nonfinite")
+        saved = (f"The weights of the last finite step (step {self.counters.step}) are in the checkpoint {path}"
+                 if path is not None else f"No checkpoint was written now (said above); the newest in "
+                 f"{self.run_dir / 'checkpoints'}, if any, is the one to resume from")
+        raise TooManyNonFiniteSteps(
+            f"{in_a_row} optimizer steps in a row were skipped on non-finite gradients (NaN or inf), "
+            f"max_nonfinite_steps={limit}: the run trains nothing, so it stopped ({self.counters.nonfinite_steps} "
+            f"skipped in all, every one in the run's journal). {saved}; fix the cause (the loss, the data, the "
+            "learning rate) and continue with fit(..., resume=True), or raise max_nonfinite_steps")
 
 
 def read_at_failure(demand: StepDemand, history: AllocationHistory | None, model: nn.Module,

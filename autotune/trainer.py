@@ -84,7 +84,7 @@ class AutoTrainer:
                  eval_batch_size: int | None = None, metrics: Mapping[str, Metric] | None = None,
                  callbacks: Sequence[Any] | None = None, compile: bool | dict[str, Any] = False,
                  memory_snapshot: bool | int = False, shard: bool = False, on_nonfinite: str = "skip",
-                 data_stall_seconds: float | None = None):
+                 max_nonfinite_steps: int | None = 50, data_stall_seconds: float | None = None):
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("pass exactly one of loss_fn(outputs, targets) or step_fn(model, micro_batch)")
         check_run_limits(checkpoint_every=checkpoint_every, checkpoint_interval=checkpoint_interval, seed=seed,
@@ -111,6 +111,7 @@ class AutoTrainer:
                            monitor=monitor, monitor_interval=monitor_interval, tensorboard=tensorboard,
                            inject_oom=inject_oom, seed=seed, compile=compile, progress=progress,
                            memory_snapshot=memory_snapshot, shard=shard, on_nonfinite=on_nonfinite,
+                           max_nonfinite_steps=max_nonfinite_steps,
                            _wiring=Wiring(host=self, ranks=ranks, counters=self.counters))
         self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
         self.is_main = ranks.is_main

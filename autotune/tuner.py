@@ -64,6 +64,7 @@ from autotune.knobs import Knobs
 from autotune.memory import one_arena_under_an_address_space_cap, warm_up_oom_path
 from autotune.memory_history import AllocationHistory
 from autotune.monitor.link import MonitorLink
+from autotune.notices import warn
 from autotune.policy import Policy
 from autotune.presets import resolve_policies
 from autotune.optimizer_step import OptimizerStep
@@ -98,11 +99,13 @@ class Tuner:
                  monitor: bool = True, monitor_interval: float = 0.5, tensorboard: bool | str | Path = False,
                  inject_oom: float | None = None, seed: int = 0, compile: bool | dict[str, Any] = False,
                  reliefs: bool = True, progress: bool = False, memory_snapshot: bool | int = False,
-                 shard: bool = False, on_nonfinite: str = "skip", _wiring: Wiring = Wiring()):
+                 shard: bool = False, on_nonfinite: str = "skip", max_nonfinite_steps: int | None = 50,
+                 _wiring: Wiring = Wiring()):
         check_tuner_arguments(model=model, loss_fn=loss_fn, step_fn=step_fn, micro_batch_size=micro_batch_size,
                               batch_size=batch_size, memory_snapshot=memory_snapshot, precision=precision,
                               clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                              scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite)
+                              scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite,
+                              max_nonfinite_steps=max_nonfinite_steps)
         one_arena_under_an_address_space_cap()  # before any thread of ours allocates
         host, ranks, counters, owns_optimizer = _wiring.host, _wiring.ranks, _wiring.counters, _wiring.owns_optimizer
         self.ranks = ranks if ranks is not None else from_environment()
@@ -127,7 +130,8 @@ class Tuner:
         self.stepper = OptimizerStep(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
                                      device=self.device, ranks=self.ranks, counters=self.counters,
                                      clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                                     scheduler_interval=scheduler_interval, on_nonfinite=on_nonfinite)
+                                     scheduler_interval=scheduler_interval, on_nonfinite=on_nonfinite,
+                                     max_nonfinite_steps=max_nonfinite_steps)
         self.core = StepCore(self.model, self.stepper, loss_fn=loss_fn, step_fn=step_fn, split_fn=split_fn,
                              device=self.device, backward_fn=_wiring.backward_fn, ranks=self.ranks,
                              keep_effective_batch=keep_effective_batch, inject_oom=injection_rate(inject_oom),
@@ -363,9 +367,14 @@ class Tuner:
                                error=f"{type(error).__name__}: {error}"[:500], **fit_end)
         self.settle()
         if error is None:
+            skipped = self.counters.nonfinite_steps
             self.journal.write(Kind.FIT_END, self.step_count, self.counters.epoch, samples_seen=self.samples_seen,
-                               ooms=self.ooms, micro_batch_size=self.knobs.micro_batch_size,
+                               ooms=self.ooms, nonfinite_steps=skipped, micro_batch_size=self.knobs.micro_batch_size,
                                **(fit_end or {"tuner": True}))
+            if skipped:  # the first skip was said when it came; how many in all, at the end
+                warn(f"{skipped} optimizer step{'s' if skipped > 1 else ''} of this run skipped on non-finite "
+                     f"gradients (NaN or inf): not trained on; {self.samples_seen} samples trained",
+                     key=f"nonfinite total {skipped} {self.run_dir}")
             self.fire(Event.FIT_END)
         self.monitor_link.stop(wait=False)  # signalled, not waited for (reaped at close)
         self.log.flush()

@@ -116,3 +116,40 @@ def test_a_model_that_draws_nothing_stops_keeping_the_random_streams(tmp_path):
             for _ in range(3):
                 tuner.step((torch.randn(8, 4), torch.randn(8, 1)))
             assert tuner.core.rewind.streams_move is draws
+
+
+def test_a_batchnorm_in_eval_at_first_and_trained_later_is_rewound_too(tmp_path):
+    # A frozen backbone (its BatchNorm in eval mode) unfrozen after two steps. The first attempt saw
+    # its statistics stand still, and BatchNorm's kernel writes them without moving their in-place
+    # version: only the rule that keeps every norm's buffers watched puts back what a failed
+    # attempt wrote. The batch runs in one piece, so BatchNorm updates them itself in the forward.
+    def train(fail_at=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+        model[1].eval()
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)) for _ in range(5)]
+        failed = []
+
+        def step_fn(module, micro):
+            x, y = micro
+            out = module(x)  # the running statistics written, then the failure
+            if tuner.step_count == fail_at and not failed:
+                failed.append(True)
+                torch.empty(1 << 62, dtype=torch.uint8)  # DefaultCPUAllocator: can't allocate memory
+            return nn.functional.mse_loss(out, y)
+
+        with Tuner(model, torch.optim.SGD(model.parameters(), lr=0.1), step_fn=step_fn, device="cpu",
+                   run_dir=tmp_path / f"run{fail_at}", monitor=False, policies=None) as tuner:
+            tuner.recovery.retries_same_size = True  # the retry at the same size (CUDA's default)
+            for i, batch in enumerate(batches):
+                if i == 2:
+                    model[1].train()  # unfrozen
+                tuner.step(batch)
+            assert tuner.ooms == (fail_at is not None)
+        return model
+
+    plain, retried = train(), train(fail_at=3)
+    assert int(plain[1].num_batches_tracked) == 3
+    for (name, a), b in zip(plain.state_dict().items(), retried.state_dict().values()):
+        assert torch.equal(a, b), name
