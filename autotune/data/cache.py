@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from autotune.snapshot import InputProfile
-from autotune.stale import remove_stale_shared_memory, shared_memory_dir
+from autotune.stale import create_claimed, remove_stale_shared_memory, shared_memory_dir
 
 _HEADER = 8  # int64 slots: [bytes used, full, hits, misses, entries, ...spare]
 _USED, _FULL, _HITS, _MISSES, _ENTRIES = range(5)
@@ -228,7 +228,7 @@ class SampleCache:
         folder = Path(directory or _shm_dir())
         remove_stale_shared_memory(folder)  # what killed runs left
         self.path = folder / f"autotune-cache-{os.getpid()}-{secrets.token_hex(4)}"
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._claim, fd = create_claimed(self.path)  # held while it lives: no sweep, in any PID namespace, removes it
         try:
             os.ftruncate(fd, self._data_start + self.budget)  # sparse: pages are used only once written
         finally:
@@ -311,6 +311,7 @@ class SampleCache:
             self._mm.close()
         if os.getpid() == self._owner:
             self.path.unlink(missing_ok=True)
+            self._claim.release()
 
 
 class CachedDataset(Dataset):

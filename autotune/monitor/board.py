@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 
 from autotune.snapshot import DeviceSample
-from autotune.stale import shared_memory_dir
+from autotune.stale import create_claimed, shared_memory_dir
 
 _MAGIC = 0x41544D31  # "ATM1"
 _HEADER = struct.Struct("<IIQ")  # magic, layout version, sequence number
@@ -46,8 +46,8 @@ class Board:
 
     def __init__(self, path: Path, create: bool = False):
         self.path = Path(path)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
+        # Its maker claims it while it lives (stale.py): no sweep, in any PID namespace, removes it.
+        self._claim, fd = create_claimed(self.path) if create else (None, os.open(self.path, os.O_RDWR))
         try:
             if create:
                 os.ftruncate(fd, SIZE)
@@ -111,3 +111,5 @@ class Board:
         self._map.close()
         if unlink:
             self.path.unlink(missing_ok=True)
+        if self._claim is not None:
+            self._claim.release()
