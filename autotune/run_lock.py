@@ -219,7 +219,9 @@ def _acquire(run_dir: Path, key: str) -> _Hold:
         if file_taken is False:  # an autotune from before the folder's own lock holds it
             raise _refusal(run_dir, _holder(run_dir))
         hold.lock_flocked = file_taken is True
-        previous = _read(run_dir / LOCK_NAME)
+        # Read through the locked descriptor: on NFS an flock is a POSIX lock, which closing any other
+        # descriptor of the file in this process would let go of.
+        previous = os.pread(hold.lock_fd, 200, 0).decode(errors="replace").strip()
         if hold.dir_fd is None and not hold.lock_flocked:
             warn(f"{run_dir}: this filesystem does not lock files (flock: {file_taken}); the run folder is held by "
                  f"a PID file instead, {run_dir / PID_NAME}, which a process on this host only takes once its "
