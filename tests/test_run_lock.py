@@ -307,3 +307,32 @@ def test_a_run_whose_folder_is_moved_stops_before_writing_a_checkpoint_into_the_
     trainer.close()
     assert [p.name for p in (tmp_path / "moved" / "checkpoints").glob("step-*.pt")] == ["step-000000002.pt"]
     assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").iterdir())
+
+
+def test_without_flock_of_processes_starting_at_once_one_takes_the_folder(tmp_path):
+    # The PID file is made whole by a hard link, and a dead holder's is moved aside and checked to be
+    # the one read before it is replaced: never two holders, whichever order the calls interleave in.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / PID_NAME).write_text(f"{_dead_pid()} {socket.gethostname()} \n")  # killed: to be taken over
+    ready = [tmp_path / f"ready{i}" for i in range(4)]
+    starts = [subprocess.Popen([sys.executable, "-c", LIGHT_HOLDER, str(run_dir), str(r), "no flock"],
+                               stderr=subprocess.PIPE, text=True) for r in ready]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(r.exists() or p.poll() is not None for p, r in zip(starts, ready)):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        (holder,) = [p for p, r in zip(starts, ready) if r.exists()]
+        for refused in (p for p in starts if p is not holder):
+            assert refused.wait() == 1 and "RunDirInUse" in refused.stderr.read()
+        assert (run_dir / PID_NAME).read_text().split()[0] == str(holder.pid)
+    finally:
+        for p in starts:
+            p.kill()
+            p.wait()
+
+
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
