@@ -4,7 +4,8 @@ sample boards and the sample caches in /dev/shm (`autotune-<pid>-<hex>.board`,
 once that process is gone, and never while it lives (this process's own included).
 
 A board or a cache is claimed by its maker from its first moment to its removal
-(`create_claimed`: a shared flock, taken before the file has the name a sweep looks for). A PID
+(`create_claimed`: a shared flock, taken under a name a sweep leaves alone for a minute, before the
+file has its own). A PID
 says nothing across PID namespaces (containers that share /dev/shm but not PIDs, `--ipc=host`),
 but the kernel drops a dead process's flocks in any namespace: a claimed file stays, whatever its
 name's PID; an unclaimed one goes when its PID is not running here, or runs here without the file
@@ -36,6 +37,7 @@ import re
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 BOARD = re.compile(r"^autotune-(\d+)-[0-9a-f]+\.board$")
@@ -151,17 +153,25 @@ def _unclaimed(path: Path, pid: int) -> bool:
         os.close(fd)
 
 
-def remove_stale(folder: Path, pattern: re.Pattern[str], claimed: bool = False) -> int:
+def _older_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime > seconds
+    except FileNotFoundError:
+        return False
+
+
+def remove_stale(folder: Path, pattern: re.Pattern[str], claimed: bool = False, min_age: float = 0.0) -> int:
     """Remove the files in `folder` whose name matches `pattern` and whose pid (its first group) is
     not running (`claimed`: files made by `create_claimed`, which stay while claimed, see the
-    module docstring); returns how many went. Another user's file, which this user may not remove
-    (/dev/shm is sticky), is left to its owner's next sweep."""
+    module docstring; `min_age`: and last changed that many seconds ago); returns how many went.
+    Another user's file, which this user may not remove (/dev/shm is sticky), is left to its
+    owner's next sweep."""
     removed = 0
     if not folder.is_dir():
         return removed
     for path in folder.iterdir():
         match = pattern.match(path.name)
-        if not match:
+        if not match or (min_age and not _older_than(path, min_age)):
             continue
         pid = int(match.group(1))
         if _unclaimed(path, pid) if claimed else not alive(pid):
@@ -176,7 +186,9 @@ def remove_stale(folder: Path, pattern: re.Pattern[str], claimed: bool = False) 
 def remove_stale_shared_memory(folder: Path | None = None) -> int:
     """The sample boards and caches no live process claims (kill -9, a stuck run's SIGTERM); how many went."""
     folder = shared_memory_dir() if folder is None else folder
-    return sum(remove_stale(folder, pattern, claimed=True) for pattern in (BOARD, CACHE, MADE))
+    # One being made is claimed a moment after it is: a minute old, its maker was killed in between.
+    return (remove_stale(folder, BOARD, claimed=True) + remove_stale(folder, CACHE, claimed=True)
+            + remove_stale(folder, MADE, claimed=True, min_age=60.0))
 
 
 _PR_SET_PDEATHSIG = 1

@@ -79,9 +79,12 @@ def test_a_dead_processs_boards_and_caches_go_and_a_live_ones_stay(tmp_path):
                  "someone-elses"]
         for name in names:
             (tmp_path / name).write_bytes(b"x")
-        assert remove_stale_shared_memory(tmp_path) == 5  # the third: killed while it was being made
+        (tmp_path / f".autotune-{dead}-00ff.board.new").write_bytes(b"x")  # being made: claimed a moment later
+        os.utime(tmp_path / names[2], (time.time() - 61,) * 2)
+        assert remove_stale_shared_memory(tmp_path) == 5  # the third: killed while it was being made, a minute ago
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-            names[5:] + [f"autotune-{mapping.pid}-00ff.board", f"autotune-cache-{mapping.pid}-00ff"])
+            names[5:] + [f"autotune-{mapping.pid}-00ff.board", f"autotune-cache-{mapping.pid}-00ff",
+                         f".autotune-{dead}-00ff.board.new"])
     finally:
         for process in (idle, mapping):
             process.kill()
