@@ -4,13 +4,13 @@ sample boards and the sample caches in /dev/shm (`autotune-<pid>-<hex>.board`,
 once that process is gone, and never while it lives (this process's own included).
 
 A board or a cache is claimed by its maker from its first moment to its removal
-(`create_claimed`: a shared flock, taken under a name a sweep leaves alone for a minute, before the
-file has its own). A PID
-says nothing across PID namespaces (containers that share /dev/shm but not PIDs, `--ipc=host`),
-but the kernel drops a dead process's flocks in any namespace: a claimed file stays, whatever its
-name's PID; an unclaimed one goes when its PID is not running here, or runs here without the file
-mapped (another namespace's file whose PID a process here has; an autotune from before the claims
-maps its board and cache for as long as it uses them). Where flock does not work, the PID decides.
+(`create_claimed`: a shared flock, taken under a name a sweep leaves alone for a minute, before
+the file has its own). A PID says nothing across PID namespaces (containers that share /dev/shm
+but not PIDs, `--ipc=host`), but the kernel drops a dead process's flocks in any namespace: a
+claimed file stays, whatever its name's PID; an unclaimed one goes when its PID is not running
+here, or runs here without the file mapped (another namespace's file whose PID a process here
+has; an autotune from before the claims maps its board and cache for as long as it uses them).
+Where flock does not work, the PID decides.
 
     alive(pid)                       whether a process is running (someone else's counts)
     create_claimed(path)             a new file, claimed: (its Claim, a descriptor to use and close)
