@@ -133,10 +133,9 @@ def test_another_users_file_is_left_to_them_not_a_crash(tmp_path):
         name = f"autotune-cache-{_dead_pid()}-00ff"
         (folder / name).write_bytes(b"x")
         os.chmod(folder / name, 0o600)
-        sweep = subprocess.run([sys.executable, "-c", "import os, sys\nfrom pathlib import Path\n"
-                                "from autotune.stale import remove_stale_shared_memory\nos.setuid(65534)\n"
-                                "print(remove_stale_shared_memory(Path(sys.argv[1])))", str(folder)],
-                               capture_output=True, text=True, timeout=60)
+        script = ("import os, sys\nfrom pathlib import Path\nfrom autotune.stale import remove_stale_shared_memory\n"
+                  "os.setuid(65534)\nprint(remove_stale_shared_memory(Path(sys.argv[1])))")
+        sweep = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, timeout=60)
         assert sweep.returncode == 0 and sweep.stdout == "0\n", sweep.stderr
         assert (folder / name).exists()
     finally:
