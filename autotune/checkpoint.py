@@ -50,6 +50,7 @@ from autotune.memory import start_with_small_stack
 from autotune.notices import info, warn
 from autotune.preemption import Preempted
 from autotune.records import Kind
+from autotune.run_lock import still_held
 from autotune.same_run import FRESH_FIT, AnotherRunsCheckpoints, another_runs_checkpoints, run_id_of
 from autotune.stale import remove_stale
 from autotune.sharded_checkpoint import REST, read_rest, read_shards, split, write_shards
@@ -371,6 +372,8 @@ class Checkpointer:
         its journal line says `background` and the seconds of taking it; a write that fails adds
         a `checkpoint_failed` line. A sharded model's checkpoint is written by every rank, and
         synchronously."""
+        if self.ranks.is_main and not still_held(self.store.folder.parent):
+            return None  # the run folder is another's now: RunDirLost was raised when that was found
         sharded = self.ranks.job.writes_shards
         try:
             if sharded and self.ranks.is_main:  # before the gather: no rank writes there yet

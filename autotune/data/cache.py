@@ -50,7 +50,7 @@ from torch.utils.data import Dataset, Subset
 from autotune.notices import warn
 from autotune.shared_memory import NoRoom, no_room, reserve
 from autotune.snapshot import InputProfile
-from autotune.stale import remove_stale_shared_memory, shared_memory_dir
+from autotune.stale import create_claimed, remove_stale_shared_memory, shared_memory_dir
 from autotune.units import format_bytes
 
 _HEADER = 8  # int64 slots: [bytes used, full, hits, misses, entries, bytes reserved, no room, spare]
@@ -250,7 +250,7 @@ class SampleCache:
             raise kind(exc.errno, f"the cache's lock (a POSIX semaphore, in /dev/shm) could not be made: "
                                   f"{exc.strerror}") from exc
         self._owner = os.getpid()
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._claim, fd = create_claimed(self.path)  # held while it lives: no sweep, in any PID namespace, removes it
         reserved = min(self.budget, GROW_BYTES)
         try:
             try:
@@ -262,6 +262,7 @@ class SampleCache:
             self._map()
         except BaseException:
             self.path.unlink(missing_ok=True)  # a cache that could not be made leaves no file
+            self._claim.release()
             raise
         self._counts[_RESERVED] = reserved
 
@@ -360,6 +361,7 @@ class SampleCache:
             self._mm.close()
         if os.getpid() == self._owner:
             self.path.unlink(missing_ok=True)
+            self._claim.release()
 
 
 class CachedDataset(Dataset):

@@ -23,7 +23,7 @@ from pathlib import Path
 from autotune.notices import warn
 from autotune.shared_memory import reserve
 from autotune.snapshot import DeviceSample
-from autotune.stale import BOARD, remove_stale, shared_memory_dir
+from autotune.stale import BOARD, create_claimed, remove_stale, shared_memory_dir
 
 _MAGIC = 0x41544D31  # "ATM1"
 _HEADER = struct.Struct("<IIQ")  # magic, layout version, sequence number
@@ -53,7 +53,7 @@ def create_board(fallback: Path | None = None) -> Board:
     the `fallback` folder (the run folder), said once on stderr. Raises OSError when neither can
     hold it (or there is no fallback)."""
     if fallback is not None:
-        remove_stale(fallback, BOARD)  # what earlier runs, killed, left in the run folder
+        remove_stale(fallback, BOARD, claimed=True)  # what earlier runs, killed, left in the run folder
     try:
         return Board(default_path(), create=True)
     except OSError as exc:
@@ -73,8 +73,8 @@ class Board:
 
     def __init__(self, path: Path, create: bool = False):
         self.path = Path(path)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
+        # Its maker claims it while it lives (stale.py): no sweep, in any PID namespace, removes it.
+        self._claim, fd = create_claimed(self.path) if create else (None, os.open(self.path, os.O_RDWR))
         try:
             if create:
                 os.ftruncate(fd, SIZE)
@@ -85,6 +85,7 @@ class Board:
         except BaseException:
             if create:
                 self.path.unlink(missing_ok=True)  # a board that could not be made leaves no file
+                self._claim.release()
             raise
         finally:
             os.close(fd)
@@ -143,3 +144,5 @@ class Board:
         self._map.close()
         if unlink:
             self.path.unlink(missing_ok=True)
+        if self._claim is not None:
+            self._claim.release()
