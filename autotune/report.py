@@ -239,7 +239,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     records of their kind; `counts` has how many there were in all."""
     # A checkpoint this process is still writing: its journal line comes when it is on disk. (Asked
     # without importing torch: if nothing imported the checkpoint module, nothing is being written.)
-    checkpoint = sys.modules.get("autotune.checkpoint")
+    checkpoint = sys.modules.get("autotune.checkpoint_files")
     if checkpoint is not None:
         checkpoint.wait_for_writes()
     run_dir = Path(run_dir)

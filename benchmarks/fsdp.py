@@ -121,7 +121,7 @@ def worker(rounds: int, out: str) -> None:
 
     def checkpoint_seconds() -> dict[str, float]:
         # One checkpoint of the model and its optimizer state, five times each way, alternating.
-        from autotune.checkpoint import Checkpoints
+        from autotune.checkpoint_files import Checkpoints
         from autotune.sharded import full_state, sharded_state
 
         net = sharded_model()

@@ -243,7 +243,7 @@ def short_run(loop: str, data: TensorDataset, run_dir: Path) -> tuple[float, flo
     trainer.fit(epochs=2)
     wall = time.perf_counter() - start
     trainer.close()
-    from autotune.checkpoint import wait_for_writes
+    from autotune.checkpoint_files import wait_for_writes
     from autotune.journal import read_journal
 
     wait_for_writes()

@@ -65,7 +65,7 @@ def skip_if_uncalibrated(result: dict | None) -> None:
 def journal(run_dir: Path) -> list[dict]:
     """The run's journal records, once any checkpoint this process writes in the background is on disk
     (its line is written then)."""
-    from autotune.checkpoint import wait_for_writes
+    from autotune.checkpoint_files import wait_for_writes
     from autotune.journal import read_journal
 
     wait_for_writes()

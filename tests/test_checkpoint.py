@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from autotune.checkpoint import Checkpoints
+from autotune.checkpoint_files import Checkpoints
 from autotune.rng import rng_state, set_rng_state
 
 
@@ -63,7 +63,7 @@ class HeldWrites:
     def __init__(self, monkeypatch, fail: Exception | None = None):
         import threading
 
-        import autotune.checkpoint as module
+        import autotune.checkpoint_files as module
 
         self.door, self.fail, self.main = threading.Event(), fail, threading.current_thread()
         real = module._write_atomically

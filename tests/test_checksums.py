@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from autotune import AutoTrainer
-from autotune.checkpoint import Checkpoints
+from autotune.checkpoint_files import Checkpoints
 from autotune.checksums import MANIFEST, ChecksumMismatch, verify
 from autotune.distributed import Solo
 from tests.conftest import journal

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from autotune import AnotherRunsCheckpoints, AutoTrainer, CheckpointMismatch
-from autotune.checkpoint import Checkpoints
+from autotune.checkpoint_files import Checkpoints
 from tests.conftest import journal
 
 

@@ -5,7 +5,8 @@ are tested here; two ranks writing their own shards and resuming are in test_sha
 import pytest
 import torch
 
-from autotune.checkpoint import Checkpointer, Checkpoints
+from autotune.checkpoint import Checkpointer
+from autotune.checkpoint_files import Checkpoints
 from autotune.distributed import Solo
 from autotune.sharded_checkpoint import IN_DCP, REST, join, split
 

@@ -38,7 +38,7 @@ trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_si
 trainer.fit(max_steps=1)  # one warm-up step, as a new user would have run
 # Its end checkpoint is written in the background from a copy of the state (128 MiB): on a busy
 # machine still in memory here, and freed under the cap, which the step would then fit in.
-from autotune.checkpoint import wait_for_writes
+from autotune.checkpoint_files import wait_for_writes
 wait_for_writes()
 before = {k: v.clone() for k, v in model.state_dict().items()}
 cap_address_space(60 * 2**20)
