@@ -62,7 +62,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from pathlib import Path
 
-        from autotune.report import plot_timeline
+        from autotune.report_plot import plot_timeline
 
         out = Path(args.plot) if args.plot else Path(args.run_dir) / "timeline.png"
         plot_timeline(args.run_dir, out)

@@ -144,7 +144,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"  run dir             {result.run_dir} (journal: events.jsonl)")
     if device.type == "cpu":
         lift_address_space_cap()  # the cap was for training; drawing needs matplotlib's own memory
-    from autotune.report import plot_timeline
+    from autotune.report_plot import plot_timeline
 
     plot_timeline(result.run_dir)
     print(f"  timeline            {result.run_dir / 'timeline.png'} (autotune report {result.run_dir} for the details)")

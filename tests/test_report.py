@@ -135,7 +135,7 @@ def test_an_empty_run_and_a_folder_that_is_not_a_run(tmp_path, capsys):
 
 
 def test_the_timeline_plot_is_a_png_with_the_expected_axes(run_with_ooms, tmp_path, capsys):
-    from autotune.report import plot_timeline
+    from autotune.report_plot import plot_timeline
 
     out = tmp_path / "timeline.png"
     fig = plot_timeline(run_with_ooms, out)
