@@ -3,6 +3,9 @@
     step(n samples):
       the last step's late check read first (settle), where a fused optimizer left one
       non-finite gradients: never trained on ("skip": the step is not taken, said; "stop": raise);
+        the buffers the batch's forward wrote put back (`on_skip`: rewind.py's), BatchNorm's running
+        statistics with them, except where the check is read a step late (by then the next
+        batch's forward has run over the copies: the word says they stay);
         `max_nonfinite_steps` skipped in a row: the run trains nothing (`streak_reached`, batch.py stops it)
       fp16: unscale; clip the whole batch's gradient; optimizer.step(); zero_grad
       counters: step, samples seen; the scheduler when it steps per optimizer step (a wrapper that
@@ -12,12 +15,14 @@
 Owns: the optimizer, the LR scheduler, the gradient scaler, gradient clipping, the non-finite
 check before a step (finite.py's, read at once or a step late), the steps not taken (`skipped`,
 and how many in a row) and an optimizer step's OOM (`failure`). May touch: the model's gradients (reduced over the
-ranks, zeroed), `Progress.step` and `Progress.samples_seen`. Used by step.py's attempt (with
+ranks, zeroed), `Progress.step` and `Progress.samples_seen`; the model's buffers only through
+`on_skip`, on a skip. Used by step.py's attempt (with
 keep_effective_batch=False it steps every micro-batch) and by batch.py after the agreement.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +33,9 @@ from autotune import finite
 from autotune.distributed import Ranks, Solo
 from autotune.oom import NonFiniteStep, is_oom, oom_message
 from autotune.progress import Progress
+
+BUFFERS_PUT_BACK = "; the model's buffers put back as before the batch"
+BUFFERS_KEPT = "; the model's buffers keep what its forward wrote (the check was read a step late)"
 
 
 class OptimizerStep:
@@ -43,8 +51,12 @@ class OptimizerStep:
         self.scaler: torch.amp.GradScaler | None = None
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
         self.scheduler_interval, self.on_nonfinite = scheduler_interval, on_nonfinite
-        # Optimizer steps not taken since the caller last looked: (step, why, by whom).
-        self.skipped: list[tuple[int, str, str]] = []
+        # Optimizer steps not taken since the caller last looked: (step, why, by whom, what of the
+        # model's buffers: "" where it has none that moved, else one of BUFFERS_PUT_BACK, BUFFERS_KEPT).
+        self.skipped: list[tuple[int, str, str, str]] = []
+        # Puts back the buffers the skipped batch's forward wrote, whether there were any (step.py hands
+        # rewind.py's `restore_buffers`); None: nothing to put back.
+        self.on_skip: Callable[[], bool] | None = None
         self.max_nonfinite_steps = max_nonfinite_steps or None  # 0 or None: no limit
         self.nonfinite_in_a_row = 0  # steps skipped on non-finite gradients since the last one taken
         self.steps_tried = 0  # calls of `step`: the steps a batch tried, taken or not (`streak_reached`)
@@ -84,8 +96,10 @@ class OptimizerStep:
         if scaler is None and not late and not self._gradients_finite():
             # Never trained on: the weights stay those of the last finite step.
             if self.on_nonfinite == "stop":
+                # The checkpoint of the last finite step comes next: its buffers too, not the NaN batch's.
+                buffers = self._put_back_buffers()
                 raise NonFiniteStep(f"non-finite gradients (NaN or inf) at step {self.counters.step + 1}: "
-                                    "stopped before the optimizer step (on_nonfinite='stop')")
+                                    f"stopped before the optimizer step (on_nonfinite='stop'){buffers}")
             self._skip("non-finite gradients (NaN or inf)", "autotune")
             return
         try:
@@ -186,7 +200,10 @@ class OptimizerStep:
             return
         if late.found():
             self.counters.unstepped(late.samples)
-            self.skipped.append((late.step, "non-finite gradients (NaN or inf)", "autotune"))
+            # The copies of the buffers from before that batch were taken over by this one's keep:
+            # what its forward wrote (a NaN running mean) stays, and is said.
+            kept = BUFFERS_KEPT if next(self.model.buffers(), None) is not None else ""
+            self.skipped.append((late.step, "non-finite gradients (NaN or inf)", "autotune", kept))
             self.nonfinite_in_a_row += 1
             return
         self.nonfinite_in_a_row = 0
@@ -219,8 +236,13 @@ class OptimizerStep:
     def _skip(self, why: str, by: str) -> None:
         # The batch is consumed, not trained: no step, no samples counted, no scheduler step.
         self.zero_grad()
-        self.skipped.append((self.counters.step + 1, why, by))
+        self.skipped.append((self.counters.step + 1, why, by, self._put_back_buffers()))
         self.nonfinite_in_a_row += 1
+
+    def _put_back_buffers(self) -> str:
+        # A skipped step leaves no trace: the buffers its batch's forward (and norm_stats.py's fold
+        # of a split batch, which ran before this check) wrote go back to what they were before it.
+        return BUFFERS_PUT_BACK if self.on_skip is not None and self.on_skip() else ""
 
     def streak_reached(self, tried_in_batch: int) -> bool:
         """Whether `max_nonfinite_steps` steps in a row were skipped on non-finite gradients, every

@@ -169,12 +169,12 @@ class OOMRecovery:
 
     def report_skipped(self, losses: Losses | None, keep_effective_batch: bool) -> None:
         """Journal the optimizer steps not taken on non-finite gradients, and tell the user once."""
-        for step, why, by in self.stepper.skipped:
+        for step, why, by, buffers in self.stepper.skipped:
             self.counters.skipped_nonfinite()
             self.journal.write(Kind.NONFINITE, self.counters.step, self.counters.epoch, at_step=step, error=why,
-                               action=f"optimizer step skipped by {by}")
+                               action=f"optimizer step skipped by {by}{buffers}")
             warn(f"{why} at step {step}: the optimizer step was skipped by {by} (its samples are not counted as "
-                 "trained; every one is in the run's journal)", key=f"nonfinite {by} {self.run_dir}")
+                 f"trained; every one is in the run's journal){buffers}", key=f"nonfinite {by} {self.run_dir}")
         self.stepper.skipped.clear()
         if losses is not None and keep_effective_batch:
             losses.parts.clear()  # a skipped batch's loss is not the epoch's

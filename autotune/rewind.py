@@ -5,6 +5,8 @@ buffers a forward updates, so that the retry runs as if the failed attempt never
                 and the device's, and a copy of each buffer a forward changes (BatchNorm's running
                 statistics and `num_batches_tracked`, any buffer written in place)
     restore()   after a failed attempt, before its retry: all of them as kept
+    restore_buffers()  after an attempt whose optimizer step was skipped on non-finite gradients:
+                the buffers only (a NaN batch's running statistics, norm_stats.py's fold too)
 
 A run whose OOMs are retried at the same split is then bit-equal to one without them: the retry's
 dropout masks are the ones the failed attempt drew, and running statistics are updated once per
@@ -21,8 +23,16 @@ written later for the first time (its in-place version moved) joins them at the 
 BatchNorm's kernels write the running statistics without moving that version, which is why the
 first attempt compares values. `forget()`: a relief changed the model's modules; learn again.
 
+A skipped step's batch is consumed, not retried, so `restore_buffers` leaves the random streams
+where the attempt left them: rewinding them would only hand its dropout masks to the next batch,
+and a loop that checks its own gradients and skips the step (the reference a user has) draws them
+too. The buffers are what must go back: a NaN sample leaves NaN running statistics for good (every
+later checkpoint refused, evaluation broken) though the weights never saw it.
+
 Owns: the copies and the kept streams. Touches: the model's buffers and the random streams, only
-in `restore`. Used by step.py (keep) and batch.py (restore, once every rank agreed an attempt failed).
+in `restore` (the buffers in `restore_buffers`). Used by step.py (keep; it hands `restore_buffers`
+to the optimizer step, which calls it on a skip) and batch.py (restore, once every rank agreed an
+attempt failed).
 """
 
 from __future__ import annotations
@@ -102,6 +112,16 @@ class Rewind:
         if self._watched:
             torch._foreach_copy_(self._watched, self._copies)
         self._restored = True  # learning waits for an attempt that runs to its end
+
+    def restore_buffers(self) -> bool:
+        """After an attempt whose optimizer step was skipped (non-finite gradients): the changing
+        buffers as `keep` found them; the random streams stay as they are (see the module
+        docstring). Whether there were any to put back."""
+        if not self._watched:
+            return False  # none a forward writes
+        torch._foreach_copy_(self._watched, self._copies)
+        self._restored = True  # as after `restore`: values put back teach nothing of what moves
+        return True
 
     def forget(self) -> None:
         """The model's modules changed (a relief): its buffers, and whether it draws, learned again."""

@@ -124,6 +124,7 @@ class StepCore:
         self.on_failure: Callable[[], None] | None = None
         self._parameters: tuple[nn.Parameter, ...] | None = None  # the model's, walked once (see `parameters`)
         self.rewind = Rewind(model, device)  # the random streams and buffers an attempt changes, kept before it
+        stepper.on_skip = self.rewind.restore_buffers  # a step skipped on NaN leaves the buffers as before its batch
         self.norms = BatchNormStats(model)  # BatchNorm's running statistics over a batch in micro-batches
 
     # ------------------------------------------------------------------------- the attempt
