@@ -34,12 +34,15 @@ import ctypes
 import functools
 import logging
 import os
+import platform
 import signal
+import sys
 import threading
 from multiprocessing.sharedctypes import RawValue
 from types import FrameType
 from typing import Any, Callable, Iterator, Sequence
 
+from autotune.notices import warn
 from autotune.stale import die_with_parent
 from autotune.stall import StoppedWhileWaiting
 
@@ -175,8 +178,13 @@ class StopRequests:
             current = signal.getsignal(sig)
             if current is _after_stop:
                 current = _BEFORE_STOP.pop(sig, signal.SIG_DFL)
-            elif current == signal.SIG_IGN or current is None:
-                continue  # ignored on purpose (nohup), or set outside Python where it cannot be put back
+            elif current == signal.SIG_IGN:
+                continue  # ignored on purpose (nohup)
+            elif current is None or (current == signal.SIG_DFL and _handled_outside_python(sig)):
+                warn(f"{signal.Signals(sig).name} has a handler set outside Python's signal module (faulthandler."
+                     "register?): it is left to it, so it does not stop a fit with a checkpoint; leave it out of "
+                     "stop_signals to say so", key=f"foreign handler {sig}")
+                continue
             signal.signal(sig, self._handle)
             self._previous[sig] = current
         if self._previous:
@@ -196,6 +204,18 @@ class StopRequests:
             signal.signal(signal.SIGCHLD, self._child_previous)
         self._previous.clear()
         self._child_previous = None
+
+
+def _handled_outside_python(sig: int) -> bool:
+    # Python's record says SIG_DFL, the kernel's says a handler (faulthandler.register's): taking the
+    # signal over would lose it, as only SIG_DFL could be put back. Linux (glibc's struct sigaction
+    # begins with the handler; not on MIPS); elsewhere it is not looked at.
+    if not sys.platform.startswith("linux") or platform.machine().lower().startswith("mips"):
+        return False
+    action = ctypes.create_string_buffer(256)
+    if ctypes.CDLL(None, use_errno=True).sigaction(int(sig), None, action) != 0:
+        return False
+    return ctypes.c_void_p.from_buffer(action).value not in (None, 1)  # SIG_DFL is 0, SIG_IGN 1
 
 
 def _torch_watches_workers() -> None:

@@ -220,6 +220,21 @@ def test_a_signal_the_process_ignores_stays_ignored():
         signal.signal(signal.SIGHUP, previous)
 
 
+def test_a_handler_set_outside_python_is_left_alone_and_said(capfd):
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` dumps the stacks: a debugging idiom worth keeping
+    try:
+        with StopRequests((signal.SIGTERM, signal.SIGUSR1)) as stop:
+            assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # Python's record: faulthandler's still there
+            assert signal.getsignal(signal.SIGTERM) == stop._handle
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+    assert "autotune: SIGUSR1 has a handler set outside Python's signal module (faulthandler.register?)" \
+        in capfd.readouterr().err
+
+
 class _Batches:
     def __init__(self):
         self.items = iter([torch.zeros(2), torch.ones(2)])
@@ -405,3 +420,26 @@ class _Stuck(Dataset):
             self.marker.touch()
             time.sleep(600)
         return torch.zeros(2)
+
+
+def test_a_stop_after_the_last_batch_still_stops_after_the_end_checkpoint(tmp_path):
+    # A SIGTERM during the last epoch's end (its callbacks, an evaluation, the end checkpoint): the run is
+    # done and saved, and the process still exits 143 (on the old code fit returned and the script went on).
+    class StopAtTheEnd:
+        def on_epoch_end(self, trainer):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    data = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+    try:
+        with AutoTrainer(nn.Linear(8, 1), data, loss_fn=nn.functional.mse_loss, batch_size=8, device="cpu",
+                         progress=False, monitor=False, run_dir=tmp_path / "run", callbacks=[StopAtTheEnd()]) as trainer:
+            with pytest.raises(Preempted) as raised:
+                trainer.fit(epochs=1)
+    finally:
+        signal.signal(signal.SIGTERM, before)  # Preempted left SIGTERM ignored until the process exits
+    assert raised.value.code == 143
+    records = journal(tmp_path / "run")
+    (checkpoint,) = [r for r in records if r["kind"] == "checkpoint"]
+    assert (checkpoint["reason"], checkpoint["step"]) == ("end", 2)
+    assert [r["checkpoint"] for r in records if r["kind"] == "preempted"] == [checkpoint["path"]]
