@@ -21,7 +21,8 @@ signal reaches them too (`kill -- -PGID`, scancel, systemctl stop). The workers 
 autotune builds ignore the stop signals (`WorkerStops`): they keep serving the batch in hand,
 and the trainer stops them after its checkpoint. A worker of a DataLoader the user built dies of
 a SIGTERM (torch's handler ends it); its death, which torch's SIGCHLD handler raises as an
-error, is read as that stop (`StopRequests._child_ended`).
+error, is read as that stop (`StopRequests._child_ended`), and an error of the loader while a
+stop is under way is the stop too (batch_in_hand.py).
 
 Owns: the stop signals' handlers while a fit runs (put back after), SIGCHLD's (torch's, wrapped)
 meanwhile, and the stop signals' handlers in the workers of the loader autotune builds.
@@ -158,7 +159,9 @@ class StopRequests:
 
     def _child_ended(self, signum: int, frame: FrameType | None) -> None:
         # torch's SIGCHLD handler raises where a loader worker died of a signal. Killed by a stop
-        # signal, it was stopped with this process (its group, its cgroup): that stop, not a failure.
+        # signal, it was stopped with this process (its group, its cgroup): that stop, not a failure,
+        # whether this process's own signal came first or not. (A death torch's shutdown reaps before
+        # this runs, which may be late where another thread took the signal, is not seen at all.)
         try:
             if callable(self._child_previous):
                 self._child_previous(signum, frame)

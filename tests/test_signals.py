@@ -156,7 +156,8 @@ def test_stop_signals_are_named_or_numbered_and_refused_where_they_cannot_stop_a
 
 def _in_a_child(body) -> None:
     """Run `body` in a forked child: a signal that kills it (the old handlers gave the default action
-    back) fails this test instead of ending the test session."""
+    back) fails this test instead of ending the test session. No torch kernel may run there: OpenMP's
+    thread pool does not survive a fork (a parallel op waits forever for threads that are gone)."""
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -167,7 +168,14 @@ def _in_a_child(body) -> None:
             traceback.print_exc()
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    deadline = time.monotonic() + 60
+    while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if ended[0] == 0:  # hung: never left behind
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError("the child did not end within 60 s")
+    status = ended[1]
     assert not os.WIFSIGNALED(status), f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
     assert os.WEXITSTATUS(status) == 0, "the child's assertion failed (its traceback is on stderr)"
 
@@ -295,6 +303,7 @@ def test_a_signal_during_the_stops_checkpoint_does_not_abandon_it(tmp_path):
     # The second SIGTERM is sent from inside the checkpoint's write (its first chunk): a real signal at
     # the worst moment. On the old code the first put SIG_DFL back and this one killed the process.
     path = tmp_path / "step-3.pt"
+    weights = torch.arange(300_000.0)  # made here: the child only writes it
 
     class Interrupted(io.FileIO):
         def write(self, data):
@@ -304,7 +313,7 @@ def test_a_signal_during_the_stops_checkpoint_does_not_abandon_it(tmp_path):
 
     def save(reason):
         with Interrupted(path, "w") as f:
-            torch.save({"weights": torch.arange(300_000.0), "reason": reason}, f)
+            torch.save({"weights": weights, "reason": reason}, f)
         return path
 
     def body():
@@ -316,10 +325,10 @@ def test_a_signal_during_the_stops_checkpoint_does_not_abandon_it(tmp_path):
             with pytest.raises(Preempted, match=f"stopped, {path}"):
                 in_hand.fetch(_Batches(), 0, 0, 0, 3, time.perf_counter(), save=save)
         assert stop.repeats == 1
-        state = torch.load(path, weights_only=True)
-        assert state["reason"] == "signal SIGTERM" and state["weights"].equal(torch.arange(300_000.0))
 
     _in_a_child(body)
+    state = torch.load(path, weights_only=True)  # whole
+    assert state["reason"] == "signal SIGTERM" and state["weights"].equal(weights)
 
 
 class _ExitAt(Dataset):
