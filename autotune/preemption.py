@@ -192,7 +192,8 @@ class StopRequests:
             self._previous[sig] = current
         if self._previous:
             _torch_watches_workers()  # before ours wraps it (installed later, it would wrap ours)
-            self._child_previous = signal.signal(signal.SIGCHLD, self._child_ended)
+            if signal.getsignal(signal.SIGCHLD) is not None:  # else set outside Python: it could not be put back
+                self._child_previous = signal.signal(signal.SIGCHLD, self._child_ended)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -203,7 +204,7 @@ class StopRequests:
                 signal.signal(sig, _after_stop)
             else:
                 signal.signal(sig, previous)
-        if self._previous and self._child_previous is not None:
+        if self._child_previous is not None:
             signal.signal(signal.SIGCHLD, self._child_previous)
         self._previous.clear()
         self._child_previous = None
