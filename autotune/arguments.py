@@ -100,13 +100,20 @@ TRAINER = """        model: the `nn.Module` to train; moved to `device`.
             on_fit_end (see callbacks.py); their state_dict() goes into checkpoints.
         checkpoint_every: write a checkpoint every this many optimizer steps (at steps N, 2N, ...).
         checkpoint_interval: and/or every this many seconds (default 900; None: off). A
-            checkpoint is also written at the end of `fit`, on SIGTERM/SIGINT, and before
-            giving up on an OOM, in `run_dir/checkpoints/`.
+            checkpoint is also written at the end of `fit`, on a stop signal, on `sys.exit` in your
+            code, and before giving up on an OOM, in `run_dir/checkpoints/`.
         keep_checkpoints: how many of the newest checkpoints are kept (older ones are removed).
         data_stall_seconds: a wait for a batch longer than this is named on stderr (the epoch,
             the batch, the dataset indices being fetched) and journaled (`data_stalled`); default
             20 times the mean time between batches, 30 s to 10 min (2 min for a fit's first).
-            A SIGTERM or Ctrl-C during a wait checkpoints the last completed step and stops.
+            A stop signal during a wait checkpoints the last completed step and stops.
+        stop_signals: the signals that end a fit with a checkpoint of the last completed step
+            and exit 128 + the signal's number (`autotune.preemption.Preempted`): names
+            ("SIGUSR2") or numbers; default SIGTERM, SIGINT, SIGHUP, SIGUSR1; () for none (each
+            then acts as it would without autotune). A repeat does not abandon the stop (Ctrl-C
+            pressed three times does); one the process ignores when fit starts (`nohup`'s
+            SIGHUP) stays ignored; the workers of the DataLoader built here ignore them (the
+            trainer stops them after its checkpoint). See docs/long-runs.md, "Signals".
 """
 
 TUNER = """        model: the `nn.Module` to train; moved to `device` (wrapped in DDP under torchrun).

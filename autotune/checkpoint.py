@@ -274,8 +274,8 @@ class Checkpointer:
         """The error that ends a run stopped by a signal, after its checkpoint (`path`) was written
         (None: none could be, a rank stalled under torchrun)."""
         name = signal.Signals(signum).name
-        saved = (f"checkpoint {path}" if path is not None else "no checkpoint of this stop (a stalled rank cannot "
-                 f"join one under torchrun): the newest in {self.folder} is the one to resume from")
+        saved = (f"checkpoint {path}" if path is not None else "no checkpoint of this stop (under torchrun one needs every "
+                 f"rank; this one stopped waiting for its data): the newest in {self.folder} is the one to resume from")
         message = (f"stopped by {name} at step {progress.step} (epoch {progress.epoch}, {progress.position} samples "
                    f"into it); {saved}; continue with fit(..., resume=True)")
         self.journal.write(Kind.PREEMPTED, progress.step, progress.epoch, signal=name, checkpoint=str(path))

@@ -10,11 +10,11 @@ and stopped at its close, that looks at the batch in hand once a second while a 
                                                     epoch, the batch, its place in the epoch and the
                                                     dataset indices being fetched; a `data_stalled`
                                                     journal record
-    SIGTERM / SIGINT during the wait                `interrupts()` tells the signal handler
-                                                    (preemption.py) to raise `StoppedWhileWaiting`
+    a stop signal during the wait                   `interrupts()` tells the signal handler
+    (SIGTERM, SIGINT, SIGHUP, SIGUSR1)              (preemption.py) to raise `StoppedWhileWaiting`
                                                     there: the weights are the last completed
                                                     step's, so the trainer checkpoints them and exits
-                                                    143 / 130 within seconds; its workers, the stuck
+                                                    128 + n within seconds; its workers, the stuck
                                                     one included, are stopped on the way out
 
 The threshold is `seconds` when given; otherwise 20 times the mean time between batches so far
@@ -77,9 +77,10 @@ class StallWatch:
         return FIRST_BATCH if mean is None else min(HIGHEST, max(LOWEST, FACTOR * mean))
 
     def interrupts(self) -> bool:
-        """Whether a stop signal now should unwind the wait for a batch (see the module docstring)."""
+        """Whether a stop signal now should unwind the wait for a batch (see the module docstring): only
+        inside the loader's `next()` (`BatchInHand.fetch` catches it there)."""
         waited = self._in_hand.waited()
-        return waited is not None and (self._world == 1 or waited >= self.threshold())
+        return waited is not None and self._in_hand.in_next and (self._world == 1 or waited >= self.threshold())
 
     def start(self) -> None:
         """Start the thread (once); where it cannot start, the run goes on without the warning."""

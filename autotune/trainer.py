@@ -44,7 +44,7 @@ from autotune.monitor.host import room_bytes
 from autotune.notices import warn
 from autotune.oom import OutOfMemory
 from autotune.policy import Policy
-from autotune.preemption import StopRequests
+from autotune.preemption import Preempted, StopRequests, stop_signals as parse_stop_signals
 from autotune.stall import StallWatch
 from autotune.progress import FitResult, Progress
 from autotune.records import Kind
@@ -84,19 +84,22 @@ class AutoTrainer:
                  eval_batch_size: int | None = None, metrics: Mapping[str, Metric] | None = None,
                  callbacks: Sequence[Any] | None = None, compile: bool | dict[str, Any] = False,
                  memory_snapshot: bool | int = False, shard: bool = False, on_nonfinite: str = "skip",
-                 max_nonfinite_steps: int | None = 50, data_stall_seconds: float | None = None):
+                 max_nonfinite_steps: int | None = 50, data_stall_seconds: float | None = None,
+                 stop_signals: Sequence[int | str] | None = None):
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("pass exactly one of loss_fn(outputs, targets) or step_fn(model, micro_batch)")
         check_run_limits(checkpoint_every=checkpoint_every, checkpoint_interval=checkpoint_interval, seed=seed,
                          keep_checkpoints=keep_checkpoints, monitor=monitor, monitor_interval=monitor_interval,
                          data_stall_seconds=data_stall_seconds)
+        self._stop = StopRequests(parse_stop_signals(stop_signals))  # its handlers are installed while a fit runs
         self.callbacks = Callbacks(callbacks)
         ranks = from_environment()
         device = resolve_device(ranks.device_for(device, keep_effective_batch))
         ranks.join(device)
         self.keep_effective_batch = keep_effective_batch
         self.input = InputPipeline(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                                   num_workers=num_workers, collate_fn=collate_fn, device=device, ranks=ranks)
+                                   num_workers=num_workers, collate_fn=collate_fn, device=device, ranks=ranks,
+                                   stop_signals=self._stop.signals)
         batch_size = self.input.loader.batch_size  # validated by InputPipeline, or the DataLoader's own
         micro = resolve_micro_batch(micro_batch_size, batch_size)
         if loss_fn is not None and isinstance(dataset, Dataset) and not isinstance(dataset, IterableDataset):
@@ -132,9 +135,11 @@ class AutoTrainer:
         # Named in the note of an error, and checkpointed before it propagates where that loses nothing.
         self._in_hand = BatchInHand(self.input.describe_batch, world=ranks.world, folder=self.checkpointer.folder,
                                     find_bad=self.input.find_bad_sample,
-                                    preempted=functools.partial(self.checkpointer.preempted, progress=self.counters))
+                                    preempted=functools.partial(self.checkpointer.preempted, progress=self.counters),
+                                    stop_pending=self._stop.pending)
         self._stall_watch = StallWatch(self._in_hand, self.input.batch_indices, self.journal, world=ranks.world,
                                        seconds=data_stall_seconds)  # a loader that never answers is named
+        self._stop.interrupts = self._stall_watch.interrupts  # a stop signal during a wait unwinds it
         self._closed = False
 
     step, epoch, position, batches_done, ooms, samples_seen = map(
@@ -172,24 +177,32 @@ class AutoTrainer:
         self.callbacks.fire("on_fit_start", self)
         self.log.open_bar(self.input.planned_batches(self.counters, epochs, max_steps, self.keep_effective_batch))
         epoch_loss = None
-        try:
-            with self._stall_watch, StopRequests(self._stall_watch.interrupts) as self._stop, gc_frozen():
-                while self.epoch < epochs and (max_steps is None or self.step < max_steps) \
-                        and self._stop_request.reason is None:
-                    epoch_loss = self._train_epoch(max_steps)
-            self.tuner.agree_on_micro_batch()  # the run ends at one micro-batch on every rank
-            # Written in the background: fit returns while it is fsynced (close(), the next save or
-            # load, and the interpreter's exit wait for it).
-            self.checkpoint_now("end" if self._stop_request.reason is None else "stop_requested", background=True)
-        except BaseException as exc:
-            # On the record before it propagates, so a crashed run's journal says why it ended.
-            saved = self._in_hand.save_before_raising(exc, self.step, self.checkpoint_now) \
-                if isinstance(exc, Exception) else None
-            self.input.stop_workers()  # now, not when the exception is collected
-            self.tuner.end(error=exc, **self._in_hand.failure_fields(saved))  # on the record: fit_failed
-            raise
-        finally:
-            self.log.close_bar()
+        # The stop signals' handlers cover the whole way out: a repeat never cuts the stop's checkpoint short.
+        with self._stop:
+            try:
+                with self._stall_watch, gc_frozen():
+                    while self.epoch < epochs and (max_steps is None or self.step < max_steps) \
+                            and self._stop_request.reason is None:
+                        epoch_loss = self._train_epoch(max_steps)
+                self.tuner.agree_on_micro_batch()  # the run ends at one micro-batch on every rank
+                # Written in the background: fit returns while it is fsynced (close(), the next save or
+                # load, and the interpreter's exit wait for it).
+                saved = self.checkpoint_now("end" if self._stop_request.reason is None else "stop_requested",
+                                            background=True)
+                if self._stop.signum is not None and self.ranks.world == 1:
+                    # A stop that came after the last batch: the run is done and saved, and still stops.
+                    raise self.checkpointer.preempted(self._stop.signum, saved, self.counters)
+            except BaseException as exc:
+                # On the record before it propagates, so a crashed run's journal says why it ended. The
+                # user's sys.exit is checkpointed as an error is; a stop by signal has its checkpoint.
+                users_exit = isinstance(exc, SystemExit) and not isinstance(exc, Preempted)
+                saved = self._in_hand.save_before_raising(exc, self.step, self.checkpoint_now) \
+                    if isinstance(exc, Exception) or users_exit else None
+                self.input.stop_workers()  # now, not when the exception is collected
+                self.tuner.end(error=exc, **self._in_hand.failure_fields(saved))  # on the record: fit_failed
+                raise
+            finally:
+                self.log.close_bar()
         wall = time.perf_counter() - started
         result = self.counters.fit_result(self.knobs, self.keep_effective_batch, loss=epoch_loss, wall_seconds=wall,
                                           run_dir=self.run_dir, metrics=dict(self.metrics),

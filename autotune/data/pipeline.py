@@ -17,7 +17,7 @@ import collections
 import functools
 import os
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from loguru import logger
@@ -35,9 +35,9 @@ from autotune.events import Event
 from autotune.journal import Journal
 from autotune.memory import device_sample
 from autotune.notices import warn
+from autotune.preemption import DEFAULT_STOP_SIGNALS, WorkerStops
 from autotune.records import Kind
 from autotune.snapshot import InputProfile, InputState, StepTiming
-from autotune.stale import die_with_parent
 from autotune.units import format_bytes
 
 
@@ -90,8 +90,9 @@ class InputPipeline:
 
     def __init__(self, dataset: Dataset | DataLoader, *, batch_size: int, shuffle: bool, seed: int,
                  num_workers: int, collate_fn: Callable[[list], Any] | None, device: torch.device,
-                 ranks: Solo | Ranks):
+                 ranks: Solo | Ranks, stop_signals: Sequence[int] = DEFAULT_STOP_SIGNALS):
         self.seed = seed
+        self.worker_stops = WorkerStops(stop_signals)  # what the workers built here do with a group's stop signal
         self.device = device
         self.detector = InputDetector()
         self.profile: InputProfile | None = None
@@ -145,7 +146,7 @@ class InputPipeline:
             dataset, batch_size=self._batch_size, sampler=self.sampler, num_workers=num_workers,
             collate_fn=collate_fn, pin_memory=self._pin,
             generator=torch.Generator().manual_seed(self.seed),  # worker seeds follow `seed`
-            worker_init_fn=functools.partial(die_with_parent, os.getpid()) if num_workers else None,
+            worker_init_fn=self.worker_stops.worker_init_fn() if num_workers else None,
         )
 
     def _probe_batch(self) -> Any:
@@ -182,7 +183,17 @@ class InputPipeline:
             return self.user_position.batches(batches_done)
         iterator = iter(self.loader)
         self._handed_out = weakref.ref(iterator)  # weak: an epoch's end or a rebuild still frees it
-        return iterator
+        return self._served(iterator) if self.loader.num_workers else iterator
+
+    def _served(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        # The workers ignore a stop signal until their trainer stops them (preemption.WorkerStops): an
+        # epoch left early (max_steps, a stop asked for, a rebuild) ends them as an error does, so a
+        # worker stuck in __getitem__ still ends at torch's terminate() instead of holding the exit.
+        try:
+            yield from iterator
+        except GeneratorExit:
+            self._shut_down(iterator)
+            raise
 
     def stop_workers(self) -> None:
         """Stop the worker processes of the epoch's batches now (the loader built here; a caller's
@@ -190,10 +201,13 @@ class InputPipeline:
         its workers would live as long as the exception, and where a garbage cycle holds it, torch's
         shutdown at collection finds the workers' queues finalized first and waits its 5 s timeout
         for each worker before killing it (a user's later gc.collect() took 10 s with two)."""
-        iterator = self._handed_out() if self._handed_out is not None else None
+        self._shut_down(self._handed_out() if self._handed_out is not None else None)
+
+    def _shut_down(self, iterator: Any) -> None:
         shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's own (private): where absent, gc does it
         if shutdown is not None:
-            shutdown()
+            with self.worker_stops.stopping():  # they ignore the stop signals until now (preemption.py)
+                shutdown()
 
     def set_batch_size(self, batch_size: int) -> None:
         """Each rank's batch from now on (a resume on another number of ranks keeps the job's):
