@@ -37,7 +37,7 @@ _EXPORTS = {
     "Event": "autotune.events",
     "OutOfMemory": "autotune.oom", "ExchangeFailed": "autotune.oom", "is_oom": "autotune.oom",
     "NonFiniteStep": "autotune.oom", "TooManyNonFiniteSteps": "autotune.oom",
-    "CheckpointFailed": "autotune.checkpoint", "RunDirInUse": "autotune.run_lock",
+    "CheckpointFailed": "autotune.checkpoint", "RunDirInUse": "autotune.run_lock", "RunDirLost": "autotune.run_lock",
     "AnotherRunsCheckpoints": "autotune.same_run", "CheckpointMismatch": "autotune.same_run",
     "Policy": "autotune.policy", "PolicyBase": "autotune.policy",
     "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from autotune.policy import Policy, PolicyBase
     from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
     from autotune.progress import FitResult
-    from autotune.run_lock import RunDirInUse
+    from autotune.run_lock import RunDirInUse, RunDirLost
     from autotune.same_run import AnotherRunsCheckpoints, CheckpointMismatch
     from autotune.trainer import AutoTrainer
     from autotune.tuner import Tuner

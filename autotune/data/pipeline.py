@@ -14,7 +14,6 @@ DataLoader only to read its position (user_loader.py).
 from __future__ import annotations
 
 import collections
-import functools
 import os
 import weakref
 from typing import Any, Callable, Iterator, Sequence
