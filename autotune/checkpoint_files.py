@@ -122,9 +122,17 @@ class Checkpoints:
     def _paths(self) -> list[Path]:
         if not self.folder.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.folder.iterdir()
-                 if (m := _NAME.match(p.name)) and (m.group(2) is not None) != p.is_dir()]
-        return [p for _, p in sorted(found, reverse=True)]
+        found = []
+        for path in self.folder.iterdir():
+            if not (m := _NAME.match(path.name)):
+                continue
+            # A file checkpoint is a regular file (a FIFO planted there would hang its read, a link to a device
+            # never end it); a sharded one, a folder.
+            if path.is_file() if m.group(2) is not None else path.is_dir():
+                found.append((int(m.group(1)), path))
+            elif m.group(2) is not None and path.exists():
+                warn(f"{path} is not a regular file: not a checkpoint, passed over", key=f"not a checkpoint {path}")
+        return [path for _, path in sorted(found, reverse=True)]
 
     def _path(self, step: int, sharded: bool = False) -> Path:
         path = self.folder / f"step-{step:09d}{'' if sharded else '.pt'}"  # what _NAME reads back

@@ -18,9 +18,11 @@ Owns the `.sha256` files and `SHA256SUMS`. Touches nothing else.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from pathlib import Path
 
+from autotune.files import NotAFile, open_regular
 from autotune.notices import warn
 
 SUFFIX = ".sha256"
@@ -32,7 +34,11 @@ class ChecksumMismatch(ValueError):
 
 
 def digest(path: Path) -> str:
-    with open(path, "rb") as f:
+    """The sha256 of file `path`; `NotAFile` (a ValueError) where it is not a regular file."""
+    f = open_regular(path)
+    if f is None:
+        raise FileNotFoundError(f"{path}: no such file")
+    with f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -66,12 +72,14 @@ def write_manifest(folder: Path) -> None:
 
 
 _HEX = frozenset("0123456789abcdef")
+_MAX_SUMS_BYTES = 1 << 20  # a manifest of thousands of shards; more is not a sum file
 
 
 def _read_sums(text: str) -> dict[str, str]:
     sums = {}
     for line in text.splitlines():
         value, _, name = line.partition("  ")
+        value = value.lower()  # as sha256sum -c reads it
         if name and len(value) == 64 and set(value) <= _HEX:
             sums[name] = value
     return sums
@@ -86,8 +94,9 @@ def verify(path: Path) -> bool:
     if not sums_file.exists():
         return False
     try:
-        sums = _read_sums(sums_file.read_text(errors="replace"))
-    except OSError as exc:
+        with open_regular(sums_file) or io.BytesIO() as f:  # (gone since: read as empty)
+            sums = _read_sums(f.read(_MAX_SUMS_BYTES).decode(errors="replace"))
+    except (OSError, NotAFile) as exc:
         raise ChecksumMismatch(f"{sums_file} cannot be read ({exc}): {path} is not checked, so not trusted") from None
     if not sums:
         raise ChecksumMismatch(f"{sums_file} holds no sha256 digest (emptied or damaged): {path} is not checked, so "
@@ -99,11 +108,18 @@ def verify(path: Path) -> bool:
                                    "was written)")
     elif len(sums) != 1:
         raise ChecksumMismatch(f"{sums_file} holds {len(sums)} digests where a checkpoint file's has one")
+    elif next(iter(sums)) != path.name:  # renamed with its sum: another step's file under this step's name
+        raise ChecksumMismatch(f"{path} is not the file its sum was written for ({sums_file} names "
+                               f"{next(iter(sums))}): renamed since, so not trusted as this step's")
     for name, expected in sums.items():
         file = path / name if path.is_dir() else path
         if not file.exists():
             raise ChecksumMismatch(f"{file} is missing (listed in {sums_file})")
-        if digest(file) != expected:
+        try:
+            actual = digest(file)
+        except NotAFile as exc:
+            raise ChecksumMismatch(str(exc)) from None
+        if actual != expected:
             raise ChecksumMismatch(f"{file} is not the file written there: its sha256 differs from the one in "
                                    f"{sums_file} (changed on disk since: a flipped bit, a partial copy)")
     return True

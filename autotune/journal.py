@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import threading
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import IO, Any, Callable, Iterator
 
 from tqdm.auto import tqdm
 
+from autotune.files import NotAFile, open_regular
 from autotune.notices import warn
 from autotune.records import Kind, check as check_record
 
@@ -92,27 +92,6 @@ def open_for_append(path: Path) -> IO[str]:
 MAX_LINE_BYTES = 2**20  # a record autotune writes is a few hundred bytes; a longer line is skipped
 
 
-class NotAFile(ValueError):
-    """A run file (the journal, samples.jsonl) that is not a regular file: a FIFO would block the
-    reader, a device (a link to /dev/zero) never ends, a directory has no lines."""
-
-
-def _open_regular(path: Path) -> IO[bytes] | None:
-    # Opened without blocking (a FIFO's open waits for a writer), then refused unless regular.
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
-        raise NotAFile(f"{path} is {what}, not a regular file: not read")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
-
-
 def _bounded_lines(f: IO[bytes]) -> Iterator[bytes | None]:
     # Each line of `f`, or None for one longer than MAX_LINE_BYTES, read past in pieces: memory stays
     # bounded whatever the file holds (a 2 GiB tail of NULs is one such line).
@@ -129,7 +108,7 @@ def each_line(path: Path) -> Iterator[tuple[int, dict[str, Any] | ValueError]]:
     """(line number, its record) for each non-blank line of a JSONL file, a line at a time; a line
     that is not UTF-8, not JSON, not a JSON object or longer than MAX_LINE_BYTES gives its
     ValueError instead. A missing file has none; one that is not a regular file is `NotAFile`."""
-    f = _open_regular(Path(path))
+    f = open_regular(Path(path))
     if f is None:
         return
     with f:
@@ -153,7 +132,7 @@ def last_run_id(path: Path) -> str | None:
     wrote this folder last (None: no journal, or none names a run). Read from the end, a block at a
     time, so a long run's journal costs no more than its last records."""
     try:
-        f = _open_regular(Path(path))
+        f = open_regular(Path(path))
     except NotAFile:
         return None
     if f is None:

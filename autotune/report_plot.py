@@ -7,6 +7,7 @@ Owns the picture. Touches nothing of a run (read-only); reading the run's files 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,12 @@ def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> Any:
         memory.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     out = Path(out) if out is not None else run_dir / "timeline.png"
-    fig.savefig(out, dpi=110)
+    # Written beside it and renamed over it: a link planted at its name is replaced, never written through.
+    temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(temporary, dpi=110, format=out.suffix.lstrip(".") or "png")
+        os.replace(temporary, out)
+    finally:
+        temporary.unlink(missing_ok=True)
     plt.close(fig)
     return fig

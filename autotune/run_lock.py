@@ -32,9 +32,11 @@ dead processes (at a run's start, through stale.py).
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +79,46 @@ def _identity(path: Path | int) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+class NotALockFile(RunDirInUse):
+    """The run folder's `.lock` (or `.lock.pid`) is not a file autotune makes: a symbolic link, a
+    directory, a FIFO, a device. It is neither followed nor written (a link planted in a shared
+    folder would have a run empty the file it points to); the message names it."""
+
+
+# Never through a symbolic link, never blocking on a FIFO: what is opened is checked to be a plain file.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_lock_file(path: Path, flags: int) -> int:
+    """`path` opened with `flags` (and `_OPEN_FLAGS`), refused (`NotALockFile`, naming it) unless a
+    regular file."""
+    try:
+        fd = os.open(path, flags | _OPEN_FLAGS, 0o644)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EISDIR):
+            raise
+        what = "a symbolic link" if exc.errno == errno.ELOOP else "a directory"
+        raise _not_a_lock_file(path, what) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_a_lock_file(path, "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _not_a_lock_file(path: Path, what: str) -> NotALockFile:
+    return NotALockFile(f"{path} is {what}, not the lock file autotune makes: refused, neither followed nor written. "
+                        "Remove it (no run's lock is a link, a folder or a FIFO) and start again")
+
+
 def _read(path: Path) -> str:
     try:
-        with open(path) as f:
-            return f.read(200).strip()
-    except (FileNotFoundError, UnicodeDecodeError):
+        fd = _open_lock_file(path, os.O_RDONLY)
+    except FileNotFoundError:
         return ""
+    with os.fdopen(fd, "rb") as f:
+        return f.read(200).decode(errors="replace").strip()
 
 
 class _Hold:
@@ -214,7 +250,7 @@ def _acquire(run_dir: Path, key: str) -> _Hold:
         if dir_taken is not True and hold.dir_fd is not None:
             os.close(hold.dir_fd)
             hold.dir_fd = None
-        hold.lock_fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)  # never truncated before it is ours
+        hold.lock_fd = _open_lock_file(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT)  # never truncated before it is ours
         file_taken = _flock(hold.lock_fd)
         if file_taken is False:  # an autotune from before the folder's own lock holds it
             raise _refusal(run_dir, _holder(run_dir))

@@ -206,3 +206,37 @@ def test_a_sharded_checkpoints_metadata_never_runs_code(tmp_path, capfd, payload
     assert not marker.exists()
     assert state["step"] == 1 and found.name == "step-000000001.pt"
     assert f"names {named}, which is not checkpoint metadata: refused" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("planted", ["fifo-checkpoint", "device-checkpoint", "fifo-sum", "device-sum", "renamed"])
+def test_a_planted_special_file_or_a_renamed_checkpoint_is_passed_over(tmp_path, capfd, planted):
+    # The old code hung on a FIFO (torch.load, or hashing it), read /dev/zero for ever (8.9 GB in 15 s), and took
+    # step-6's file renamed step-20 (with its sum) for step 20, rolling every later resume back to step 6.
+    trainer = _trainer(tmp_path / "run")
+    trainer.fit(epochs=1)  # checkpoints 2 and 4
+    trainer.close()
+    folder = tmp_path / "run" / "checkpoints"
+    newest = folder / "step-000000004.pt"
+    if planted == "fifo-checkpoint":
+        os.mkfifo(folder / "step-000000099.pt")
+    elif planted == "device-checkpoint":
+        (folder / "step-000000099.pt").symlink_to("/dev/zero")
+    elif planted == "renamed":
+        newest.rename(folder / "step-000000020.pt")
+        newest.with_name(newest.name + ".sha256").rename(folder / "step-000000020.pt.sha256")
+    else:
+        sums = newest.with_name(newest.name + ".sha256")
+        sums.unlink()
+        os.mkfifo(sums) if planted == "fifo-sum" else sums.symlink_to("/dev/zero")
+    capfd.readouterr()
+    again = _trainer(tmp_path / "run")
+    again.fit(epochs=1, resume=True)
+    again.close()
+    err = capfd.readouterr().err
+    (resumed,) = [r for r in journal(tmp_path / "run") if r["kind"] == "resume"]
+    expected = "step-000000004.pt" if planted.endswith("checkpoint") else "step-000000002.pt"
+    assert resumed["path"].endswith(expected), err
+    said = {"fifo-checkpoint": "is not a regular file: not a checkpoint", "device-checkpoint": "is not a regular file",
+            "fifo-sum": "is a FIFO, not a regular file", "device-sum": "is a device, not a regular file",
+            "renamed": "is not the file its sum was written for"}[planted]
+    assert said in err, err

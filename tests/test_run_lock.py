@@ -336,3 +336,20 @@ def test_without_flock_of_processes_starting_at_once_one_takes_the_folder(tmp_pa
 def _dead_pid() -> int:
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     return int(done.stdout)
+
+
+@pytest.mark.parametrize("planted", ["symlink", "directory", "fifo"])
+def test_a_lock_file_that_is_not_a_file_is_refused_by_name_and_never_written_through(tmp_path, planted):
+    # A .lock planted in a shared runs folder: a link made the run empty the file it points to (as root, any
+    # file); a directory or a FIFO ended the run with a bare os error.
+    from autotune.run_lock import NotALockFile, take
+
+    run_dir, victim = tmp_path / "run", tmp_path / "victim.txt"
+    run_dir.mkdir()
+    victim.write_text("important data\n")
+    {"symlink": lambda p: p.symlink_to(victim), "directory": lambda p: p.mkdir(),
+     "fifo": lambda p: os.mkfifo(p)}[planted](run_dir / ".lock")
+    what = {"symlink": "a symbolic link", "directory": "a directory", "fifo": "a FIFO"}[planted]
+    with pytest.raises(NotALockFile, match=f"{run_dir / '.lock'} is {what}, not the lock file autotune makes"):
+        take(run_dir)
+    assert victim.read_text() == "important data\n"
