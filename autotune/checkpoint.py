@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 import shutil
 import signal
 import time
@@ -86,6 +87,7 @@ class Checkpointer:
         self.failed_in_a_row = 0  # checkpoints that could not be written since the last one that was
         self._last_error: str | None = None
         self._state_bytes = 0  # the size of the last state taken, for the error that says what is needed
+        self._owner = os.getpid()
         if ranks.is_main:
             removed = remove_stale_temporaries(self.store.folder)
             if removed:
@@ -115,6 +117,8 @@ class Checkpointer:
         its journal line says `background` and the seconds of taking it; a write that fails adds
         a `checkpoint_failed` line. A sharded model's checkpoint is written by every rank, and
         synchronously."""
+        if os.getpid() != self._owner:  # a child the run forked (its callback's) ending: never the run's checkpoint
+            return None
         if self.ranks.is_main and not still_held(self.store.folder.parent):
             return None  # the run folder is another's now: RunDirLost was raised when that was found
         sharded = self.ranks.job.writes_shards

@@ -39,6 +39,7 @@ class Journal:
         self._file = None
         self.lost = 0  # lines that could not be written
         self._lock = threading.Lock()  # a background checkpoint's line comes from its writer thread
+        self._owner = os.getpid()  # a child forked by the run (a callback's, a loader worker) writes nothing here
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open_for_append(path)
@@ -48,7 +49,7 @@ class Journal:
         check_record(kind, fields, STRICT)
         record = {"time": time.time(), "kind": kind, "step": step, "epoch": epoch, **fields}
         with self._lock:
-            if self._file is not None:
+            if self._file is not None and os.getpid() == self._owner:
                 try:
                     self._file.write(json.dumps(record, default=str) + "\n")
                 except OSError as exc:  # a full disk: the run's record suffers, never the training

@@ -16,6 +16,7 @@ uses only its host face. Touches: the input pipeline (data/pipeline.py), the che
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import time
 from pathlib import Path
@@ -167,7 +168,7 @@ class AutoTrainer:
                                 template=lambda: template_for_shards(self.state_dict(), self.model, self.optimizer,
                                                                      self.ranks.job.writes_shards))
         self._stop_request.clear()
-        started = time.perf_counter()
+        started, fitting = time.perf_counter(), os.getpid()
         self.checkpointer.restart_clock(self.step)
         self.tuner.begin(batch_size=self.knobs.batch_size, epochs=epochs, max_steps=max_steps,
                          eval_every=self.evaluation.schedule)
@@ -193,6 +194,8 @@ class AutoTrainer:
                     # A stop that came after the last batch: the run is done and saved, and still stops.
                     raise self.checkpointer.preempted(self._stop.signum, saved, self.counters)
             except BaseException as exc:
+                if os.getpid() != fitting:  # a child a callback forked, ending (sys.exit): not the run's end
+                    raise
                 # On the record before it propagates, so a crashed run's journal says why it ended. The
                 # user's sys.exit is checkpointed as an error is; a stop by signal has its checkpoint.
                 users_exit = isinstance(exc, SystemExit) and not isinstance(exc, Preempted)

@@ -36,3 +36,46 @@ def test_a_journal_that_ends_mid_line_gets_its_newline_before_the_next_record(tm
     journal.close()
     records, unreadable = read_lines(path)
     assert [r["kind"] for r in records] == ["fit_start", "resume"] and unreadable == 1
+
+
+def test_a_child_the_run_forks_writes_nothing_into_its_journal_or_checkpoints(tmp_path):
+    # A callback forks a helper that ends with sys.exit(0): the child unwound through fit, which journaled
+    # `fit_failed: SystemExit: 0` into the parent's journal (the report then called a finished run failed).
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    script = f"""
+        import os, sys, torch
+        from torch import nn
+        from torch.utils.data import TensorDataset
+        from autotune import AutoTrainer
+        from autotune.journal import read_lines
+
+        class ForkAtStep3:
+            def on_step_end(self, trainer):
+                if trainer.step == 3:
+                    pid = os.fork()
+                    if pid == 0:
+                        sys.exit(0)
+                    os.waitpid(pid, 0)
+
+        data = TensorDataset(torch.randn(128, 8), torch.randint(0, 2, (128,)))
+        run_dir = {str(tmp_path / "run")!r}
+        trainer = AutoTrainer(nn.Linear(8, 2), data, loss_fn=nn.functional.cross_entropy, batch_size=16,
+                              device="cpu", progress=False, monitor=False, checkpoint_interval=None,
+                              callbacks=[ForkAtStep3()], run_dir=run_dir)
+        trainer.fit(epochs=1)
+        trainer.close()
+        records, _ = read_lines(os.path.join(run_dir, "events.jsonl"))
+        print(json.dumps({{"kinds": [r["kind"] for r in records],
+                          "checkpoints": sorted(os.listdir(os.path.join(run_dir, "checkpoints")))}}))
+    """
+    # Not conftest.run_python: its faulthandler watchdog thread hangs a forked child's exit (CPython's, not ours).
+    proc = subprocess.run([sys.executable, "-c", "import json\n" + textwrap.dedent(script)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert "fit_failed" not in result["kinds"] and result["kinds"].count("fit_end") == 1, result
+    assert result["checkpoints"] == ["step-000000008.pt", "step-000000008.pt.sha256"], result
