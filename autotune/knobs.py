@@ -36,6 +36,7 @@ class Knobs:
     sized: bool = True  # the sizes are known (given, or the first batch seen): False until then
     batch_size_fixed: bool = False  # the batch size was given: a larger batch does not raise it
     num_workers: int = 0  # DataLoader worker processes
+    workers_ceiling: int | None = None  # the most that can start here (none where /dev/shm is full); None: no limit
     sample_cache: CacheSamples | None = None  # the cache asked for, once asked
     # Bumped by every change to the two above; the trainer rebuilds its loader at the next
     # batch boundary when it differs from the version its loader was built for.
@@ -128,6 +129,11 @@ class Knobs:
         """The loader's workers as its host built it (not a change: nothing is rebuilt)."""
         self.num_workers = num_workers
 
+    def workers_cannot_start(self, num_workers: int) -> None:
+        """The loader fell back to `num_workers` because more could not start (its host rebuilt it):
+        no action raises them again in this run."""
+        self.num_workers = self.workers_ceiling = num_workers
+
 
 def resolve_conflicts(proposals: list[tuple[Any, Action]]) -> list[tuple[Any, Action, str | None]]:
     """Decide which proposals of one round to carry out. Returns (policy, action, why_suppressed or None).
@@ -201,6 +207,9 @@ def _cache_samples(action: CacheSamples, knobs: Knobs) -> Outcome:
 @apply.register
 def _set_loader_workers(action: SetLoaderWorkers, knobs: Knobs) -> Outcome:
     workers = max(0, int(action.num_workers))
+    if knobs.workers_ceiling is not None and workers > knobs.workers_ceiling:
+        return Outcome(False, f"{workers} loader workers cannot start here (/dev/shm has no room for their "
+                              f"queues): at most {knobs.workers_ceiling}")
     if workers == knobs.num_workers:
         return Outcome(False, f"already {workers} loader workers")
     old, knobs.num_workers = knobs.num_workers, workers

@@ -138,8 +138,9 @@ KINDS: dict[str, RecordKind] = {kind.name: kind for kind in (
           "returncode:int|None restarts:int pid:int|None", shown=True),
     _kind(Kind.INPUT_PROFILE, "the loop waits on its data: where the time of a sample goes",
           "samples:int load_ms:float transform_ms:float load_share:float cacheable:bool how:str verdict:str"),
-    _kind(Kind.LOADER_REBUILT, "the DataLoader rebuilt at this position (workers or the cache changed)",
-          "num_workers:int cache:bool position:int", shown=True),
+    _kind(Kind.LOADER_REBUILT, "the DataLoader rebuilt at this position (workers or the cache changed; with "
+          "`asked_workers` and `reason`: that many workers could not start, /dev/shm full, and it loads in-process "
+          "for the rest of the run)", "num_workers:int cache:bool position:int asked_workers:int reason:str", shown=True),
     _kind(Kind.SAMPLE_CACHE_ON, "decoded samples cached in shared memory from here",
           "budget_bytes:int limited_by:str how:str path:str reason:str", shown=True),
     _kind(Kind.SAMPLE_CACHE_OFF, "the sample cache could not start, or stopped", "reason:str", shown=True),

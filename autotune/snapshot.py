@@ -107,6 +107,7 @@ class InputState:
     cache_active: bool = False
     profile: InputProfile | None = None  # measured once, when the loop first looked input-bound
     gathered: bool = False  # a batch is one gather from tensors in memory (data/tensors.py): workers cannot help
+    max_workers: int | None = None  # the most workers that can start here (0: /dev/shm has no room); None: no limit
 
 
 @dataclasses.dataclass(frozen=True)

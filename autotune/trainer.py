@@ -120,7 +120,7 @@ class AutoTrainer:
         self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
         self.is_main = ranks.is_main
         self.core, self.knobs, self.log, self.journal = self.tuner.core, self.tuner.knobs, self.tuner.log, self.tuner.journal
-        self.knobs.workers_in_use(self.input.num_workers)
+        self.input.bind(self.knobs, self.journal)  # the workers in use, and where they cannot start
         check_evaluation(eval_dataset=eval_dataset, eval_every=eval_every, eval_batch_size=eval_batch_size,
                          metrics=metrics, scheduler_metric=scheduler_metric, plateau=self.tuner.stepper.plateau)
         self.evaluation = EvaluationPlan(self.tuner.stepper, eval_dataset, eval_every, scheduler_metric)
@@ -262,7 +262,8 @@ class AutoTrainer:
         epoch_loss_sum = LossSum(self.device)  # summed on the device: no sync per step
         if self.position == 0:  # the epoch's order is padded for the ranks it begins on
             self.counters.on_ranks(self.ranks.world, epoch_too=True)
-        batches = self.input.batches(self.epoch, self.position, self.batches_done, self.counters.epoch_world)
+        batches = self.input.batches(self.epoch, self.position, self.batches_done, self.counters.epoch_world,
+                                     step=self.step)
         finished_epoch = True
         while True:
             wait_start = time.perf_counter()

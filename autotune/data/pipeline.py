@@ -7,8 +7,10 @@ nothing. A DataLoader the caller built is used as it is and never rebuilt; user_
 resumes it mid-epoch on the same samples.
 
 Owns: the DataLoader built here, its rebuilds, the input profile, the sample cache's lifetime.
-Touches: the journal; the knobs, read only (the workers and the cache policies asked for); a caller's
-DataLoader only to read its position (user_loader.py).
+Touches: the journal; the knobs, read only (the workers and the cache policies asked for) but for
+the workers' count and ceiling where they cannot start (no room in /dev/shm for their queues: the
+loader falls back to loading in this process); a caller's DataLoader only to read its position
+(user_loader.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from autotune.memory import device_sample
 from autotune.notices import warn
 from autotune.preemption import DEFAULT_STOP_SIGNALS, WorkerStops
 from autotune.records import Kind
+from autotune.shared_memory import no_room
 from autotune.snapshot import InputProfile, InputState, StepTiming
 from autotune.units import format_bytes
 
@@ -84,6 +87,31 @@ def batches_on_host(batch: Any) -> bool:
     return devices <= {"cpu"}
 
 
+def workers_without_room(num_workers: int, exc: OSError) -> str:
+    """Why a caller's DataLoader's workers did not start where /dev/shm is full, and the ways out."""
+    return (f"your DataLoader's {num_workers} workers could not start ({os.strerror(exc.errno)}): torch makes "
+            "their queues' semaphores in /dev/shm, which has no room. Give it more (docker run --shm-size=1g, or "
+            "free /dev/shm), or pass num_workers=0 to your DataLoader. AUTOTUNE_SHM_DIR moves only autotune's own "
+            "boards and caches, not torch's workers; the DataLoader autotune builds (pass the Dataset) falls "
+            "back to num_workers=0 by itself")
+
+
+def _end_half_made(exc: BaseException) -> None:
+    # torch's iterator that raised in its __init__ (private: found in the traceback's frames): the
+    # workers it had started (all but the one whose queue failed) are stopped now, not at exit, and
+    # its __del__, which would trip over the attributes it never set, is told there is nothing to do.
+    frame_of = exc.__traceback__
+    while frame_of is not None:
+        half = frame_of.tb_frame.f_locals.get("self")
+        if type(half).__name__ == "_MultiProcessingDataLoaderIter":
+            for worker in getattr(half, "_workers", []):
+                worker.terminate()
+                worker.join(timeout=5)
+            half._shutdown = True
+            return
+        frame_of = frame_of.tb_next
+
+
 class InputPipeline:
     """Owns the DataLoader of a run: built from a map-style dataset, or the caller's own."""
 
@@ -99,6 +127,9 @@ class InputPipeline:
         self._skip_next = False  # the first batch of a new loader waits on its workers starting
         self.built_for = 0  # the knobs' loader_version this loader was built for (knobs.py bumps it)
         self._handed_out: weakref.ref | None = None  # the iterator of the epoch's batches, once built here
+        self.max_workers: int | None = None  # where workers could not start: the most this run uses (0)
+        self._knobs: Any = None  # the trainer's, once bound: told when the workers cannot start
+        self._journal: Journal | None = None
         if isinstance(dataset, DataLoader):
             if dataset.batch_size is None:
                 raise ValueError("the DataLoader must have a batch_size (it is the batch of one optimizer step)")
@@ -125,6 +156,12 @@ class InputPipeline:
         self._pin = device.type == "cuda" and batches_on_host(self._probe_batch())
         self.num_workers = num_workers
         self.loader = self._build(dataset, num_workers)
+
+    def bind(self, knobs: Any, journal: Journal) -> None:
+        """The trainer's knobs (told the workers in use, and where they cannot start, the ceiling)
+        and journal (where a fallback to in-process loading is recorded)."""
+        self._knobs, self._journal = knobs, journal
+        knobs.workers_in_use(self.num_workers)
 
     @property
     def owned(self) -> bool:
@@ -170,19 +207,49 @@ class InputPipeline:
             total = min(total, max_steps - progress.step)
         return max(total, 0)
 
-    def batches(self, epoch: int, position: int, batches_done: int, padded_for: int | None = None) -> Iterator[Any]:
+    def batches(self, epoch: int, position: int, batches_done: int, padded_for: int | None = None,
+                step: int = 0) -> Iterator[Any]:
         """The batches of `epoch`, from sample `position` on (`batches_done` batches in);
-        `padded_for`: the number of ranks the epoch began on (EpochSampler), if not this job's."""
+        `padded_for`: the number of ranks the epoch began on (EpochSampler), if not this job's;
+        `step`: the optimizer steps done, for the journal."""
         if self.sampler is not None:
             self.sampler.set_epoch(epoch, start=position, padded_for=padded_for)  # a resumed epoch goes on
             self.loader.generator.manual_seed(self.seed + epoch)  # worker seeds: a function of the epoch
         elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
             self.loader.sampler.set_epoch(epoch)  # e.g. a user's DistributedSampler
         if self.sampler is None:
-            return self.user_position.batches(batches_done)
-        iterator = iter(self.loader)
+            try:
+                return self.user_position.batches(batches_done)
+            except OSError as exc:
+                if self.loader.num_workers and no_room(exc):
+                    _end_half_made(exc)
+                    raise OSError(exc.errno, workers_without_room(self.loader.num_workers, exc)) from exc
+                raise
+        try:
+            iterator = iter(self.loader)
+        except OSError as exc:
+            if not (self.loader.num_workers and no_room(exc)):
+                raise
+            # The workers' queues are semaphores in /dev/shm: where it is full they cannot be made,
+            # and a resume asking for the same workers would fail at the same batch every time.
+            _end_half_made(exc)
+            self._workers_cannot_start(exc, step, epoch, position)
+            iterator = iter(self.loader)
         self._handed_out = weakref.ref(iterator)  # weak: an epoch's end or a rebuild still frees it
         return self._served(iterator) if self.loader.num_workers else iterator
+
+    def _workers_cannot_start(self, exc: OSError, step: int, epoch: int, position: int) -> None:
+        asked, self.max_workers = self.loader.num_workers, 0
+        self.set_workers(0)
+        if self._knobs is not None:
+            self._knobs.workers_cannot_start(0)
+        if self._journal is not None:
+            self._journal.write(Kind.LOADER_REBUILT, step, epoch, num_workers=0, cache=self.cache is not None,
+                                position=position, asked_workers=asked, reason=f"{type(exc).__name__}: {exc}")
+        warn(f"{asked} data loader workers could not start ({exc}): /dev/shm has no room for their queues. "
+             "Loading in this process from now on (this run adds no workers); give the container more "
+             "shared memory (docker run --shm-size=1g) for workers")
+        logger.info(f"data loader rebuilt: 0 workers ({asked} could not start)")
 
     def _served(self, iterator: Iterator[Any]) -> Iterator[Any]:
         # The workers ignore a stop signal until their trainer stops them (preemption.WorkerStops): an
@@ -299,7 +366,7 @@ class InputPipeline:
         wait, rate, steps = self.detector.summary()
         return InputState(data_wait_fraction=wait, samples_per_second=rate, steps=steps, num_workers=self.num_workers,
                           cpu_cores=cpu_cores(), loader_owned=self.owned, cache_active=self.cache is not None,
-                          profile=self.profile, gathered=self.gathered)
+                          profile=self.profile, gathered=self.gathered, max_workers=self.max_workers)
 
     def _profile(self) -> InputProfile:
         if not self.owned:
@@ -329,7 +396,7 @@ class InputPipeline:
         logger.info(f"data loader rebuilt: {num_workers} workers{', sample cache on' if self.cache else ''}")
         self.detector.restart()
         self._skip_next = True
-        return self.batches(epoch, position, 0)
+        return self.batches(epoch, position, 0, step=step)
 
     def set_workers(self, num_workers: int) -> None:
         """Build the loader anew with `num_workers` (takes effect at the next `batches`)."""

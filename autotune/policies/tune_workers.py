@@ -70,6 +70,8 @@ class TuneWorkers(PolicyBase):
         limit = self.max_workers or max(0, state.cpu_cores - 1)
         if self.ceiling is not None:
             limit = min(limit, self.ceiling)
+        if state.max_workers is not None:  # more could not start (/dev/shm full)
+            limit = min(limit, state.max_workers)
         current = state.num_workers
         target = min(limit, max(current * 2, current + self.step_workers) if current else self.step_workers)
         if target <= current:
@@ -80,6 +82,9 @@ class TuneWorkers(PolicyBase):
 
     def _judge(self, snap: Snapshot) -> Sequence[Action]:
         trial, state = self.trial, snap.input
+        if trial is not None and state.max_workers is not None and trial["to"] > state.max_workers:
+            self.trial = None  # its workers could not start: the loader fell back, there is nothing to judge
+            return []
         if trial is None or state.num_workers != trial["to"] or state.steps < self.judge_steps:
             return []
         self.trial = None
