@@ -166,9 +166,17 @@ def _on_disk(path: str | None, run_dir: Path) -> str | None:
     if not path:
         return None
     own = run_dir / "checkpoints" / Path(path).name
-    if own.exists():
+    if _exists(own):
         return str(own)
-    return path if Path(path).exists() else None
+    return path if _exists(Path(path)) else None
+
+
+def _exists(path: Path) -> bool:
+    # Path.exists raises on a name too long or a folder that may not be searched: not there, for the report.
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 # The newest records of a kind that a summary lists whole (their counts are always complete): a long

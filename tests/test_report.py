@@ -324,3 +324,24 @@ def test_a_copied_run_names_its_own_checkpoint_not_the_path_it_was_written_at(ru
     summary = summarize(run_dir)
     assert summary["checkpoints"] and not any(c["on_disk"] or c["file"] for c in summary["checkpoints"])
     assert "written, none on disk" in render(summary)
+
+
+def test_the_runs_id_is_read_past_a_line_nested_too_deeply(tmp_path):
+    # The run lock and resume read the newest run id from the journal's end: a deeply nested last line that
+    # names "run_id" was a RecursionError there.
+    from autotune.journal import last_run_id
+
+    path = tmp_path / "events.jsonl"
+    path.write_text(json.dumps({"kind": "fit_start", "run_id": "aaaaaaaaaaaa", "time": 1.0, "step": 0, "epoch": 0})
+                    + "\n" + '{"run_id": ' + "[" * 200000 + "]" * 200000 + "}\n")
+    assert last_run_id(path) == "aaaaaaaaaaaa"
+
+
+def test_a_checkpoint_path_that_cannot_be_looked_up_is_not_on_disk(run_with_ooms, tmp_path, capsys):
+    # Well typed, but too long a name to stat: Path.exists raised OSError, and the report was "error: ..." only.
+    run_dir = tmp_path / "run"
+    shutil.copytree(run_with_ooms, run_dir)
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write('{' + _AT + ', "kind": "checkpoint", "reason": "every", "path": "' + "x" * 5000 + '"}\n')
+    assert main(["report", str(run_dir)]) == 0
+    assert f"newest on disk: step {summarize(run_with_ooms)['checkpoints'][-1]['step']} (end)" in capsys.readouterr().out
