@@ -48,29 +48,22 @@ def _side_file(path: Path) -> Any:
 # (a hand-edited line, another tool's, a damaged one) and never reaches the code below, where it was a
 # traceback. "name?": may be missing (a journal older than the field: the report has a default for it).
 _READS = {
-    Kind.FIT_START: "batch_size? micro_batch_size? world? memory_cap?",
-    Kind.FIT_END: "samples_seen? batch_size? micro_batch_size?",
-    Kind.FIT_FAILED: "error?",
-    Kind.EPOCH_END: "samples_seen? loss? micro_batch_size?",
-    Kind.ACTION: "policy action params applied reason? note?",
-    Kind.OOM: "micro_batch_size lost_seconds? breakdown? memory_snapshot?",
-    Kind.RELIEF: "relief demand_before? parameters_removed_in_all?",
-    Kind.SAMPLE_CACHE: "hit_rate? bytes? entries?",
-    Kind.LOADER_REBUILT: "num_workers?",
-    Kind.CHECKPOINT: "reason? path? background?",
-    Kind.CHECKPOINT_FAILED: "reason? error?",
-    Kind.CHECKPOINT_REFUSED: "reason? nonfinite?",
-    Kind.NONFINITE: "at_step? error? action?",
-    Kind.EVALUATE: "metrics? micro_batch_size? ooms?",
-    Kind.DATA_STALLED: "seconds batch indices",
+    Kind.FIT_START: "batch_size? micro_batch_size? world? memory_cap?", Kind.FIT_FAILED: "error?",
+    Kind.FIT_END: "samples_seen? batch_size? micro_batch_size?", Kind.STOP_REQUESTED: "reason?",
+    Kind.EPOCH_END: "samples_seen? loss? micro_batch_size?", Kind.ACTION: "policy action params applied reason? note?",
+    Kind.OOM: "micro_batch_size lost_seconds? breakdown? memory_snapshot?", Kind.LOADER_REBUILT: "num_workers?",
+    Kind.RELIEF: "relief demand_before? parameters_removed_in_all?", Kind.SAMPLE_CACHE: "hit_rate? bytes? entries?",
+    Kind.CHECKPOINT: "reason? path? background?", Kind.CHECKPOINT_FAILED: "reason? error?",
+    Kind.CHECKPOINT_REFUSED: "reason? nonfinite?", Kind.NONFINITE: "at_step? error? action?",
+    Kind.EVALUATE: "metrics? micro_batch_size? ooms?", Kind.DATA_STALLED: "seconds batch indices",
     Kind.WORLD_CHANGED: "to_world from_world batch_size_to",
-    Kind.STOP_REQUESTED: "reason?",
 }
 # The registry's type names as the exact types json.loads gives (a float field may hold a whole number;
 # a bool is not an int here).
 _JSON_TYPES = {"int": (int,), "float": (float, int), "str": (str,), "bool": (bool,), "dict": (dict,),
                "list": (list,), "None": (type(None),)}
 _NUMBER = frozenset((int, float))
+_MISSING = object()
 
 
 def _checks(kind: str, reads: str) -> tuple[tuple[str, frozenset[type], bool], ...]:
@@ -82,12 +75,6 @@ def _checks(kind: str, reads: str) -> tuple[tuple[str, frozenset[type], bool], .
 
 
 _CHECKS = {kind: _checks(kind, reads) for kind, reads in _READS.items()}
-
-
-def _is_number(value: Any) -> bool:
-    return type(value) in _NUMBER
-
-
 _BREAKDOWN_FIGURES = ("weights", "gradients", "optimizer_state", "activations_and_temporaries", "libraries", "other",
                       "cap", "allocator_cache", "outside_torch")
 
@@ -96,8 +83,8 @@ def _oom_parts(record: dict[str, Any]) -> bool:
     # What the text reads inside an OOM's breakdown and allocator snapshot (units.describe_breakdown, render).
     breakdown, snapshot = record.get("breakdown"), record.get("memory_snapshot")
     if breakdown is not None and not (
-            _is_number(breakdown.get("held")) and isinstance(breakdown.get("measure"), str)
-            and all(breakdown.get(name) is None or _is_number(breakdown[name]) for name in _BREAKDOWN_FIGURES)):
+            type(breakdown.get("held")) in _NUMBER and isinstance(breakdown.get("measure"), str)
+            and all(breakdown.get(name) is None or type(breakdown[name]) in _NUMBER for name in _BREAKDOWN_FIGURES)):
         return False
     if snapshot is None:
         return True
@@ -107,10 +94,7 @@ def _oom_parts(record: dict[str, Any]) -> bool:
 
 
 def _site(site: Any) -> bool:
-    return isinstance(site, dict) and _is_number(site.get("bytes")) and isinstance(site.get("site"), str)
-
-
-_MISSING = object()
+    return isinstance(site, dict) and type(site.get("bytes")) in _NUMBER and isinstance(site.get("site"), str)
 
 
 def _readable(record: dict[str, Any]) -> bool:
@@ -122,10 +106,7 @@ def _readable(record: dict[str, Any]) -> bool:
         return False
     for name, types, needed in _CHECKS.get(kind, ()):
         value = get(name, _MISSING)
-        if value is _MISSING:
-            if needed:
-                return False
-        elif type(value) not in types:
+        if (needed if value is _MISSING else type(value) not in types):
             return False
     return kind != Kind.OOM or _oom_parts(record)
 
@@ -400,7 +381,8 @@ def render(summary: dict[str, Any]) -> str:
     lines = [f"run {summary['run_dir']}: {summary['status']}"]
     if summary["journal_lines_unreadable"]:
         lines.append(f"  note: {summary['journal_lines_unreadable']} journal line(s) could not be read and were "
-                     "skipped (cut off by a crash, not UTF-8 or not a JSON object, or a record missing a field)")
+                     "skipped (cut off by a crash, not UTF-8 or not a JSON object, or a record missing a field or "
+                     "holding one of the wrong type)")
     wall = summary["wall_seconds"]
     lines.append(f"  time {wall:.1f} s, {summary['steps']} steps, {summary['epochs_completed']} epochs, "
                  f"{summary['samples_seen']} samples" if wall is not None else "  nothing recorded yet")
