@@ -107,8 +107,9 @@ def _bounded_lines(f: IO[bytes]) -> Iterator[bytes | None]:
 
 def each_line(path: Path) -> Iterator[tuple[int, dict[str, Any] | ValueError]]:
     """(line number, its record) for each non-blank line of a JSONL file, a line at a time; a line
-    that is not UTF-8, not JSON, not a JSON object or longer than MAX_LINE_BYTES gives its
-    ValueError instead. A missing file has none; one that is not a regular file is `NotAFile`."""
+    that is not UTF-8, not JSON (or nested too deeply to parse), not a JSON object or longer than
+    MAX_LINE_BYTES gives its ValueError instead. A missing file has none; one that is not a
+    regular file is `NotAFile`."""
     f = open_regular(Path(path))
     if f is None:
         return
@@ -123,6 +124,9 @@ def each_line(path: Path) -> Iterator[tuple[int, dict[str, Any] | ValueError]]:
                 record = json.loads(line.decode("utf-8"))
             except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
                 yield number, exc
+                continue
+            except RecursionError:  # arrays or objects nested thousands deep: the parser's stack runs out
+                yield number, ValueError("JSON nested too deeply to read")
                 continue
             yield number, record if isinstance(record, dict) else ValueError(
                 f"a JSON {type(record).__name__}, not an object")
@@ -160,7 +164,7 @@ def _run_id_in(line: bytes) -> str | None:
         return None
     try:
         record = json.loads(line.decode("utf-8"))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply (each_line's)
         return None
     if isinstance(record, dict) and record.get("kind") in (Kind.FIT_START, Kind.RESUME):
         run_id = record.get("run_id")

@@ -16,7 +16,7 @@ from typing import Any
 
 from autotune.journal import NotAFile, each_line
 from autotune.notices import warn
-from autotune.records import Kind, RecordsByKind
+from autotune.records import KINDS, Kind, RecordsByKind
 from autotune.units import describe_breakdown, format_bytes
 
 
@@ -43,26 +43,76 @@ def _side_file(path: Path) -> Any:
         warn(f"{exc}; the report goes on without it", key=f"not a file {path}")
 
 
-# What the report reads of every journal record; a record without them (a hand-edited line, another
-# tool's) is counted among the unreadable lines.
-_EVERY_RECORD = {"kind": str, "time": (int, float), "step": int, "epoch": int}
-_READS = {Kind.ACTION: {"policy": str, "action": str, "params": object, "applied": bool},
-          Kind.OOM: {"micro_batch_size": int}, Kind.RELIEF: {"relief": str},
-          Kind.WORLD_CHANGED: {"to_world": int, "from_world": int, "batch_size_to": int}}
+# What the report reads of each kind of record, with the types records.py's registry declares: a record
+# whose field is of another type, or missing where marked needed, is counted among the unreadable lines
+# (a hand-edited line, another tool's, a damaged one) and never reaches the code below, where it was a
+# traceback. "name?": may be missing (a journal older than the field: the report has a default for it).
+_READS = {
+    Kind.FIT_START: "batch_size? micro_batch_size? world? memory_cap?", Kind.FIT_FAILED: "error?",
+    Kind.FIT_END: "samples_seen? batch_size? micro_batch_size?", Kind.STOP_REQUESTED: "reason?",
+    Kind.EPOCH_END: "samples_seen? loss? micro_batch_size?", Kind.ACTION: "policy action params applied reason? note?",
+    Kind.OOM: "micro_batch_size lost_seconds? breakdown? memory_snapshot?", Kind.LOADER_REBUILT: "num_workers?",
+    Kind.RELIEF: "relief demand_before? parameters_removed_in_all?", Kind.SAMPLE_CACHE: "hit_rate? bytes? entries?",
+    Kind.CHECKPOINT: "reason? path? background?", Kind.CHECKPOINT_FAILED: "reason? error?",
+    Kind.CHECKPOINT_REFUSED: "reason? nonfinite?", Kind.NONFINITE: "at_step? error? action?",
+    Kind.EVALUATE: "metrics? micro_batch_size? ooms?", Kind.DATA_STALLED: "seconds batch indices",
+    Kind.WORLD_CHANGED: "to_world from_world batch_size_to",
+}
+# The registry's type names as the exact types json.loads gives (a float field may hold a whole number;
+# a bool is not an int here).
+_JSON_TYPES = {"int": (int,), "float": (float, int), "str": (str,), "bool": (bool,), "dict": (dict,),
+               "list": (list,), "None": (type(None),)}
+_NUMBER = frozenset((int, float))
+_MISSING = object()
+
+
+def _checks(kind: str, reads: str) -> tuple[tuple[str, frozenset[type], bool], ...]:
+    # (field, its types, needed): a field the registry does not declare is a KeyError at import.
+    declared = KINDS[kind].fields
+    return tuple((name.rstrip("?"), frozenset(t for part in declared[name.rstrip("?")].split("|")
+                                              for t in _JSON_TYPES[part]), not name.endswith("?"))
+                 for name in reads.split())
+
+
+_CHECKS = {kind: _checks(kind, reads) for kind, reads in _READS.items()}
+_BREAKDOWN_FIGURES = ("weights", "gradients", "optimizer_state", "activations_and_temporaries", "libraries", "other",
+                      "cap", "allocator_cache", "outside_torch")
+
+
+def _oom_parts(record: dict[str, Any]) -> bool:
+    # What the text reads inside an OOM's breakdown and allocator snapshot (units.describe_breakdown, render).
+    breakdown, snapshot = record.get("breakdown"), record.get("memory_snapshot")
+    if breakdown is not None and not (
+            type(breakdown.get("held")) in _NUMBER and isinstance(breakdown.get("measure"), str)
+            and all(breakdown.get(name) is None or type(breakdown[name]) in _NUMBER for name in _BREAKDOWN_FIGURES)):
+        return False
+    if snapshot is None:
+        return True
+    sites, refused = snapshot.get("largest_sites"), snapshot.get("refused")
+    return (isinstance(snapshot.get("path"), str) and isinstance(sites, list)
+            and all(_site(site) for site in sites) and (refused is None or _site(refused)))
+
+
+def _site(site: Any) -> bool:
+    return isinstance(site, dict) and type(site.get("bytes")) in _NUMBER and isinstance(site.get("site"), str)
+
+
+def _readable(record: dict[str, Any]) -> bool:
+    # Runs once per journal line (a million in a long run's journal): exact type lookups, no calls per field.
+    get = record.get
+    kind = get("kind")
+    if not (type(kind) is str and type(get("time")) in _NUMBER and type(get("step")) is int
+            and type(get("epoch")) is int):
+        return False
+    for name, types, needed in _CHECKS.get(kind, ()):
+        value = get(name, _MISSING)
+        if (needed if value is _MISSING else type(value) not in types):
+            return False
+    return kind != Kind.OOM or _oom_parts(record)
 
 
 def _has(record: dict[str, Any], fields: dict[str, Any]) -> bool:
     return all(name in record and isinstance(record[name], kind) for name, kind in fields.items())
-
-
-def _readable(record: dict[str, Any]) -> bool:
-    # _EVERY_RECORD, spelt out: this runs once per journal line (a million in a long run's journal).
-    get = record.get
-    if not (isinstance(get("kind"), str) and isinstance(get("time"), (int, float)) and isinstance(get("step"), int)
-            and isinstance(get("epoch"), int)):
-        return False
-    reads = _READS.get(record["kind"])
-    return reads is None or _has(record, reads)
 
 
 def throughput_over_time(steps: list[dict[str, Any]], windows: int = 8) -> list[dict[str, Any]]:
@@ -90,9 +140,24 @@ def throughput_over_time(steps: list[dict[str, Any]], windows: int = 8) -> list[
     return result
 
 
-def _on_disk(path: str | None, run_dir: Path) -> bool:
-    # A relative path is the training's working directory's; the run folder may have moved since.
-    return bool(path) and (Path(path).exists() or (run_dir / "checkpoints" / Path(path).name).exists())
+def _on_disk(path: str | None, run_dir: Path) -> str | None:
+    # Where the checkpoint is now: the run folder's own copy first (the folder may have been copied or
+    # moved since, and the recorded path is then another run's or nowhere), else the recorded path (a
+    # relative one is the training's working directory's); None where it is gone.
+    if not path:
+        return None
+    own = run_dir / "checkpoints" / Path(path).name
+    if _exists(own):
+        return str(own)
+    return path if _exists(Path(path)) else None
+
+
+def _exists(path: Path) -> bool:
+    # Path.exists raises on a name too long or a folder that may not be searched: not there, for the report.
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 # The newest records of a kind that a summary lists whole (their counts are always complete): a long
@@ -273,8 +338,10 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                           "entries": c.get("entries")} for c in tally.newest(Kind.SAMPLE_CACHE)],
         "loader_workers": [r.get("num_workers") for r in tally.newest(Kind.LOADER_REBUILT)],
         # `on_disk`: the file is there now (older ones are pruned, and a copied run may lack them).
+        # `file`: where it is now (None: gone); `path`: where it was written.
         "checkpoints": [{"step": c["step"], "reason": c.get("reason"), "path": c.get("path"),
-                         "on_disk": _on_disk(c.get("path"), run_dir)} for c in tally.newest(Kind.CHECKPOINT)],
+                         "on_disk": file is not None, "file": file}
+                        for c in tally.newest(Kind.CHECKPOINT) for file in [_on_disk(c.get("path"), run_dir)]],
         "checkpoints_failed": [{"step": c["step"], "reason": c.get("reason"), "error": c.get("error")}
                                for c in tally.newest(Kind.CHECKPOINT_FAILED)],
         "checkpoints_refused": [{"step": c["step"], "reason": c.get("reason"), "nonfinite": c.get("nonfinite")}
@@ -314,7 +381,8 @@ def render(summary: dict[str, Any]) -> str:
     lines = [f"run {summary['run_dir']}: {summary['status']}"]
     if summary["journal_lines_unreadable"]:
         lines.append(f"  note: {summary['journal_lines_unreadable']} journal line(s) could not be read and were "
-                     "skipped (cut off by a crash, not UTF-8 or not a JSON object, or a record missing a field)")
+                     "skipped (cut off by a crash, not UTF-8 or not a JSON object, or a record missing a field or "
+                     "holding one of the wrong type)")
     wall = summary["wall_seconds"]
     lines.append(f"  time {wall:.1f} s, {summary['steps']} steps, {summary['epochs_completed']} epochs, "
                  f"{summary['samples_seen']} samples" if wall is not None else "  nothing recorded yet")
@@ -394,7 +462,8 @@ def render(summary: dict[str, Any]) -> str:
     checkpoints, failed, refused = summary["checkpoints"], summary["checkpoints_failed"], summary["checkpoints_refused"]
     if checkpoints or failed or refused:
         on_disk = [c for c in checkpoints if c["on_disk"]]
-        newest = (f"newest on disk: step {on_disk[-1]['step']} ({on_disk[-1]['reason']}): {on_disk[-1]['path']}"
+        newest = (f"newest on disk: step {on_disk[-1]['step']} ({on_disk[-1]['reason']}): "
+                  f"{on_disk[-1].get('file', on_disk[-1]['path'])}"
                   if on_disk else "none on disk")
         lines.append(f"  checkpoints: {counts.get('checkpoints', len(checkpoints))} written, {newest}")
         if failed:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -275,3 +276,72 @@ def test_a_huge_line_is_skipped_and_counted_in_bounded_memory(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "note: 1 journal line(s) could not be read" in done.stdout and "finished" in done.stdout
     assert huge_peak - small_peak < 16, (small_peak, huge_peak)  # MiB
+
+
+_AT = '"time": 1796616000.0, "step": 3, "epoch": 0'
+
+
+@pytest.mark.parametrize("line", [
+    "[" * 200000 + "]" * 200000,  # json.loads: RecursionError, not a ValueError (a traceback)
+    '{' + _AT + ', "kind": "data_stalled"}',  # its fields missing: "'NoneType' object is not subscriptable"
+    '{' + _AT + ', "kind": "evaluate", "metrics": "x"}',  # AttributeError in render
+    '{' + _AT + ', "kind": "checkpoint", "path": -1}',
+    '{' + _AT + ', "kind": "epoch_end", "samples_seen": "x"}',
+    '{' + _AT + ', "kind": "evaluate", "ooms": "x"}',
+    '{' + _AT + ', "kind": "sample_cache", "hit_rate": "x"}',
+    '{' + _AT + ', "kind": "relief", "relief": "pruning", "parameters_removed_in_all": "x"}',
+    '{' + _AT + ', "kind": "oom", "micro_batch_size": 4, "lost_seconds": "x"}',
+    '{' + _AT + ', "kind": "oom", "micro_batch_size": 4, "breakdown": {"held": "x", "measure": "virtual"}}',
+    '{' + _AT + ', "kind": "oom", "micro_batch_size": 4, "memory_snapshot": {"path": "a", "largest_sites": [1]}}',
+], ids=["nested", "stall-without-fields", "metrics-str", "path-int", "samples-str", "ooms-str", "hit-rate-str",
+        "pruned-str", "lost-str", "breakdown-held-str", "snapshot-site-int"])
+def test_a_record_of_the_wrong_shape_is_skipped_and_counted(run_with_ooms, tmp_path, capsys, line):
+    # Each was a traceback or "error: ..." with no report (issue 56): every field the report reads is checked
+    # against the type records.py's registry declares, before any of it is used.
+    run_dir = tmp_path / "run"
+    shutil.copytree(run_with_ooms, run_dir)
+    assert summarize(run_dir)["journal_lines_unreadable"] == 0  # what the trainer writes passes the checks
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(line + "\n")
+    assert main(["report", str(run_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "note: 1 journal line(s) could not be read and were skipped" in text and "finished" in text
+    assert main(["report", "--json", str(run_dir)]) == 0
+    assert json.loads(capsys.readouterr().out)["journal_lines_unreadable"] == 1
+
+
+def test_a_copied_run_names_its_own_checkpoint_not_the_path_it_was_written_at(run_with_ooms, tmp_path, capsys):
+    # `cp -r runA runB; mv runA elsewhere`: the journal's paths are runA's, gone; the report named one as
+    # "newest on disk". Now it names the copy's own file, and says so when that is gone too.
+    run_dir, old = tmp_path / "runB", str(run_with_ooms)
+    shutil.copytree(run_with_ooms, run_dir)
+    journal = run_dir / "events.jsonl"
+    journal.write_text(journal.read_text().replace(json.dumps(old)[1:-1], str(tmp_path / "runA")))
+    assert main(["report", str(run_dir)]) == 0
+    newest = capsys.readouterr().out.split("newest on disk: ", 1)[1].splitlines()[0].split(": ", 1)[1]
+    assert Path(newest).parent == run_dir / "checkpoints" and Path(newest).is_file()
+    shutil.rmtree(run_dir / "checkpoints")
+    summary = summarize(run_dir)
+    assert summary["checkpoints"] and not any(c["on_disk"] or c["file"] for c in summary["checkpoints"])
+    assert "written, none on disk" in render(summary)
+
+
+def test_the_runs_id_is_read_past_a_line_nested_too_deeply(tmp_path):
+    # The run lock and resume read the newest run id from the journal's end: a deeply nested last line that
+    # names "run_id" was a RecursionError there.
+    from autotune.journal import last_run_id
+
+    path = tmp_path / "events.jsonl"
+    path.write_text(json.dumps({"kind": "fit_start", "run_id": "aaaaaaaaaaaa", "time": 1.0, "step": 0, "epoch": 0})
+                    + "\n" + '{"run_id": ' + "[" * 200000 + "]" * 200000 + "}\n")
+    assert last_run_id(path) == "aaaaaaaaaaaa"
+
+
+def test_a_checkpoint_path_that_cannot_be_looked_up_is_not_on_disk(run_with_ooms, tmp_path, capsys):
+    # Well typed, but too long a name to stat: Path.exists raised OSError, and the report was "error: ..." only.
+    run_dir = tmp_path / "run"
+    shutil.copytree(run_with_ooms, run_dir)
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write('{' + _AT + ', "kind": "checkpoint", "reason": "every", "path": "' + "x" * 5000 + '"}\n')
+    assert main(["report", str(run_dir)]) == 0
+    assert f"newest on disk: step {summarize(run_with_ooms)['checkpoints'][-1]['step']} (end)" in capsys.readouterr().out
