@@ -87,6 +87,7 @@ class Checkpointer:
         self.failed_in_a_row = 0  # checkpoints that could not be written since the last one that was
         self._last_error: str | None = None
         self._state_bytes = 0  # the size of the last state taken, for the error that says what is needed
+        self._refused: str | None = None  # the non-finite tensors, where the last failure was a refusal
         self._owner = os.getpid()
         if ranks.is_main:
             removed = remove_stale_temporaries(self.store.folder)
@@ -135,9 +136,13 @@ class Checkpointer:
             if nonfinite:
                 # Never over a finite one: the older checkpoints stay as they are.
                 self.journal.write(Kind.CHECKPOINT_REFUSED, step, epoch, reason=reason, nonfinite=nonfinite[:20])
+                names = f"{', '.join(nonfinite[:5])}{', ...' if len(nonfinite) > 5 else ''}"
                 warn(f"not writing the checkpoint of step {step} ({reason}): the model's weights are not finite "
-                     f"({', '.join(nonfinite[:5])}{', ...' if len(nonfinite) > 5 else ''}); the older checkpoints "
-                     "are kept", key=f"checkpoint refused {self.store.folder}", error=True)
+                     f"({names}); the older checkpoints are kept, and the run stops after {MAX_FAILED_CHECKPOINTS} "
+                     "refused in a row", key=f"checkpoint refused {self.store.folder}", error=True)
+                # A run that cannot be saved does not train on as if it could: refusals count as failures.
+                self._last, self._refused = (step, time.monotonic()), names
+                self.failed_in_a_row += 1
                 return None
             if len(gathered) > 1:  # every rank's random state; the rest is the same everywhere
                 state["rng"] = {**state["rng"], "ranks": [rng for rng, _, _ in gathered]}
@@ -178,7 +183,7 @@ class Checkpointer:
     def _failed(self, reason: str, step: int, epoch: int, path: Path | None, error: BaseException) -> None:
         # Retried at the next due time (every N steps, every interval), not at every step: `_last`
         # moves on as after a checkpoint; several in a row stop the run (`raise_if_failing`).
-        self._last = (step, time.monotonic())
+        self._last, self._refused = (step, time.monotonic()), None
         self.failed_in_a_row += 1
         self._last_error = f"{type(error).__name__}: {error}"
         self.journal.write(Kind.CHECKPOINT_FAILED, step, epoch, reason=reason, error=repr(error)[:300],
@@ -194,6 +199,13 @@ class Checkpointer:
             return
         self.wait()
         newest = next(iter(self.store._paths()), None)
+        if self._refused is not None:
+            raise CheckpointFailed(
+                f"{self.failed_in_a_row} checkpoints in a row were refused: the model's weights are not finite "
+                f"({self._refused}; a buffer such as BatchNorm's running variance overflows on an input far out of "
+                "range, a weight on a learning rate too high). The run cannot be saved, so it stops. The newest "
+                f"checkpoint on disk is {newest if newest is not None else 'none'}: continue from it with "
+                "fit(..., resume=True) once the cause is found")
         free = shutil.disk_usage(self.store.folder).free if self.store.folder.is_dir() else None
         raise CheckpointFailed(
             f"{self.failed_in_a_row} checkpoints in a row could not be written into {self.store.folder} (last: "

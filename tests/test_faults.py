@@ -358,3 +358,24 @@ def test_a_sample_unlike_the_others_is_named(tmp_path, odd, said):
     assert f"sample 183 of the dataset loads, but unlike the others: {said}" in notes, notes
     (failed,) = [r for r in journal(tmp_path / "run") if r["kind"] == "fit_failed"]
     assert failed["bad_sample"] == {"index": 183, "error": said}
+
+
+def test_a_run_whose_checkpoints_are_all_refused_stops_saying_why(tmp_path):
+    # One finite outlier (1e20) overflows BatchNorm's running variance; the gradients stay finite, so every step is
+    # taken and every checkpoint refused: the old run ended "successfully" with checkpoints/ empty and one line at
+    # its first refusal.
+    from autotune.checkpoint import CheckpointFailed
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 8, generator=g), torch.randint(0, 2, (256,), generator=g)
+    x[5, 3] = 1e20
+    m = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    t = AutoTrainer(m, TensorDataset(x, y), loss_fn=nn.functional.cross_entropy, batch_size=32, device="cpu",
+                    progress=False, monitor=False, policies=None, checkpoint_every=4, checkpoint_interval=None,
+                    run_dir=tmp_path / "run")
+    with pytest.raises(CheckpointFailed, match=r"3 checkpoints in a row were refused: the model's weights are not "
+                                               r"finite \(1.running_var"):
+        t.fit(epochs=3)
+    t.close()
+    refused = [r for r in journal(tmp_path / "run") if r["kind"] == "checkpoint_refused"]
+    assert [r["step"] for r in refused] == [4, 8, 12]
