@@ -1,0 +1,145 @@
+"""Room for oneDNN's kernels under an address-space cap: an OOM raised where a crash would come.
+
+oneDNN does not check every allocation it makes while it builds the kernels for a shape: the
+descriptor of a bf16 matmul (252 KiB, one for each implementation it tries, allocated before that
+implementation's ISA is checked) is written through when `malloc` returns NULL, a SIGSEGV in
+`matmul_pd_t`'s constructor that no Python catches. Under RLIMIT_AS that happens when the cap's
+last room goes to the op's output just before: after an OOM, the retry at a new micro-batch size
+is a new shape for every matmul of the model, built near the cap (the HF example died so in 3 of
+17 runs on an AMX Xeon; a bf16 Linear stack retried at 16, 12, 8, 7, 6, 5 with the cap stepped up
+64 KiB at a time dies at the first 5, every time, on an AVX512_BF16 Xeon and under
+ONEDNN_MAX_CPU_ISA=AVX512_CORE alike: tests/test_kernel_room.py).
+
+`KernelRoom`, a TorchDispatchMode the step core enters around forward and backward where a cap, a
+low-precision dtype and oneDNN meet (`guard`), checks before each op torch may send to oneDNN
+(matmuls, convolutions, CPU flash attention) on such a dtype that the cap leaves room for what the
+op allocates: its output, a copy of an operand that no matrix product can read in place, and
+`RESERVE_BYTES` for oneDNN's own (what a matmul of a new shape kept here: 1.0-2.0 MiB of
+descriptors and kernels). The check maps that much address space, unreadable, and unmaps it: where
+the cap refuses it, the op does not run and a `torch.OutOfMemoryError` says why; the retry catches
+it as any OOM. Nothing else allocates on the thread in between, so what oneDNN allocates inside the
+op finds the room the check found. With the guard the Linear stack's 5,766 attempts ran out of
+memory 3,903 times and crashed none.
+
+Cost: the mode sees every op of the step (~15 us each, in Python): ~5 ms on a micro-batch of the HF
+example's 366 ops. Nothing is entered without a cap, on another device, or with fp32 alone.
+
+Owns: that check, and when it is made. Touches nothing: it raises before an op or lets it run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from typing import Any, Iterable
+
+import torch
+from loguru import logger
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autotune.onednn import runs_on_onednn, under_an_address_space_cap
+from autotune.units import format_bytes
+
+RESERVE_BYTES = 4 * 2**20  # twice the most a matmul of a new shape kept here (2.0 MiB, its transposed backward)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_aten = torch.ops.aten
+# Matrix products (cpublas::gemm, oneDNN for bf16/fp16): where their two matrices are in the arguments.
+_PRODUCTS = {_aten.mm: (0, 1), _aten.bmm: (0, 1), _aten.addmm: (1, 2), _aten._addmm_activation: (1, 2),
+             _aten.baddbmm: (1, 2), _aten.addbmm: (1, 2)}
+# Others oneDNN runs for these dtypes (a linear is seen as its product where it is decomposed first).
+_OTHERS = {_aten.linear, _aten.convolution, _aten.convolution_backward,
+           _aten._scaled_dot_product_flash_attention_for_cpu,
+           _aten._scaled_dot_product_flash_attention_for_cpu_backward}
+_NOTHING = contextlib.nullcontext()
+_said = False
+
+
+def warm() -> None:
+    """Ask torch once, now, which of the low-precision dtypes it sends to oneDNN (`guard` then only reads it)."""
+    for dtype in LOW_PRECISION:
+        runs_on_onednn(dtype)
+
+
+def guard(device: torch.device, dtypes: Iterable[torch.dtype]) -> contextlib.AbstractContextManager[Any]:
+    """`KernelRoom` where a step on `device` with `dtypes` (its autocast's, its parameters') would
+    have oneDNN build kernels under RLIMIT_AS; a context that does nothing elsewhere."""
+    global _said
+    if device.type != "cpu" or not under_an_address_space_cap():
+        return _NOTHING
+    guarded = frozenset(d for d in dtypes if d in LOW_PRECISION and runs_on_onednn(d))
+    if not guarded:
+        return _NOTHING
+    if not _said:
+        _said = True
+        logger.debug(f"kernel room: {', '.join(str(d) for d in sorted(guarded, key=str))} on oneDNN under RLIMIT_AS: "
+                     f"each product checked for its output and {format_bytes(RESERVE_BYTES)} of room first")
+    return KernelRoom(guarded)
+
+
+class KernelRoom(TorchDispatchMode):
+    """Before each op oneDNN may build kernels for, on a tensor of `dtypes`, the room under the cap
+    for its output, its copies and oneDNN's allocations (`needed_bytes`), or a
+    `torch.OutOfMemoryError` instead of the op (module docstring)."""
+
+    def __init__(self, dtypes: frozenset[torch.dtype]):
+        super().__init__()
+        self.dtypes = dtypes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        packet = func.overloadpacket
+        if packet in _PRODUCTS or packet in _OTHERS:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if any(t.dtype in self.dtypes and t.device.type == "cpu" for t in tensors):
+                need = needed_bytes(packet, args, tensors)
+                if not room_for(need):
+                    shapes = " x ".join(str(list(t.shape)) for t in tensors)
+                    raise torch.OutOfMemoryError(
+                        f"out of memory: less than {format_bytes(need)} of room under the RLIMIT_AS cap for {packet} "
+                        f"on {shapes} ({tensors[0].dtype}): its output and the kernels oneDNN builds for it, some "
+                        "of whose allocations oneDNN does not check (refused, they crash the process: "
+                        "autotune/kernel_room.py)")
+        return func(*args, **(kwargs or {}))
+
+
+def needed_bytes(packet: Any, args: tuple, tensors: list[torch.Tensor]) -> int:
+    """What an op may allocate before and while oneDNN builds its kernels: its output, a copy of
+    each operand a matrix product cannot read in place (neither of its last two dims of stride 1),
+    and `RESERVE_BYTES`."""
+    size = max(t.element_size() for t in tensors)
+    if packet in _PRODUCTS:
+        i, j = _PRODUCTS[packet]
+        a, b = args[i], args[j]
+        rows = a.shape[-2] if packet is _aten.addbmm else a.shape[:-1].numel()
+        output = rows * b.shape[-1] * size
+    elif packet is _aten.linear:
+        output = args[0].shape[:-1].numel() * args[1].shape[0] * size
+    elif packet is _aten.convolution:
+        output = _convolution_output(*args[:9]) * size
+    else:  # a convolution's or attention's gradients, attention's output: their operands' sizes
+        output = sum(t.numel() for t in tensors) * size
+    copies = sum(t.numel() * t.element_size() for t in tensors if t.dim() >= 2 and 1 not in t.stride()[-2:])
+    return output + copies + RESERVE_BYTES
+
+
+def _convolution_output(input: torch.Tensor, weight: torch.Tensor, bias: Any, stride: list[int], padding: list[int],
+                        dilation: list[int], transposed: bool, output_padding: list[int], groups: int) -> int:
+    # torch's own formula (aten/src/ATen/native/ConvUtils.h), in elements.
+    elements = input.shape[0] * (weight.shape[1] * groups if transposed else weight.shape[0])
+    for d, size in enumerate(input.shape[2:]):
+        kernel = dilation[d] * (weight.shape[2 + d] - 1) + 1
+        if transposed:
+            elements *= (size - 1) * stride[d] - 2 * padding[d] + kernel + output_padding[d]
+        else:
+            elements *= (size + 2 * padding[d] - kernel) // stride[d] + 1
+    return max(elements, 0)
+
+
+def room_for(nbytes: int) -> bool:
+    """Whether `nbytes` more of address space can be mapped now: mapped unreadable and unmapped at
+    once (two system calls, nothing touched); False where the cap refuses it."""
+    try:
+        mapping = mmap.mmap(-1, max(int(nbytes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ)
+    except (OSError, MemoryError):  # ENOMEM: the cap refused it (MemoryError: not even the object)
+        return False
+    mapping.close()
+    return True
