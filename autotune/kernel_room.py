@@ -15,11 +15,13 @@ low-precision dtype and oneDNN meet (`guard`), checks before each op torch may s
 (matmuls, convolutions, CPU flash attention) on such a dtype that the cap leaves room for what the
 op allocates: its output, a copy of an operand that no matrix product can read in place, and
 `RESERVE_BYTES` for oneDNN's own (what a matmul of a new shape kept here: 1.0-2.0 MiB of
-descriptors and kernels). The check maps that much address space, unreadable, and unmaps it: where
-the cap refuses it, the op does not run and a `torch.OutOfMemoryError` says why; the retry catches
-it as any OOM. Nothing else allocates on the thread in between, so what oneDNN allocates inside the
-op finds the room the check found. With the guard the Linear stack's 5,766 attempts ran out of
-memory 3,903 times and crashed none.
+descriptors and kernels). The check reads the virtual size (/proc/self/statm, what RLIMIT_AS binds)
+against the cap; where the room is not there, the op does not run and a `torch.OutOfMemoryError`
+says why; the retry catches it as any OOM. Nothing else allocates on the thread in between, so what
+oneDNN allocates inside the op finds the room the check found. (A check that maps the room and
+unmaps it, as a first version did, raises the process's lifetime peak, VmPeak, which the step's
+demand is measured by: the policies then saw steps bigger than they were.) With the guard the
+Linear stack's 5,766 attempts ran out of memory 3,903 times and crashed none.
 
 Cost: the mode sees every op of the step (~15 us each, in Python): ~5 ms on a micro-batch of the HF
 example's 366 ops. Nothing is entered without a cap, on another device, or with fp32 alone.
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
+import resource
 from typing import Any, Iterable
 
 import torch
@@ -55,9 +59,16 @@ _said = False
 
 
 def warm() -> None:
-    """Ask torch once, now, which of the low-precision dtypes it sends to oneDNN (`guard` then only reads it)."""
+    """Ask torch once, now, which of the low-precision dtypes it sends to oneDNN (`guard` then only
+    reads it), and open /proc/self/statm: both before a cap is likely set."""
+    global _statm
     for dtype in LOW_PRECISION:
         runs_on_onednn(dtype)
+    if _statm is None:
+        try:
+            _statm = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            _statm = None
 
 
 def guard(device: torch.device, dtypes: Iterable[torch.dtype]) -> contextlib.AbstractContextManager[Any]:
@@ -73,7 +84,7 @@ def guard(device: torch.device, dtypes: Iterable[torch.dtype]) -> contextlib.Abs
         _said = True
         logger.debug(f"kernel room: {', '.join(str(d) for d in sorted(guarded, key=str))} on oneDNN under RLIMIT_AS: "
                      f"each product checked for its output and {format_bytes(RESERVE_BYTES)} of room first")
-    return KernelRoom(guarded)
+    return KernelRoom(guarded, resource.getrlimit(resource.RLIMIT_AS)[0])
 
 
 class KernelRoom(TorchDispatchMode):
@@ -81,9 +92,9 @@ class KernelRoom(TorchDispatchMode):
     for its output, its copies and oneDNN's allocations (`needed_bytes`), or a
     `torch.OutOfMemoryError` instead of the op (module docstring)."""
 
-    def __init__(self, dtypes: frozenset[torch.dtype]):
+    def __init__(self, dtypes: frozenset[torch.dtype], cap: int):
         super().__init__()
-        self.dtypes = dtypes
+        self.dtypes, self.cap = dtypes, cap
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         packet = func.overloadpacket
@@ -91,7 +102,7 @@ class KernelRoom(TorchDispatchMode):
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             if any(t.dtype in self.dtypes and t.device.type == "cpu" for t in tensors):
                 need = needed_bytes(packet, args, tensors)
-                if not room_for(need):
+                if not room_for(need, self.cap):
                     shapes = " x ".join(str(list(t.shape)) for t in tensors)
                     raise torch.OutOfMemoryError(
                         f"out of memory: less than {format_bytes(need)} of room under the RLIMIT_AS cap for {packet} "
@@ -134,12 +145,26 @@ def _convolution_output(input: torch.Tensor, weight: torch.Tensor, bias: Any, st
     return max(elements, 0)
 
 
-def room_for(nbytes: int) -> bool:
-    """Whether `nbytes` more of address space can be mapped now: mapped unreadable and unmapped at
-    once (two system calls, nothing touched); False where the cap refuses it."""
+_statm: int | None = None  # /proc/self/statm, opened once (`warm`); None: not there, mapped and unmapped instead
+
+
+def room_for(nbytes: int, cap: int) -> bool:
+    """Whether `nbytes` more of address space fit under `cap` (RLIMIT_AS's soft limit) now: the
+    virtual size read from /proc/self/statm; where it cannot be, `nbytes` mapped unreadable and
+    unmapped at once (False where the cap refuses it)."""
+    if cap == resource.RLIM_INFINITY:
+        return True
+    if _statm is not None:
+        try:  # the first field: the virtual size in pages, the total RLIMIT_AS is checked against
+            return int(os.pread(_statm, 64, 0).split(b" ", 1)[0]) * _PAGE + nbytes <= cap
+        except (OSError, ValueError, MemoryError):
+            pass
     try:
         mapping = mmap.mmap(-1, max(int(nbytes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ)
     except (OSError, MemoryError):  # ENOMEM: the cap refused it (MemoryError: not even the object)
         return False
     mapping.close()
     return True
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

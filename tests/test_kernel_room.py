@@ -79,15 +79,15 @@ def test_the_check_is_made_only_where_a_cap_a_low_precision_dtype_and_onednn_mee
 
 def test_an_op_without_its_room_is_an_oom_that_names_it_and_the_rest_run(monkeypatch):
     asked = []
-    monkeypatch.setattr(kernel_room, "room_for", lambda n: asked.append(n) or False)
+    monkeypatch.setattr(kernel_room, "room_for", lambda n, cap: asked.append((n, cap)) or False)
     a, b = torch.randn(320, 64, dtype=torch.bfloat16), torch.randn(64, 4096, dtype=torch.bfloat16)
-    with kernel_room.KernelRoom(frozenset({torch.bfloat16})):
+    with kernel_room.KernelRoom(frozenset({torch.bfloat16}), 1 << 40):
         assert torch.equal(a.float() + 1, a.float() + 1)  # not a product: not asked
         assert (a.float() @ b.float()).shape == (320, 4096)  # fp32: MKL's, not asked
         assert asked == []
         with pytest.raises(torch.OutOfMemoryError) as raised:
             a @ b
-    assert asked == [320 * 4096 * 2 + kernel_room.RESERVE_BYTES]  # the output and oneDNN's reserve
+    assert asked == [(320 * 4096 * 2 + kernel_room.RESERVE_BYTES, 1 << 40)]  # the output and oneDNN's reserve
     assert is_oom(raised.value)
     assert "aten.mm on [320, 64] x [64, 4096] (torch.bfloat16)" in str(raised.value)
     assert "RLIMIT_AS" in str(raised.value)
@@ -97,14 +97,14 @@ def test_backward_is_checked_too_and_the_room_found_lets_it_run(monkeypatch):
     # The issue's crash was in backward (AddmmBackward0 -> mm): the check sees the gradients' products.
     seen = []
 
-    def room(n):
+    def room(n, cap):
         seen.append(n)
         return True
 
     monkeypatch.setattr(kernel_room, "room_for", room)
     layer = nn.Linear(64, 32).to(torch.bfloat16)
     x = torch.randn(8, 64, dtype=torch.bfloat16)
-    with kernel_room.KernelRoom(frozenset({torch.bfloat16})):
+    with kernel_room.KernelRoom(frozenset({torch.bfloat16}), 1 << 40):
         layer(x).float().sum().backward()
     reserve = kernel_room.RESERVE_BYTES
     # forward addmm (8x32), backward: the input's gradient is not needed; the weight's (32x64) is
@@ -119,7 +119,7 @@ def test_a_retry_goes_on_below_the_size_the_check_refused(tmp_path, monkeypatch)
     from autotune import Tuner
 
     capped_on_onednn(monkeypatch)
-    monkeypatch.setattr(kernel_room, "room_for", lambda n: n <= kernel_room.RESERVE_BYTES + 1.5 * 2**20)
+    monkeypatch.setattr(kernel_room, "room_for", lambda n, cap: n <= kernel_room.RESERVE_BYTES + 1.5 * 2**20)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4096)).to(torch.bfloat16)
     batch = (torch.randn(8 * 64, 64, dtype=torch.bfloat16), torch.randint(0, 4096, (8 * 64,)))
@@ -131,3 +131,19 @@ def test_a_retry_goes_on_below_the_size_the_check_refused(tmp_path, monkeypatch)
     ooms = [r for r in records if r["kind"] == "oom"]
     assert ooms and all("RLIMIT_AS cap for aten." in r["message"] for r in ooms), ooms
 
+
+
+def test_the_room_is_the_cap_less_the_virtual_size_and_nothing_is_mapped_to_find_it():
+    # Read, not mapped: a mapping would raise the lifetime peak (VmPeak) the step's demand is measured by.
+    import resource
+
+    from autotune.demand import StepPeak
+
+    kernel_room.warm()
+    status = StepPeak(torch.device("cpu")).status
+    before = status()
+    above_peak = before.virtual_peak - before.virtual + 32 * 2**20  # mapped, this would be a new lifetime peak
+    cap = before.virtual + above_peak + 32 * 2**20
+    assert kernel_room.room_for(above_peak, cap) and not kernel_room.room_for(above_peak + 64 * 2**20, cap)
+    assert status().virtual_peak == before.virtual_peak
+    assert kernel_room.room_for(1 << 50, resource.RLIM_INFINITY)  # no cap
