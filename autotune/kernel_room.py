@@ -59,16 +59,22 @@ _said = False
 
 
 def warm() -> None:
-    """Ask torch once, now, which of the low-precision dtypes it sends to oneDNN (`guard` then only
-    reads it), and open /proc/self/statm: both before a cap is likely set."""
+    """Before a cap is likely set: ask torch once which of the low-precision dtypes it sends to
+    oneDNN (`guard` then only reads it), and where one is, open /proc/self/statm and run an op
+    under the mode once (its lazy imports)."""
     global _statm
-    for dtype in LOW_PRECISION:
-        runs_on_onednn(dtype)
+    answers = [runs_on_onednn(dtype) for dtype in LOW_PRECISION]  # each asked, none skipped
+    if not any(answers):
+        return  # no check will be made here
     if _statm is None:
         try:
             _statm = os.open("/proc/self/statm", os.O_RDONLY)
         except OSError:
             _statm = None
+    # A dispatch mode's first op imports torch._dynamo (1.5 s, 263 MiB of address space here): under a
+    # tight cap that import fails ("failed to map segment"), which no retry can take for an OOM.
+    with KernelRoom(frozenset(LOW_PRECISION), resource.RLIM_INFINITY):
+        torch.zeros(1).add_(1)
 
 
 def guard(device: torch.device, dtypes: Iterable[torch.dtype]) -> contextlib.AbstractContextManager[Any]:

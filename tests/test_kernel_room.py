@@ -58,6 +58,35 @@ def test_bf16_retried_at_new_sizes_under_a_cap_runs_out_of_memory_and_never_dies
     assert [m for headroom, m in said["fits"] if headroom == 96 * 2**20] == [16, 12, 8, 7, 6, 5], said  # wide: all
 
 
+FIRST_USE = r'''
+import sys, torch
+from autotune import kernel_room
+from autotune.limits import cap_address_space, lift_address_space_cap
+
+kernel_room.warm()  # what the step core does when it is made
+cap_address_space(0)  # not a page more
+try:
+    with kernel_room.guard(torch.device("cpu"), {torch.bfloat16}):
+        torch.ones(64, 64, dtype=torch.bfloat16) @ torch.ones(64, 64, dtype=torch.bfloat16)
+    said = "ran"
+except Exception as exc:
+    said = f"{type(exc).__name__}: {exc}"
+lift_address_space_cap()
+save(said)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ON_ONEDNN, reason="torch keeps bf16 off oneDNN on this CPU (no AVX-512): nothing to check")
+def test_the_first_check_under_a_tight_cap_is_an_oom_not_a_failed_import(tmp_path):
+    # A dispatch mode's first op imports torch._dynamo (263 MiB of address space): under the cap that
+    # was an ImportError ("failed to map segment"), which no retry takes for an OOM (with a page or more
+    # of room, a MemoryError at every size: the run gave up). warm() runs it first.
+    proc, said = run_python(FIRST_USE, tmp_path, timeout=120)
+    assert said is not None and said.startswith("OutOfMemoryError: out of memory: less than 4.0 MiB"), \
+        (said, proc.stderr[-2000:])
+
+
 def capped_on_onednn(monkeypatch):
     # The condition where the check is made, simulated: a cap, and torch sending bf16 to oneDNN.
     monkeypatch.setattr(kernel_room, "under_an_address_space_cap", lambda: True)
