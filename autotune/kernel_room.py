@@ -6,9 +6,9 @@ implementation's ISA is checked) is written through when `malloc` returns NULL, 
 `matmul_pd_t`'s constructor that no Python catches. Under RLIMIT_AS that happens when the cap's
 last room goes to the op's output just before: after an OOM, the retry at a new micro-batch size
 is a new shape for every matmul of the model, built near the cap (the HF example died so in 3 of
-17 runs on an AMX Xeon; a bf16 Linear stack retried at 16, 12, 8, 7, 6, 5 with the cap stepped up
-64 KiB at a time dies at the first 5, every time, on an AVX512_BF16 Xeon and under
-ONEDNN_MAX_CPU_ISA=AVX512_CORE alike: tests/test_kernel_room.py).
+17 runs on an AMX Xeon, and in 3 of 44 on an AVX512_BF16 Xeon, each after OOMs at 32, 11, 8, 7, 6;
+a bf16 Linear stack retried at 16, 12, 8, 7, 6, 5 with the cap stepped up 64 KiB at a time dies at
+the first 5, every time, there and under ONEDNN_MAX_CPU_ISA=AVX512_CORE alike: tests/test_kernel_room.py).
 
 `KernelRoom`, a TorchDispatchMode the step core enters around forward and backward where a cap, a
 low-precision dtype and oneDNN meet (`guard`), checks before each op torch may send to oneDNN
@@ -20,11 +20,12 @@ against the cap; where the room is not there, the op does not run and a `torch.O
 says why; the retry catches it as any OOM. Nothing else allocates on the thread in between, so what
 oneDNN allocates inside the op finds the room the check found. (A check that maps the room and
 unmaps it, as a first version did, raises the process's lifetime peak, VmPeak, which the step's
-demand is measured by: the policies then saw steps bigger than they were.) With the guard the
-Linear stack's 5,766 attempts ran out of memory 3,903 times and crashed none.
+demand is measured by: the policies then saw steps bigger than they were.) With the check, the
+Linear stack stepped from 0 to 40 MiB ran out of memory in 3,326 attempts of 3,846 and crashed in none.
 
-Cost: the mode sees every op of the step (~15 us each, in Python): ~5 ms on a micro-batch of the HF
-example's 366 ops. Nothing is entered without a cap, on another device, or with fp32 alone.
+Cost: the mode sees every op of the step (14-20 us each, in Python): the HF example's model took
+15.3 ms a micro-batch of 1 instead of 10.3, 54.5 ms one of 8 instead of 47.1 (366 ops;
+benchmarks/bf16_under_cap.py). Nothing is entered without a cap, on another device, or with fp32 alone.
 
 Owns: that check, and when it is made. Touches nothing: it raises before an op or lets it run.
 """
