@@ -176,3 +176,23 @@ def test_the_room_is_the_cap_less_the_virtual_size_and_nothing_is_mapped_to_find
     assert kernel_room.room_for(above_peak, cap) and not kernel_room.room_for(above_peak + 64 * 2**20, cap)
     assert status().virtual_peak == before.virtual_peak
     assert kernel_room.room_for(1 << 50, resource.RLIM_INFINITY)  # no cap
+
+
+def test_the_pruning_relief_runs_its_model_under_the_check_too(tmp_path, monkeypatch):
+    # Pruning traces the model with a captured micro-batch: bf16 kernels of their own, under the same cap.
+    from autotune import Tuner
+    from autotune.actions import PruneChannels
+
+    capped_on_onednn(monkeypatch)
+    asked = []
+    monkeypatch.setattr(kernel_room, "room_for", lambda n, cap: asked.append(n) or True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)).to(torch.bfloat16)
+    batch = (torch.randn(16, 8, dtype=torch.bfloat16), torch.randint(0, 3, (16,)))
+    with Tuner(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy,
+               device="cpu", run_dir=tmp_path / "run", monitor=False) as tuner:
+        tuner.step(batch)
+        asked.clear()
+        assert tuner.carry_out(PruneChannels(ratio=0.25))
+        assert asked  # the traced forward's products
+        assert model[0].weight.shape == (24, 8)
