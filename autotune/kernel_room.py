@@ -11,21 +11,25 @@ a bf16 Linear stack retried at 16, 12, 8, 7, 6, 5 with the cap stepped up 64 KiB
 the first 5, every time, there and under ONEDNN_MAX_CPU_ISA=AVX512_CORE alike: tests/test_kernel_room.py).
 
 `KernelRoom`, a TorchDispatchMode the step core enters around forward and backward where a cap, a
-low-precision dtype and oneDNN meet (`guard`), checks before each op torch may send to oneDNN
-(matmuls, convolutions, CPU flash attention) on such a dtype that the cap leaves room for what the
-op allocates: its output, a copy of an operand that no matrix product can read in place, and
-`RESERVE_BYTES` for oneDNN's own (what a matmul of a new shape kept here: 1.0-2.0 MiB of
-descriptors and kernels). The check reads the virtual size (/proc/self/statm, what RLIMIT_AS binds)
-against the cap; where the room is not there, the op does not run and a `torch.OutOfMemoryError`
-says why; the retry catches it as any OOM. Nothing else allocates on the thread in between, so what
-oneDNN allocates inside the op finds the room the check found. (A check that maps the room and
-unmaps it, as a first version did, raises the process's lifetime peak, VmPeak, which the step's
-demand is measured by: the policies then saw steps bigger than they were.) With the check, the
-Linear stack stepped from 0 to 40 MiB ran out of memory in 3,326 attempts of 3,846 and crashed in none.
+low-precision dtype and oneDNN meet (`guard`; the dtypes: the autocast's, the parameters', and until
+an attempt has run under the check every low-precision one, noting those the products run in, for a
+step that autocasts on its own as HF's bf16=True and Lightning's bf16-mixed do), checks before each
+op torch may send to oneDNN (matmuls, convolutions, CPU flash attention) on such a dtype that the
+cap leaves room for what the op allocates: its output, a copy of an operand that no matrix product
+can read in place, and `RESERVE_BYTES` for oneDNN's own (what a matmul of a new shape kept here:
+1.0-2.0 MiB of descriptors and kernels). The check reads the virtual size (/proc/self/statm, what
+RLIMIT_AS binds) against the cap; where the room is not there, the op does not run and a
+`torch.OutOfMemoryError` says why; the retry catches it as any OOM. Nothing else allocates on the
+thread in between, so what oneDNN allocates inside the op finds the room the check found. (A check
+that maps the room and unmaps it, as a first version did, raises the process's lifetime peak,
+VmPeak, which the step's demand is measured by: the policies then saw steps bigger than they were.)
+With the check, the Linear stack stepped from 0 to 40 MiB ran out of memory in 3,326 attempts of
+3,846 and crashed in none.
 
 Cost: the mode sees every op of the step (14-20 us each, in Python): the HF example's model took
 15.3 ms a micro-batch of 1 instead of 10.3, 54.5 ms one of 8 instead of 47.1 (366 ops;
-benchmarks/bf16_under_cap.py). Nothing is entered without a cap, on another device, or with fp32 alone.
+benchmarks/bf16_under_cap.py). Nothing is entered without a cap or on another device; for an fp32
+step, only its first attempt.
 
 Owns: that check, and when it is made. Touches nothing: it raises before an op or lets it run.
 """
@@ -47,6 +51,7 @@ from autotune.units import format_bytes
 
 RESERVE_BYTES = 4 * 2**20  # twice the most a matmul of a new shape kept here (2.0 MiB, its transposed backward)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+LOW_PRECISION_SET = frozenset(LOW_PRECISION)
 _aten = torch.ops.aten
 # Matrix products (cpublas::gemm, oneDNN for bf16/fp16): where their two matrices are in the arguments.
 _PRODUCTS = {_aten.mm: (0, 1), _aten.bmm: (0, 1), _aten.addmm: (1, 2), _aten._addmm_activation: (1, 2),
@@ -78,9 +83,11 @@ def warm() -> None:
         torch.zeros(1).add_(1)
 
 
-def guard(device: torch.device, dtypes: Iterable[torch.dtype]) -> contextlib.AbstractContextManager[Any]:
-    """`KernelRoom` where a step on `device` with `dtypes` (its autocast's, its parameters') would
-    have oneDNN build kernels under RLIMIT_AS; a context that does nothing elsewhere."""
+def guard(device: torch.device, dtypes: Iterable[torch.dtype],
+          noted: set[torch.dtype] | None = None) -> contextlib.AbstractContextManager[Any]:
+    """`KernelRoom` where a step on `device` with `dtypes` (its autocast's, its parameters', or every
+    low-precision one while it is not known) would have oneDNN build kernels under RLIMIT_AS; a
+    context that does nothing elsewhere. `noted`: where the mode adds the dtypes it checks products in."""
     global _said
     if device.type != "cpu" or not under_an_address_space_cap():
         return _NOTHING
@@ -91,7 +98,7 @@ def guard(device: torch.device, dtypes: Iterable[torch.dtype]) -> contextlib.Abs
         _said = True
         logger.debug(f"kernel room: {', '.join(str(d) for d in sorted(guarded, key=str))} on oneDNN under RLIMIT_AS: "
                      f"each product checked for its output and {format_bytes(RESERVE_BYTES)} of room first")
-    return KernelRoom(guarded, resource.getrlimit(resource.RLIMIT_AS)[0])
+    return KernelRoom(guarded, resource.getrlimit(resource.RLIMIT_AS)[0], noted)
 
 
 class KernelRoom(TorchDispatchMode):
@@ -99,15 +106,17 @@ class KernelRoom(TorchDispatchMode):
     for its output, its copies and oneDNN's allocations (`needed_bytes`), or a
     `torch.OutOfMemoryError` instead of the op (module docstring)."""
 
-    def __init__(self, dtypes: frozenset[torch.dtype], cap: int):
+    def __init__(self, dtypes: frozenset[torch.dtype], cap: int, noted: set[torch.dtype] | None = None):
         super().__init__()
-        self.dtypes, self.cap = dtypes, cap
+        self.dtypes, self.cap, self.noted = dtypes, cap, noted
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         packet = func.overloadpacket
         if packet in _PRODUCTS or packet in _OTHERS:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             if any(t.dtype in self.dtypes and t.device.type == "cpu" for t in tensors):
+                if self.noted is not None:
+                    self.noted.update(t.dtype for t in tensors if t.dtype in self.dtypes)
                 need = needed_bytes(packet, args, tensors)
                 if not room_for(need, self.cap):
                     shapes = " x ".join(str(list(t.shape)) for t in tensors)

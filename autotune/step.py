@@ -22,8 +22,8 @@ scaler), torch.compile, fault injection, and entering the kernel room around for
 (kernel_room.py: under RLIMIT_AS, room for oneDNN's low-precision kernels checked before each op).
 Its rooms: losses.py (the loss records it fills) and optimizer_step.py (the step after the attempt).
 May touch: the model's gradients. Does not decide anything: the micro-batch size comes in, what
-failed goes out; OOM recovery is recovery.py's. What an attempt changes besides gradients (random streams, running statistics) is
-kept before it by rewind.py, for batch.py to put back when it fails.
+failed goes out; OOM recovery is recovery.py's. What an attempt changes besides gradients (random
+streams, running statistics) is kept before it by rewind.py, for batch.py to put back when it fails.
 """
 
 from __future__ import annotations
@@ -126,6 +126,9 @@ class StepCore:
         self.on_failure: Callable[[], None] | None = None
         self._parameters: tuple[nn.Parameter, ...] | None = None  # the model's, walked once (see `parameters`)
         self._dtypes: frozenset[torch.dtype] | None = None  # the parameters' (see `kernel_room`)
+        self._noted: set[torch.dtype] = set()  # low-precision dtypes the step's products were seen in, checked
+        self._watching = True  # until an attempt has run under the check, every low-precision product is checked
+        self._checked = False  # this attempt ran under the check
         if device.type == "cpu":
             kernel_room.warm()  # torch's answers, asked now: not first under a cap, inside a step
         self.rewind = Rewind(model, device)  # the random streams and buffers an attempt changes, kept before it
@@ -143,6 +146,7 @@ class StepCore:
         if self.stepper.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
         self.rewind.keep()  # what a failed attempt must not leave behind (rewind.py)
+        self._checked = False
         seen = done
         # The whole batch in one piece (most steps): as it came, no split
         pieces = (((batch, n),) if done == 0 and size >= n and self.split_fn is None
@@ -189,6 +193,8 @@ class StepCore:
                 self.norms.pause()
             if self.rewind.streams_move is None:  # until the first whole attempt says whether it draws
                 self.rewind.attempted(whole=result.failed_micro_batch is None and not result.peer_failed)
+            if self._watching and self._checked and result.failed_micro_batch is None and not result.peer_failed:
+                self._watching = False  # what the step's products run in is known now (`_noted`)
         return result
 
     def _accumulate(self, result: Attempt, loss: torch.Tensor, items: Any, m: int, n: int) -> None:
@@ -243,8 +249,14 @@ class StepCore:
         survive into an OOM (kernel_room.py); elsewhere a context that does nothing."""
         if self._dtypes is None:
             self._dtypes = frozenset(p.dtype for p in self.parameters())
-        dtypes = self._dtypes if self.autocast is None else self._dtypes | {self.autocast.dtype}
-        return kernel_room.guard(self.device, dtypes)
+        dtypes = self._dtypes | self._noted
+        if self.autocast is not None:
+            dtypes = dtypes | {self.autocast.dtype}
+        if self._watching:  # a step that casts or autocasts on its own: HF's bf16=True, Lightning's bf16-mixed
+            dtypes = dtypes | kernel_room.LOW_PRECISION_SET
+        room = kernel_room.guard(self.device, dtypes, self._noted)
+        self._checked = self._checked or isinstance(room, kernel_room.KernelRoom)
+        return room
 
     def _forward(self, micro: Any, module: nn.Module | None) -> Any:
         if module is None:

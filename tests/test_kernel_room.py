@@ -196,3 +196,35 @@ def test_the_pruning_relief_runs_its_model_under_the_check_too(tmp_path, monkeyp
         assert tuner.carry_out(PruneChannels(ratio=0.25))
         assert asked  # the traced forward's products
         assert model[0].weight.shape == (24, 8)
+
+
+@pytest.mark.parametrize("autocast_inside", [True, False], ids=["bf16 inside the step", "fp32"])
+def test_a_step_that_autocasts_on_its_own_is_checked_and_an_fp32_one_only_until_it_is_known(
+        tmp_path, monkeypatch, autocast_inside):
+    # HF's bf16=True and Lightning's bf16-mixed autocast inside the step autotune calls, with
+    # precision="fp32" and fp32 weights: the first attempt under the check sees what the products
+    # run in; bf16 stays checked, an fp32 step is let be (no mode, no cost).
+    from autotune import Tuner
+
+    capped_on_onednn(monkeypatch)
+    asked = []
+    monkeypatch.setattr(kernel_room, "room_for", lambda n, cap: asked.append(n) or True)
+
+    def step(model, batch):
+        inputs, targets = batch
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_inside):
+            return nn.functional.cross_entropy(model(inputs).float(), targets)
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    batch = (torch.randn(8, 8), torch.randint(0, 2, (8,)))
+    with Tuner(model, torch.optim.SGD(model.parameters(), lr=0.1), step_fn=step, device="cpu", monitor=False,
+               run_dir=tmp_path / "run") as tuner:
+        tuner.step(batch)
+        first = len(asked)
+        tuner.step(batch)
+        entered = tuner.core.kernel_room()
+    if autocast_inside:
+        assert first > 0 and len(asked) == 2 * first  # every product of both steps
+        assert isinstance(entered, kernel_room.KernelRoom) and entered.dtypes == {torch.bfloat16}
+    else:
+        assert asked == [] and entered is kernel_room._NOTHING
