@@ -26,8 +26,8 @@ VmPeak, which the step's demand is measured by: the policies then saw steps bigg
 With the check, the Linear stack stepped from 0 to 40 MiB ran out of memory in 3,326 attempts of
 3,846 and crashed in none.
 
-Cost: the mode sees every op of the step (14-20 us each, in Python): the HF example's model took
-15.3 ms a micro-batch of 1 instead of 10.3, 54.5 ms one of 8 instead of 47.1 (366 ops;
+Cost: the mode sees every op of the step (12-19 us each, in Python): the HF example's model took
+14.3 ms a micro-batch of 1 instead of 9.8, 51.6 ms one of 8 instead of 44.7 (366 ops;
 benchmarks/bf16_under_cap.py). Nothing is entered without a cap or on another device; for an fp32
 step, only its first attempt.
 
