@@ -22,7 +22,11 @@ pieces). Anything unexpected (another layout, a stripped library, no oneDNN, a v
 error code) means "not available": nothing is called or written, and the functions return False.
 Setting ONEDNN_PRIMITIVE_CACHE_CAPACITY before torch starts bounds the cache without this.
 
-Owns: oneDNN's primitive cache capacity, where it can be set. Touches nothing else.
+**Where torch sends bf16 and fp16.** `runs_on_onednn` is torch's own answer (which follows the ISA oneDNN
+started with), not the CPU's native bf16: the autocast relief's skip and `kernel_room.py` ask it.
+
+Owns: oneDNN's primitive cache capacity, where it can be set, and where torch sends a dtype to oneDNN.
+Touches nothing else.
 """
 
 from __future__ import annotations
@@ -107,25 +111,53 @@ def native_bf16(cpu_flags: set[str] | None = None) -> list[str]:
     return sorted(cpu_flags & {"avx512_bf16", "amx_bf16"})
 
 
-def builds_bf16_kernels_under_a_hard_cap(cpu_flags: set[str] | None = None) -> str | None:
-    """Why bf16 autocast on this CPU would compile oneDNN kernels under an address-space cap, where
-    an allocation oneDNN does not check can kill the process (a signal no Python catches:
-    docs/memory-caps.md); None where it would not: no RLIMIT_AS, oneDNN off or absent, no native bf16
-    (AVX512_BF16, AMX) or ONEDNN_MAX_CPU_ISA below it. The autocast relief is skipped, with that word.
-    `cpu_flags`: /proc/cpuinfo's, read when None."""
-    import resource
+_on_onednn: dict[Any, bool] = {}  # dtype: torch's answer, fixed once oneDNN has read its ISA
 
+
+def runs_on_onednn(dtype: Any) -> bool:
+    """Whether torch sends CPU matmuls and convolutions of `dtype` (bf16, fp16) to oneDNN here:
+    oneDNN on, and torch's own test (`torch.ops.mkldnn._is_mkldnn_bf16_supported`), which follows
+    the ISA oneDNN started with. That is not native bf16: an AVX-512 CPU without it, or
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE, sends bf16 there too, and oneDNN allocates the descriptor of its
+    native-bf16 matmul before checking the ISA (a crash under a cap in `matmul_pd_t`, measured with
+    AVX512_CORE). Where torch cannot say, assumed so."""
     import torch
 
-    if resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
-        return None
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    if dtype not in _on_onednn:
+        name = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+        if name is None:
+            return False
+        try:
+            _on_onednn[dtype] = bool(getattr(torch.ops.mkldnn, name)())
+        except (AttributeError, RuntimeError):
+            _on_onednn[dtype] = True
+    return _on_onednn[dtype]
+
+
+def under_an_address_space_cap() -> bool:
+    """Whether RLIMIT_AS caps this process (its soft limit: what refuses a mapping)."""
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+
+
+def builds_bf16_kernels_under_a_hard_cap(cpu_flags: set[str] | None = None) -> str | None:
+    """Why bf16 autocast on this CPU would build oneDNN kernels under an address-space cap, where
+    an allocation oneDNN does not check can kill the process (a signal no Python catches:
+    docs/memory-caps.md); None where it would not: no RLIMIT_AS, or torch keeps bf16 off oneDNN
+    (`runs_on_onednn`). The autocast relief is skipped, with that word. `cpu_flags`: for the word
+    (/proc/cpuinfo's, read when None)."""
+    import torch
+
+    if not under_an_address_space_cap() or not runs_on_onednn(torch.bfloat16):
         return None
     native = native_bf16(cpu_flags)
-    if not native:
-        return None
-    return (f"this CPU has native bf16 ({', '.join(native)}), so oneDNN would compile bf16 kernels under the "
-            "RLIMIT_AS cap, where a refused allocation it does not check kills the process")
+    why = (f"this CPU has native bf16 ({', '.join(native)}), so" if native
+           else f"torch runs bf16 on oneDNN here (ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'ALL')}), so")
+    return (f"{why} oneDNN would compile bf16 kernels under the RLIMIT_AS cap, where a refused allocation it "
+            "does not check kills the process")
 
 
 def _load() -> _OneDNN | None:

@@ -18,11 +18,12 @@ weighted exactly 1), and the accumulated gradient is then multiplied by ref/tota
 (optimizer_step.py's `reduce_gradients`, over every rank's items).
 
 Owns: forward and backward, the loss weights, precision (autocast; it makes the step's gradient
-scaler), torch.compile, fault injection. Its rooms: losses.py (the loss records it fills) and
-optimizer_step.py (the step after the attempt). May touch: the model's gradients. Does not
-decide anything: the micro-batch size comes in, what failed goes out; OOM recovery is
-recovery.py's. What an attempt changes besides gradients (random streams, running statistics) is
-kept before it by rewind.py, for batch.py to put back when it fails.
+scaler), torch.compile, fault injection, and entering the kernel room around forward and backward
+(kernel_room.py: under RLIMIT_AS, room for oneDNN's low-precision kernels checked before each op).
+Its rooms: losses.py (the loss records it fills) and optimizer_step.py (the step after the attempt).
+May touch: the model's gradients. Does not decide anything: the micro-batch size comes in, what
+failed goes out; OOM recovery is recovery.py's. What an attempt changes besides gradients (random
+streams, running statistics) is kept before it by rewind.py, for batch.py to put back when it fails.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from autotune import kernel_room
 from autotune.batching import SplitFn, map_tensors, micro_batches
 from autotune.distributed import Ranks, Solo
 from autotune.losses import Losses, loss_and_items, read_step
+from autotune.norm_stats import BatchNormStats
 from autotune.oom import is_oom, maybe_not_memory, oom_message
 from autotune.optimizer_step import OptimizerStep
 from autotune.relief.autocast import AutocastPlan, autocast_plan, precision_plan
-from autotune.norm_stats import BatchNormStats
 from autotune.rewind import Rewind
 from autotune.sharded import PeerFailed
 
@@ -123,6 +125,12 @@ class StepCore:
         # (the OOM breakdown) and the CUDA allocator's state are read there (the Tuner's).
         self.on_failure: Callable[[], None] | None = None
         self._parameters: tuple[nn.Parameter, ...] | None = None  # the model's, walked once (see `parameters`)
+        self._dtypes: frozenset[torch.dtype] | None = None  # the parameters' (see `kernel_room`)
+        self._noted: set[torch.dtype] = set()  # low-precision dtypes the step's products were seen in, checked
+        self._watching = True  # until an attempt has run under the check, every low-precision product is checked
+        self._checked = False  # this attempt ran under the check
+        if device.type == "cpu":
+            kernel_room.warm()  # torch's answers, asked now: not first under a cap, inside a step
         self.rewind = Rewind(model, device)  # the random streams and buffers an attempt changes, kept before it
         stepper.on_skip = self.rewind.restore_buffers  # a step skipped on NaN leaves the buffers as before its batch
         self.norms = BatchNormStats(model)  # BatchNorm's running statistics over a batch in micro-batches
@@ -139,6 +147,7 @@ class StepCore:
         if self.stepper.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
         self.rewind.keep()  # what a failed attempt must not leave behind (rewind.py)
+        self._checked = False
         seen = done
         # The whole batch in one piece (most steps): as it came, no split
         pieces = (((batch, n),) if done == 0 and size >= n and self.split_fn is None
@@ -185,6 +194,8 @@ class StepCore:
                 self.norms.pause()
             if self.rewind.streams_move is None:  # until the first whole attempt says whether it draws
                 self.rewind.attempted(whole=result.failed_micro_batch is None and not result.peer_failed)
+            if self._watching and self._checked and result.failed_micro_batch is None and not result.peer_failed:
+                self._watching = False  # what the step's products run in is known now (`_noted`)
         return result
 
     def _accumulate(self, result: Attempt, loss: torch.Tensor, items: Any, m: int, n: int) -> None:
@@ -227,10 +238,26 @@ class StepCore:
     def loss(self, micro: Any, module: nn.Module | None = None) -> Any:
         """The user's step on one micro-batch (already on the device), under the autocast in
         use: a loss or (loss, n_items). `module`: what to call (default: the training wrapper)."""
+        with self.kernel_room():
+            if self.autocast is not None:
+                with self.autocast.context():
+                    return self._forward(micro, module)
+            return self._forward(micro, module)
+
+    def kernel_room(self) -> Any:
+        """Where oneDNN would build this step's low-precision kernels under an address-space cap
+        (the autocast's dtype or the parameters'), the check that turns a refusal it does not
+        survive into an OOM (kernel_room.py); elsewhere a context that does nothing."""
+        if self._dtypes is None:
+            self._dtypes = frozenset(p.dtype for p in self.parameters())
+        dtypes = self._dtypes | self._noted
         if self.autocast is not None:
-            with self.autocast.context():
-                return self._forward(micro, module)
-        return self._forward(micro, module)
+            dtypes = dtypes | {self.autocast.dtype}
+        if self._watching:  # a step that casts or autocasts on its own: HF's bf16=True, Lightning's bf16-mixed
+            dtypes = dtypes | kernel_room.LOW_PRECISION_SET
+        room = kernel_room.guard(self.device, dtypes, self._noted)
+        self._checked = self._checked or isinstance(room, kernel_room.KernelRoom)
+        return room
 
     def _forward(self, micro: Any, module: nn.Module | None) -> Any:
         if module is None:
@@ -257,11 +284,12 @@ class StepCore:
             self.model.zero_grad(set_to_none=True)
 
     def _backward(self, loss: torch.Tensor) -> None:
-        if self.backward_fn is not None:
-            self.backward_fn(loss)
-            return
-        scaler = self.stepper.scaler
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        with self.kernel_room():  # backward builds kernels of its own (the gradients' products)
+            if self.backward_fn is not None:
+                self.backward_fn(loss)
+                return
+            scaler = self.stepper.scaler
+            (scaler.scale(loss) if scaler is not None else loss).backward()
 
     def use(self, step_fn: StepFn | None, loss_fn: LossFn | None) -> None:
         """Train with `step_fn` or `loss_fn` from now on (`Tuner.step`'s); neither: the ones given before."""
@@ -297,7 +325,7 @@ class StepCore:
     def model_changed(self) -> None:
         """A relief changed the model's modules: its parameters are walked again, a compiled
         forward is compiled again."""
-        self._parameters = None
+        self._parameters = self._dtypes = None
         self.stepper.forget_parameters()
         self.rewind.forget()
         self.norms.forget()

@@ -83,27 +83,38 @@ def test_after_a_refused_kernel_the_thread_builds_kernels_again_once_cleared(tmp
     assert said["cleared"] and said["uncapped_after_clearing"] == "ok", said
 
 
-def test_bf16_kernels_under_a_hard_cap_are_told_only_where_they_would_be_compiled(monkeypatch):
+def test_bf16_kernels_under_a_hard_cap_are_told_only_where_torch_sends_bf16_to_onednn(monkeypatch):
     # Issue 48: on an AMX Xeon under RLIMIT_AS the autocast relief's first step died of SIGSEGV inside
     # oneDNN; the relief is skipped where that can happen (relief/ladder.py), tried everywhere else.
+    # Issue 56: "where" is where torch sends bf16 to oneDNN, not native bf16: under
+    # ONEDNN_MAX_CPU_ISA=AVX512_CORE the native-bf16 matmul's descriptor is still allocated (before its
+    # ISA is checked) and the same crash came (tests/test_kernel_room.py's sweep, run with it).
     import resource
-
-    import torch
 
     from autotune.onednn import builds_bf16_kernels_under_a_hard_cap as unsafe
 
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     capped = (1 << 33, resource.RLIM_INFINITY)
     monkeypatch.setattr(resource, "getrlimit", lambda which: capped)
-    if torch.backends.mkldnn.is_available():
-        assert "native bf16 (amx_bf16)" in unsafe({"avx2", "amx_bf16"})
-        assert "avx512_bf16" in unsafe({"avx512f", "avx512_bf16"})
-    assert unsafe({"avx2", "avx512f"}) is None  # no bf16 kernel compiled per shape
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
-    assert unsafe({"amx_bf16"}) is None  # oneDNN held below native bf16
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
-    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
-    assert unsafe({"amx_bf16"}) is None  # torch's own kernels
-    monkeypatch.setattr(torch.backends.mkldnn, "enabled", True)
+    monkeypatch.setattr(onednn, "runs_on_onednn", lambda dtype: True)
+    assert "native bf16 (amx_bf16)" in unsafe({"avx2", "amx_bf16"})
+    assert "avx512_bf16" in unsafe({"avx512f", "avx512_bf16"})
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")  # below native bf16, and bf16 still on oneDNN
+    assert "torch runs bf16 on oneDNN here (ONEDNN_MAX_CPU_ISA=AVX512_CORE)" in unsafe({"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(onednn, "runs_on_onednn", lambda dtype: False)  # AVX2, SSE41, oneDNN off: torch's own
+    assert unsafe({"amx_bf16"}) is None
+    monkeypatch.setattr(onednn, "runs_on_onednn", lambda dtype: True)
     monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert unsafe({"amx_bf16"}) is None  # no cap to refuse a mapping
+
+
+def test_where_torch_sends_bf16_is_its_own_answer_while_onednn_is_on(monkeypatch):
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    asked = onednn.runs_on_onednn(torch.bfloat16)
+    assert asked == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    assert onednn.runs_on_onednn(torch.bfloat16) is False  # torch's own kernels
+    assert onednn.runs_on_onednn(torch.float32) is False  # fp32 products are MKL's

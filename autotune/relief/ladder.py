@@ -124,7 +124,8 @@ class ReliefLadder:
         kind = RELIEF_NAMES[type(action)]
         why = None
         try:
-            details = self._carry_out(action, save_checkpoint)
+            with self.core.kernel_room():  # pruning runs the model: its kernels, under a cap, checked as a step's
+                details = self._carry_out(action, save_checkpoint)
         except UnsafePruning as exc:
             why = str(exc)
         except Exception as exc:
