@@ -1,7 +1,8 @@
 """Reading files that a crash, a user or an attacker may have replaced: regular files only, opened
 without blocking on a FIFO and never read from a device (a link to /dev/zero never ends).
 
-Owns nothing; used by the journal's reader and the checkpoint files' checks.
+Owns nothing; used by the journal's reader and the checkpoint files' checks. Touches only the file it
+is asked to open.
 """
 
 from __future__ import annotations

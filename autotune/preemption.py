@@ -25,7 +25,8 @@ error, is read as that stop (`StopRequests._child_ended`), and an error of the l
 stop is under way is the stop too (batch_in_hand.py).
 
 Owns: the stop signals' handlers while a fit runs (put back after), SIGCHLD's (torch's, wrapped)
-meanwhile, and the stop signals' handlers in the workers of the loader autotune builds.
+meanwhile, and the stop signals' handlers in the workers of the loader autotune builds. Touches
+nothing else.
 """
 
 from __future__ import annotations

@@ -239,7 +239,7 @@ def test_a_handler_set_outside_python_is_left_alone_and_said(capfd):
         assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
     finally:
         faulthandler.unregister(signal.SIGUSR1)
-    assert "autotune: SIGUSR1 has a handler set outside Python's signal module (faulthandler.register?)" \
+    assert "SIGUSR1 has a handler set outside Python's signal module (faulthandler.register?)" \
         in capfd.readouterr().err
 
 
@@ -371,7 +371,7 @@ def test_the_users_sys_exit_checkpoints_the_last_completed_step_and_says_so(tmp_
     assert (checkpoint["reason"], checkpoint["step"]) == ("exit", 5)  # steps 1..5 done, the 6th not
     assert torch.load(checkpoint["path"], weights_only=True)["progress"]["step"] == 5
     err = capfd.readouterr().err
-    assert "autotune: sys.exit(3) in the training (a dataset, step_fn or callback) at step 5" in err, err
+    assert "sys.exit(3) in the training (a dataset, step_fn or callback) at step 5" in err, err
     assert f"the training up to step 5 is in the checkpoint {checkpoint['path']}" in err, err
 
 
