@@ -7,6 +7,7 @@ names /dev/shm and the ways out. A real 1 MiB tmpfs on /dev/shm itself, in a pri
 
 import json
 import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +83,9 @@ def test_workers_that_cannot_start_for_a_full_dev_shm_fall_back_to_in_process_lo
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=1M tmpfs /dev/shm && '
                            'exec "$0" "$1" "$2"', sys.executable, str(script), str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, cwd=root)
+                          capture_output=True, text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(  # the script imports tests.small_tmpfs
+                              [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     # The resume: 8 steps an epoch, 3 done before; the checkpoint's worker did not start, none in use.
