@@ -28,8 +28,12 @@ def open_regular(path: Path) -> IO[bytes] | None:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
-        raise NotAFile(f"{path} is {what}, not a regular file: not read")
+        raise NotAFile(f"{path} is {kind(mode)}, not a regular file: not read")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
+
+
+def kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words, from its `st_mode`."""
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")

@@ -40,6 +40,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from autotune.files import kind
 from autotune.notices import warn
 from autotune.stale import alive, remove_stale_shared_memory
 
@@ -102,7 +103,7 @@ def _open_lock_file(path: Path, flags: int) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise _not_a_lock_file(path, "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket")
+        raise _not_a_lock_file(path, kind(mode))
     os.set_blocking(fd, True)
     return fd
 
