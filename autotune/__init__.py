@@ -17,7 +17,8 @@ notices.py). Everything else goes through loguru and stays quiet unless asked:
 Names are imported on first use, so that `autotune.monitor` (run in the monitor process
 and by `autotune monitor`) never imports torch.
 
-Owns the public names (`__all__`), imported on first use. Touches nothing.
+Owns the public names (`__all__`), imported on first use. Touches `sys.meta_path` (`_moved.py`: the
+module paths from before the folders keep working).
 """
 
 from __future__ import annotations
@@ -27,24 +28,27 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from autotune import _moved
+
 logger.disable("autotune")
+_moved.install()  # `autotune.checkpoint`, `autotune.oom`, ...: the paths from before the folders
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Action": "autotune.actions", "EmptyCache": "autotune.actions", "SetMicroBatch": "autotune.actions",
-    "CacheSamples": "autotune.actions", "SetLoaderWorkers": "autotune.actions",
-    "Event": "autotune.events",
-    "OutOfMemory": "autotune.oom", "ExchangeFailed": "autotune.oom", "is_oom": "autotune.oom",
-    "NonFiniteStep": "autotune.oom", "TooManyNonFiniteSteps": "autotune.oom",
-    "CheckpointFailed": "autotune.checkpoint", "RunDirInUse": "autotune.run_lock", "RunDirLost": "autotune.run_lock",
-    "AnotherRunsCheckpoints": "autotune.same_run", "CheckpointMismatch": "autotune.same_run",
-    "Policy": "autotune.policy", "PolicyBase": "autotune.policy",
-    "AllocatorStats": "autotune.snapshot", "DeviceSample": "autotune.snapshot", "Snapshot": "autotune.snapshot",
-    "StepTiming": "autotune.snapshot", "InputState": "autotune.snapshot", "InputProfile": "autotune.snapshot",
-    "AutoTrainer": "autotune.trainer", "Tuner": "autotune.tuner", "FitResult": "autotune.progress",
-    "PerSample": "autotune.batching", "Fields": "autotune.batching", "StepResult": "autotune.losses",
-    "set_verbosity": "autotune.notices",
+    "Action": "autotune.common.actions", "EmptyCache": "autotune.common.actions", "SetMicroBatch": "autotune.common.actions",
+    "CacheSamples": "autotune.common.actions", "SetLoaderWorkers": "autotune.common.actions",
+    "Event": "autotune.common.events",
+    "OutOfMemory": "autotune.common.oom", "ExchangeFailed": "autotune.common.oom", "is_oom": "autotune.common.oom",
+    "NonFiniteStep": "autotune.common.oom", "TooManyNonFiniteSteps": "autotune.common.oom",
+    "CheckpointFailed": "autotune.run_folder.checkpoint", "RunDirInUse": "autotune.run_folder.run_lock", "RunDirLost": "autotune.run_folder.run_lock",
+    "AnotherRunsCheckpoints": "autotune.run_folder.same_run", "CheckpointMismatch": "autotune.run_folder.same_run",
+    "Policy": "autotune.decisions.policy", "PolicyBase": "autotune.decisions.policy",
+    "AllocatorStats": "autotune.common.snapshot", "DeviceSample": "autotune.common.snapshot", "Snapshot": "autotune.common.snapshot",
+    "StepTiming": "autotune.common.snapshot", "InputState": "autotune.common.snapshot", "InputProfile": "autotune.common.snapshot",
+    "AutoTrainer": "autotune.trainer", "Tuner": "autotune.tuner", "FitResult": "autotune.common.progress",
+    "PerSample": "autotune.common.batching", "Fields": "autotune.common.batching", "StepResult": "autotune.step.losses",
+    "set_verbosity": "autotune.common.notices",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -57,17 +61,17 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from autotune.actions import Action, CacheSamples, EmptyCache, SetLoaderWorkers, SetMicroBatch
-    from autotune.batching import Fields, PerSample
-    from autotune.checkpoint import CheckpointFailed
-    from autotune.events import Event
-    from autotune.losses import StepResult
-    from autotune.notices import set_verbosity
-    from autotune.oom import ExchangeFailed, NonFiniteStep, OutOfMemory, TooManyNonFiniteSteps, is_oom
-    from autotune.policy import Policy, PolicyBase
-    from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
-    from autotune.progress import FitResult
-    from autotune.run_lock import RunDirInUse, RunDirLost
-    from autotune.same_run import AnotherRunsCheckpoints, CheckpointMismatch
+    from autotune.common.actions import Action, CacheSamples, EmptyCache, SetLoaderWorkers, SetMicroBatch
+    from autotune.common.batching import Fields, PerSample
+    from autotune.common.events import Event
+    from autotune.common.notices import set_verbosity
+    from autotune.common.oom import ExchangeFailed, NonFiniteStep, OutOfMemory, TooManyNonFiniteSteps, is_oom
+    from autotune.common.progress import FitResult
+    from autotune.common.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
+    from autotune.decisions.policy import Policy, PolicyBase
+    from autotune.run_folder.checkpoint import CheckpointFailed
+    from autotune.run_folder.run_lock import RunDirInUse, RunDirLost
+    from autotune.run_folder.same_run import AnotherRunsCheckpoints, CheckpointMismatch
+    from autotune.step.losses import StepResult
     from autotune.trainer import AutoTrainer
     from autotune.tuner import Tuner

@@ -14,12 +14,12 @@ import sys
 from loguru import logger
 from tqdm import tqdm
 
-from autotune import notices
+from autotune.common import notices
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from autotune.common.oom import OutOfMemory  # imports torch: only the commands that train need it
     from autotune.demo import run_demo
-    from autotune.oom import OutOfMemory  # imports torch: only the commands that train need it
 
     try:
         return run_demo(args)
@@ -35,8 +35,9 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
 
 
 def _cmd_policies(args: argparse.Namespace) -> int:
-    from autotune.presets import installed_policies, policy_parameters, preset_names, resolve_policies
     import inspect
+
+    from autotune.tuning.presets import installed_policies, policy_parameters, preset_names, resolve_policies
 
     if args.check:
         policies = resolve_policies(args.check)
@@ -55,14 +56,14 @@ def _cmd_policies(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     import json
 
-    from autotune.report import render, summarize
+    from autotune.observe.report import render, summarize
 
     summary = summarize(args.run_dir)
     print(json.dumps(summary, indent=2, default=str) if args.json else render(summary))
     if args.plot is not None:
         from pathlib import Path
 
-        from autotune.report_plot import plot_timeline
+        from autotune.observe.report_plot import plot_timeline
 
         out = Path(args.plot) if args.plot else Path(args.run_dir) / "timeline.png"
         plot_timeline(args.run_dir, out)

@@ -44,11 +44,12 @@ def _dataset(data_dir: str | None, samples: int):
 
 def _measured_budget(model, device, batch_size: int) -> int:
     """Room under which a quarter of the batch trains and the whole of it does not, measured on
-    this machine with real OOMs on CPU (what a step needs differs from CPU to CPU: autotune.limits).
+    this machine with real OOMs on CPU (what a step needs differs from CPU to CPU: autotune.memory.limits).
     On CUDA, where kernels do not change with the CPU, 300 MiB, as the demo always had."""
     import torch
     from torch import nn
-    from autotune.limits import calibrate_headroom
+
+    from autotune.memory.limits import calibrate_headroom
 
     if device.type == "cuda":
         return 300 * 2**20
@@ -84,11 +85,12 @@ def _measured_budget(model, device, batch_size: int) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo with parsed CLI arguments; returns the exit code."""
-    from autotune.limits import lift_address_space_cap, cap_address_space, cap_cuda_memory, single_malloc_arena
-    from autotune.trainer import AutoTrainer, resolve_device
-    from autotune.units import format_bytes
     import torch
     from torch import nn
+
+    from autotune.common.units import format_bytes
+    from autotune.memory.limits import cap_address_space, cap_cuda_memory, lift_address_space_cap, single_malloc_arena
+    from autotune.trainer import AutoTrainer, resolve_device
 
     device = resolve_device(args.device)
     if device.type == "cpu":
@@ -144,7 +146,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"  run dir             {result.run_dir} (journal: events.jsonl)")
     if device.type == "cpu":
         lift_address_space_cap()  # the cap was for training; drawing needs matplotlib's own memory
-    from autotune.report_plot import plot_timeline
+    from autotune.observe.report_plot import plot_timeline
 
     plot_timeline(result.run_dir)
     print(f"  timeline            {result.run_dir / 'timeline.png'} (autotune report {result.run_dir} for the details)")

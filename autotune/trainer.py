@@ -27,35 +27,42 @@ from loguru import logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from autotune.batching import SplitFn, batch_len
-from autotune.batch_in_hand import END, BatchInHand
-from autotune.callbacks import Callbacks, StopRequest
-from autotune import checkpoint_format
-from autotune.arguments import TRAINER, with_arguments
-from autotune.checkpoint import CheckpointDue, Checkpointer, RankFailed
-from autotune.config import (OptimizerFactory, check_evaluation, check_run_limits, check_sample_layout,
-                             resolve_device, resolve_micro_batch)
+from autotune.common.batching import SplitFn, batch_len
+from autotune.common.events import Event
+from autotune.common.notices import warn
+from autotune.common.oom import OutOfMemory
+from autotune.common.progress import FitResult, Progress
+from autotune.common.snapshot import InputState, StepTiming
+from autotune.common.validate import check_int
 from autotune.data.pipeline import InputPipeline, changed_input
-from autotune.distributed import from_environment
-from autotune.evaluation import EvaluationPlan, Evaluator, Metric
-from autotune.events import Event
-from autotune.host_face import Wiring
-from autotune.memory import gc_frozen, memory_text
+from autotune.decisions.policy import Policy
+from autotune.memory.figures import gc_frozen, memory_text
 from autotune.monitor.host import room_bytes
-from autotune.notices import warn
-from autotune.oom import OutOfMemory
-from autotune.policy import Policy
-from autotune.preemption import Preempted, StopRequests, stop_signals as parse_stop_signals
-from autotune.stall import StallWatch
-from autotune.progress import FitResult, Progress
-from autotune.records import Kind
-from autotune.snapshot import InputState, StepTiming
-from autotune.losses import LossSum
-from autotune.sharded_checkpoint import template_for_shards
-from autotune.step import LossFn, StepFn, compile_count
+from autotune.observe.records import Kind
+from autotune.ranks.distributed import from_environment
+from autotune.ranks.world_change import batch_on_this_world, go_on_with_this_world
+from autotune.run_folder import checkpoint_format
+from autotune.run_folder.checkpoint import CheckpointDue, Checkpointer, RankFailed
+from autotune.run_folder.sharded_checkpoint import template_for_shards
+from autotune.step.core import LossFn, StepFn, compile_count
+from autotune.step.losses import LossSum
+from autotune.stops.preemption import Preempted, StopRequests
+from autotune.stops.preemption import stop_signals as parse_stop_signals
+from autotune.stops.stall import StallWatch
+from autotune.training.batch_in_hand import END, BatchInHand
+from autotune.training.callbacks import Callbacks, StopRequest
+from autotune.training.evaluation import EvaluationPlan, Evaluator, Metric
 from autotune.tuner import Tuner
-from autotune.validate import check_int
-from autotune.world_change import batch_on_this_world, go_on_with_this_world
+from autotune.tuning.arguments import TRAINER, with_arguments
+from autotune.tuning.config import (
+    OptimizerFactory,
+    check_evaluation,
+    check_run_limits,
+    check_sample_layout,
+    resolve_device,
+    resolve_micro_batch,
+)
+from autotune.tuning.host_face import Wiring
 
 
 def _counter(name: str) -> property:

@@ -42,41 +42,48 @@ from typing import Any, Callable, NoReturn, Sequence
 import torch
 from torch import nn
 
-from autotune.actions import Relief
-from autotune.batch import BatchOutcome, BatchRunner, add_gradients, set_aside_gradients
-from autotune.batching import SplitFn, batch_len
-from autotune.cadence import MeasureCadence
-from autotune import checkpoint_format
-from autotune.arguments import TUNER, with_arguments
-from autotune.checkpoint import Checkpointer, RankFailed
-from autotune.config import (OptimizerFactory, check_tuner_arguments, injection_rate, make_optimizer, make_scheduler,
-                             resolve_device, resolve_memory_cap)
-from autotune.demand import StepDemand
-from autotune.dispatch import Dispatcher
-from autotune.distributed import Ranks, Solo, from_environment
-from autotune.evaluation import Evaluator
-from autotune.events import Event
-from autotune.host_face import Wiring
-from autotune.journal import RunLog
-from autotune.run_lock import hold_run_dir
-from autotune.same_run import FRESH_TUNER, new_run_id, reliefs_checked
-from autotune.knobs import Knobs
-from autotune.memory import one_arena_under_an_address_space_cap, warm_up_oom_path
-from autotune.memory_history import AllocationHistory
-from autotune.monitor.link import MonitorLink
-from autotune.notices import warn
-from autotune.policy import Policy
-from autotune.presets import resolve_policies
-from autotune.optimizer_step import OptimizerStep
-from autotune.progress import Progress
-from autotune.reactions import Reactions
-from autotune.records import Kind
-from autotune.recovery import OOMRecovery, read_at_failure
-from autotune.relief.ladder import ReliefLadder
-from autotune.rng import rng_state, set_rng_state
-from autotune.run import Lent, Run
-from autotune.snapshot import StepTiming
-from autotune.step import LossFn, StepCore, StepFn
+from autotune.common.actions import Relief
+from autotune.common.batching import SplitFn, batch_len
+from autotune.common.events import Event
+from autotune.common.notices import warn
+from autotune.common.progress import Progress
+from autotune.common.snapshot import StepTiming
+from autotune.decisions.dispatch import Dispatcher
+from autotune.decisions.knobs import Knobs
+from autotune.decisions.policy import Policy
+from autotune.memory.cadence import MeasureCadence
+from autotune.memory.demand import StepDemand
+from autotune.memory.figures import one_arena_under_an_address_space_cap, warm_up_oom_path
+from autotune.memory.history import AllocationHistory
+from autotune.observe.journal import RunLog
+from autotune.observe.records import Kind
+from autotune.ranks.distributed import Ranks, Solo, from_environment
+from autotune.run_folder import checkpoint_format
+from autotune.run_folder.checkpoint import Checkpointer, RankFailed
+from autotune.run_folder.rng import rng_state, set_rng_state
+from autotune.run_folder.run_lock import hold_run_dir
+from autotune.run_folder.same_run import FRESH_TUNER, new_run_id, reliefs_checked
+from autotune.step.core import LossFn, StepCore, StepFn
+from autotune.step.optimizer_step import OptimizerStep
+from autotune.training.evaluation import Evaluator
+from autotune.tuning.arguments import TUNER, with_arguments
+from autotune.tuning.batch import BatchOutcome, BatchRunner, add_gradients, set_aside_gradients
+from autotune.tuning.config import (
+    OptimizerFactory,
+    check_tuner_arguments,
+    injection_rate,
+    make_optimizer,
+    make_scheduler,
+    resolve_device,
+    resolve_memory_cap,
+)
+from autotune.tuning.host_face import Wiring
+from autotune.tuning.monitor_link import MonitorLink
+from autotune.tuning.presets import resolve_policies
+from autotune.tuning.reactions import Reactions
+from autotune.tuning.recovery import OOMRecovery, read_at_failure
+from autotune.tuning.relief_ladder import ReliefLadder
+from autotune.tuning.run import Lent, Run
 
 
 def default_run_dir(ranks: Solo | Ranks) -> Path:

@@ -23,7 +23,7 @@ COMMON = """
 import json, sys, time, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from autotune.limits import cap_address_space
+from autotune.memory.limits import cap_address_space
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(SAMPLES, 32, generator=g), torch.randint(0, 4, (SAMPLES,), generator=g))

@@ -6,7 +6,7 @@
 Two measures, each run a fresh interpreter with the examples' environment (MALLOC_ARENA_MAX=1,
 OMP_NUM_THREADS=1, as tests/test_examples.py runs them):
 
-- The sweep: tests/test_kernel_room.py's script (a bf16 Linear stack's forward and backward through
+- The sweep: tests/memory/test_kernel_room.py's script (a bf16 Linear stack's forward and backward through
   a Tuner, retried at 16, 12, 8, 7, 6, 5 under caps 64 KiB apart, then wide), `--sweeps` times; and
   the same model in a plain torch loop (no autotune step: what torch and oneDNN do alone), as many.
 - The example: `examples/hf_causal_lm.py` as shipped (bf16, its measured cap), `--runs` times,
@@ -41,9 +41,9 @@ ENV = {"MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
 # What torch and oneDNN do with no autotune step between: the sweep's model and sizes in a hand loop.
 PLAIN = """
 import torch
-from autotune.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap, single_malloc_arena
-from autotune.memory import free_cpu_caches
-from autotune.oom import is_oom
+from autotune.memory.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap, single_malloc_arena
+from autotune.memory.figures import free_cpu_caches
+from autotune.common.oom import is_oom
 
 single_malloc_arena()
 fix_mmap_threshold()
@@ -80,8 +80,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, EXAMPLES)
 from hf_causal_lm import build
-from autotune import kernel_room
-from autotune.limits import cap_address_space
+from autotune.memory import kernel_room
+from autotune.memory.limits import cap_address_space
 
 torch.manual_seed(0)
 model, train, _, collator = build(64)
@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("example_args", nargs="*", help="after --: the example's arguments (default: none, as shipped)")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
-    from tests.test_kernel_room import SCRIPT  # the test's sweep, one text for both
+    from tests.memory.test_kernel_room import SCRIPT  # the test's sweep, one text for both
 
     roots = {"this checkout": str(HERE)} | ({"base": str(Path(args.base).resolve())} if args.base else {})
     started = time.perf_counter()
@@ -219,7 +219,7 @@ def main() -> None:
         sweeps = {("plain torch loop", "this checkout"): [sweep(PLAIN, roots["this checkout"], Path(tmp) / f"plain-{i}")
                                                           for i in range(args.sweeps)]}
         for side, root in roots.items():
-            sweeps[("Tuner (tests/test_kernel_room.py)", side)] = [
+            sweeps[("Tuner (tests/memory/test_kernel_room.py)", side)] = [
                 sweep(SCRIPT, root, Path(tmp) / f"tuner-{side.replace(' ', '_')}-{i}") for i in range(args.sweeps)]
         print(sweeps, flush=True)
         counts = {"this checkout": (roots["this checkout"], args.runs)}

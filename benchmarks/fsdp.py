@@ -35,7 +35,7 @@ def worker(rounds: int, out: str) -> None:
 
     from autotune import AutoTrainer
     from autotune.data.sampler import EpochSampler
-    from autotune.sharded import ShardedSteps
+    from autotune.ranks.sharded import ShardedSteps
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -121,8 +121,8 @@ def worker(rounds: int, out: str) -> None:
 
     def checkpoint_seconds() -> dict[str, float]:
         # One checkpoint of the model and its optimizer state, five times each way, alternating.
-        from autotune.checkpoint_files import Checkpoints
-        from autotune.sharded import full_state, sharded_state
+        from autotune.run_folder.checkpoint_files import Checkpoints
+        from autotune.ranks.sharded import full_state, sharded_state
 
         net = sharded_model()
         optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)

@@ -62,8 +62,8 @@ def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 
 def main() -> None:
     from autotune import Tuner
-    from autotune.finite import all_finite
-    from autotune.optimizer_step import OptimizerStep
+    from autotune.step.finite import all_finite
+    from autotune.step.optimizer_step import OptimizerStep
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=9)

@@ -82,7 +82,7 @@ def run(report: Report, device) -> None:
             finally:
                 trainer.close()
                 torch.cuda.set_per_process_memory_fraction(1.0, device)
-            from autotune.journal import read_journal
+            from autotune.observe.journal import read_journal
 
             kinds = [r["kind"] for r in read_journal(Path(folder) / "events.jsonl")]
         return split(start, stamps, end), result, kinds

@@ -40,7 +40,7 @@ def worker(spec: dict) -> dict:
     from torch import nn
     from torch.utils.data import DataLoader, Dataset
 
-    from autotune.limits import cap_address_space, single_malloc_arena
+    from autotune.memory.limits import cap_address_space, single_malloc_arena
 
     single_malloc_arena()
     torch.manual_seed(0)

@@ -66,7 +66,7 @@ def worker(spec: dict) -> dict:
     tool = spec["tool"]
     if tool.startswith("autotune"):
         from autotune import AutoTrainer
-        from autotune.presets import resolve_policies
+        from autotune.tuning.presets import resolve_policies
 
         policies = resolve_policies("default")
         if tool == "autotune-nocache":

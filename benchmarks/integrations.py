@@ -283,8 +283,8 @@ def lightning_run(tool: str, cap, ledger: Ledger) -> dict:
 
 def late_jump(spec: dict) -> dict:
     """One run in this process: build, warm up, cap, one epoch; what happened, crash included."""
-    from autotune.limits import cap_address_space, single_malloc_arena
-    from autotune.oom import is_oom
+    from autotune.memory.limits import cap_address_space, single_malloc_arena
+    from autotune.common.oom import is_oom
 
     single_malloc_arena()
     runner = {"tuner": loop_run, "accelerate": loop_run, "hf-autotune": hf_run, "hf-auto-find": hf_run,
@@ -311,8 +311,8 @@ def evaluation(spec: dict) -> dict:
     import torch
     from torch.utils.data import DataLoader, Subset
 
-    from autotune.limits import cap_address_space, single_malloc_arena
-    from autotune.oom import is_oom
+    from autotune.memory.limits import cap_address_space, single_malloc_arena
+    from autotune.common.oom import is_oom
 
     single_malloc_arena()
     tool = spec["tool"]

@@ -23,7 +23,7 @@ from overhead import BATCH, CLASSES, FEATURES, SAMPLES, make_data, make_model  #
 
 from autotune import AutoTrainer  # noqa: E402
 from autotune.monitor.board import Board, default_path  # noqa: E402
-from autotune.snapshot import DeviceSample  # noqa: E402
+from autotune.common.snapshot import DeviceSample  # noqa: E402
 
 
 def train(data, monitor: bool, run_dir: Path) -> tuple[float, float]:

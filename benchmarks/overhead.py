@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import fresh_run_dir, median, write_results  # noqa: E402
 
 from autotune import AutoTrainer  # noqa: E402
-from autotune.callbacks import Callback  # noqa: E402
+from autotune.training.callbacks import Callback  # noqa: E402
 from autotune.data.sampler import EpochSampler  # noqa: E402
 
 SAMPLES, FEATURES, CLASSES, BATCH = 8192, 784, 10, 128
@@ -243,8 +243,8 @@ def short_run(loop: str, data: TensorDataset, run_dir: Path) -> tuple[float, flo
     trainer.fit(epochs=2)
     wall = time.perf_counter() - start
     trainer.close()
-    from autotune.checkpoint_files import wait_for_writes
-    from autotune.journal import read_journal
+    from autotune.run_folder.checkpoint_files import wait_for_writes
+    from autotune.observe.journal import read_journal
 
     wait_for_writes()
     return wall, steady(stamps), model, list(read_journal(run_dir / "events.jsonl"))
@@ -293,9 +293,9 @@ def short(rounds: int) -> None:
 
 def finite_check_cost(model: nn.Module) -> float:
     """Seconds per call of the non-finite check over `model`'s gradients (the optimizer step's own)."""
-    from autotune.distributed import Solo
-    from autotune.optimizer_step import OptimizerStep
-    from autotune.progress import Progress
+    from autotune.ranks.distributed import Solo
+    from autotune.step.optimizer_step import OptimizerStep
+    from autotune.common.progress import Progress
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     stepper = OptimizerStep(model, optimizer, None, device=torch.device("cpu"), ranks=Solo(), counters=Progress())

@@ -57,7 +57,7 @@ if row == "a plain loop, 16 steps more":
     by_hand(16)
 else:
     from autotune import AutoTrainer
-    from autotune.limits import cap_address_space
+    from autotune.memory.limits import cap_address_space
     cap_address_space(2 * 2**30)  # a cap far from binding: what counts is what autotune reserves under one
     seen = {}
     class AtTheLastStep:  # read while the run is live: its threads and its monitor process running

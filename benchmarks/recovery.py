@@ -33,7 +33,7 @@ def worker(spec: dict) -> dict:
 
     from autotune import AutoTrainer, OutOfMemory
     from autotune.data.sampler import EpochSampler
-    from autotune.limits import cap_address_space, single_malloc_arena
+    from autotune.memory.limits import cap_address_space, single_malloc_arena
 
     single_malloc_arena()
     torch.manual_seed(0)

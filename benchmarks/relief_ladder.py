@@ -80,9 +80,9 @@ def worker(spec: dict) -> dict:
     import torch
     from torch import nn
 
-    from autotune.limits import fix_mmap_threshold
-    from autotune.demand import StepPeak
-    from autotune.relief.autocast import autocast_plan
+    from autotune.memory.limits import fix_mmap_threshold
+    from autotune.memory.demand import StepPeak
+    from autotune.step.precision import autocast_plan
     from autotune.relief.checkpointing import checkpoint_blocks
     from autotune.relief.pruning import prune_channels, remap_optimizer, tensor_bytes
 

@@ -1,6 +1,6 @@
 """Sizing under a real RLIMIT_AS cap: how fast each way finds the largest micro-batch that fits.
 
-The scenario of tests/test_sizing_e2e.py (a CNN and a transformer LM, the cap after a warm-up):
+The scenario of tests/memory/test_sizing_e2e.py (a CNN and a transformer LM, the cap after a warm-up):
 from 8x below and 8x above the largest micro-batch that fits, AutoTrainer's default preset
 (fit_micro_batch) beside the blind way it replaced (halve_on_oom + grow_back) and the peers on the
 same model, data and cap:
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_results  # noqa: E402
 
 from tests.conftest import run_python  # noqa: E402
-from tests.test_sizing_e2e import ABOUT, SETUP, fits, room, run  # noqa: E402  the same scenario as the tests
+from tests.memory.test_sizing_e2e import ABOUT, SETUP, fits, room, run  # noqa: E402  the same scenario as the tests
 
 MODEL_SETUP = SETUP[:SETUP.index("from autotune import AutoTrainer")]  # the model, data, step and warm-up
 
@@ -56,7 +56,7 @@ ACCELERATE = MODEL_SETUP + BATCHES + """
 from accelerate.utils import find_executable_batch_size
 initial, initial_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
 tried = []
-from autotune.limits import cap_address_space
+from autotune.memory.limits import cap_address_space
 cap_address_space(ROOM)
 began = time.perf_counter()
 def halve():  # Accelerate calls it with no arguments: the size it halves is the last one tried
@@ -102,7 +102,7 @@ lit = Lit()
 options = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                enable_model_summary=False, default_root_dir=RUN_DIR)
 search = L.Trainer(max_steps=10**6, **options)
-from autotune.limits import cap_address_space
+from autotune.memory.limits import cap_address_space
 cap_address_space(ROOM)
 began = time.perf_counter()
 found = LightningTuner(search).scale_batch_size(lit, mode=MODE, init_val=START, steps_per_trial=1, max_trials=25)
@@ -114,7 +114,7 @@ save({"micro": found, "ooms": ooms, "trials": trials, "seconds": time.perf_count
 
 
 PLAIN = MODEL_SETUP + BATCHES + """
-from autotune.limits import cap_address_space
+from autotune.memory.limits import cap_address_space
 cap_address_space(ROOM)
 try:
     for step in range(STEPS):
@@ -138,7 +138,7 @@ RESNET18 = """
 import time, torch, torchvision
 from torch import nn
 from torch.utils.data import TensorDataset
-from autotune.limits import cap_address_space, fix_mmap_threshold, single_malloc_arena
+from autotune.memory.limits import cap_address_space, fix_mmap_threshold, single_malloc_arena
 single_malloc_arena(); fix_mmap_threshold()
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)
@@ -188,7 +188,7 @@ def plain_fits(tmp: Path, model: str, size: int, batch: int, steps: int) -> bool
         head = f"MODEL={model!r}\nSTART={size}\nBATCH={batch}\nSTEPS={steps}\nROOM={room(tmp, model)}\n"
         proc, result = run_python(head + PLAIN, tmp, timeout=600,
                                   env={"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "OMP_NUM_THREADS": "1"})
-    if result is None:  # oneDNN may die of a signal where an allocation fails (see tests/test_sizing_e2e.py)
+    if result is None:  # oneDNN may die of a signal where an allocation fails (see tests/memory/test_sizing_e2e.py)
         assert proc.returncode < 0, proc.stderr[-2000:]
         return False
     return result["fits"]
@@ -316,7 +316,7 @@ def main() -> None:
                 print(rows[-1], file=sys.stderr)
     resnet = resnet18_rows(tmp) if args.only in (None, "resnet18") else []
     lines = [f"AutoTrainer, {args.steps} optimizer steps a run, batch 4x (from below) or 8x (from above) the "
-             "largest micro-batch; the models and caps of tests/test_sizing_e2e.py (CNN: three convs at 64x64, "
+             "largest micro-batch; the models and caps of tests/memory/test_sizing_e2e.py (CNN: three convs at 64x64, "
              "100 MiB of room; LM: 2-layer transformer, 128 tokens, 230 MiB), one thread each, oneDNN's primitive "
              "cache off (see the test's docstring).", "",
              "| model | start | sizing | plain loop's largest | AutoTrainer's largest | settled at step | "

@@ -115,7 +115,7 @@ def one_round(pair: str, side: str, size: str, run_dir: str) -> list[float]:
     import torch
     from torch.utils.data import DataLoader
 
-    from autotune.optimizer_step import OptimizerStep
+    from autotune.step.optimizer_step import OptimizerStep
 
     if side == "unchecked":  # measurement only: the check is part of every real step
         checked, OptimizerStep._gradients_finite = OptimizerStep._gradients_finite, lambda self: True
@@ -128,7 +128,7 @@ def one_round(pair: str, side: str, size: str, run_dir: str) -> list[float]:
     stamps: list[float] = []
     with_autotune = side == "with"
     if pair == "floor":  # what no steady step can skip: the check before the optimizer step (step.py's all_finite)
-        from autotune.finite import all_finite
+        from autotune.step.finite import all_finite
 
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         params = list(model.parameters())
@@ -290,7 +290,7 @@ def interleaved(size: str, steps: int) -> dict:
     from torch.utils.data import DataLoader
 
     from autotune import Tuner
-    from autotune.finite import all_finite
+    from autotune.step.finite import all_finite
 
     torch.set_num_threads(1)
     data, collate, TokenMLP, batch = parts(size)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from autotune import Tuner
-from autotune.finite import all_finite
+from autotune.step.finite import all_finite
 
 
 def main(pairs: int = 20000) -> None:

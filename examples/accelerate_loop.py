@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/accelerate_loop")
     args = parser.parse_args()
 
-    from autotune.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap, single_malloc_arena
+    from autotune.memory.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap, single_malloc_arena
 
     single_malloc_arena()
     fix_mmap_threshold()

@@ -139,7 +139,7 @@ def evaluate_tuned(tuner, model, criterion, data_loader):
 
 def run(args: Args, *, plain: bool, headroom: int | None, run_dir: str = "runs/classification_reference") -> Args:
     """The reference's main loop (plain) or the moved one, under a cap of `headroom` bytes (None: none)."""
-    from autotune.limits import cap_address_space, lift_address_space_cap
+    from autotune.memory.limits import cap_address_space, lift_address_space_cap
 
     model, data_loader, test_loader, optimizer, lr_scheduler, model_ema = build(args)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
@@ -168,10 +168,10 @@ def run(args: Args, *, plain: bool, headroom: int | None, run_dir: str = "runs/c
 
 def measured_headroom(args: Args) -> int | None:
     """A cap under which the reference's step trains a batch in quarters and not whole, on this
-    machine (under real caps: autotune.limits), with the momentum buffers its first step adds. The
+    machine (under real caps: autotune.memory.limits), with the momentum buffers its first step adds. The
     probe is the loop's own step (a batch from the loader, forward and backward a micro-batch at a
     time, the optimizer step): a forward and backward alone needed 38 MiB less than that here."""
-    from autotune.limits import example_headroom
+    from autotune.memory.limits import example_headroom
 
     model, data_loader, _, optimizer, *_ = build(args)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
@@ -196,7 +196,7 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="the reference's loop, without the tuner")
     parser.add_argument("--run-dir", default="runs/classification_reference")
     options = parser.parse_args()
-    from autotune.limits import fix_mmap_threshold, single_malloc_arena
+    from autotune.memory.limits import fix_mmap_threshold, single_malloc_arena
 
     single_malloc_arena()
     fix_mmap_threshold()  # what the warm-up frees is unmapped: the cap leaves the room it says

@@ -68,8 +68,8 @@ def step_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 
 def measured_headroom(model: nn.Module, data: Sequences, batch_size: int) -> int | None:
     """A cap under which a quarter of a batch of the longest sequences fits and the whole batch
-    does not, on this machine (forward and backward under real caps: autotune.limits)."""
-    from autotune.limits import adam_state_bytes, example_headroom
+    does not, on this machine (forward and backward under real caps: autotune.memory.limits)."""
+    from autotune.memory.limits import adam_state_bytes, example_headroom
 
     longest = sorted(range(len(data)), key=lambda i: -len(data.samples[i]))
 
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/custom_loop")
     args = parser.parse_args()
 
-    from autotune.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap, single_malloc_arena
+    from autotune.memory.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap, single_malloc_arena
 
     single_malloc_arena()
     fix_mmap_threshold()  # what the warm-up frees is unmapped: the cap leaves the room it says

@@ -13,7 +13,7 @@ weights micro-batches by tokens and the optimizer step is the same at any micro-
     python examples/hf_causal_lm.py               # bf16, capped: watch it halve and go on
     python examples/hf_causal_lm.py --precision fp32 --budget-mib 0   # no cap
 
-The cap is measured on this machine (`autotune.limits.calibrate_headroom`): what a step at a
+The cap is measured on this machine (`autotune.memory.limits.calibrate_headroom`): what a step at a
 quarter of the batch needs and what the whole batch needs differ from CPU to CPU (on one with
 native bf16, each new micro-batch size compiles ~30 MiB of oneDNN kernels), so the headroom is
 set between them; where they cannot be told apart the example says so and runs uncapped.
@@ -108,7 +108,7 @@ def longest_first(train: Texts) -> list[int]:
 def measured_headroom(trainer: AutoTrainer, model, train: Texts, collator, batch_size: int) -> int | None:
     """A cap under which a quarter of the batch fits and the whole batch does not, on this
     machine: forward and backward of the longest samples at each size, under real caps."""
-    from autotune.limits import adam_state_bytes, example_headroom
+    from autotune.memory.limits import adam_state_bytes, example_headroom
 
     longest = longest_first(train)
     probe = lambda size: trainer.tuner.core.forward_backward(collator([train[i] for i in longest[:size]]))
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/hf_causal_lm")
     args = parser.parse_args()
 
-    from autotune.limits import cap_address_space, lift_address_space_cap, single_malloc_arena
+    from autotune.memory.limits import cap_address_space, lift_address_space_cap, single_malloc_arena
 
     single_malloc_arena()
     model, train, evaluation, collator = build(args.samples)

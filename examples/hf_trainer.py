@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/hf_trainer")
     args = parser.parse_args()
 
-    from autotune.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap, single_malloc_arena
+    from autotune.memory.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap, single_malloc_arena
 
     single_malloc_arena()
     fix_mmap_threshold()  # what the warm-up frees is unmapped: the cap leaves the room it says
@@ -53,7 +53,7 @@ def main() -> None:
         trainer.evaluate()  # warms kernels and the allocator before the cap, as a real run has
         headroom = None if args.budget_mib is None else int(args.budget_mib * 2**20)
         if headroom is None:  # measured here: a quarter of a device batch fits, the whole one does not
-            from autotune.limits import adam_state_bytes, example_headroom
+            from autotune.memory.limits import adam_state_bytes, example_headroom
 
             longest = longest_first(train)
 

@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--root-dir", default="runs/lightning_module")
     args = parser.parse_args()
 
-    from autotune.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap, single_malloc_arena
+    from autotune.memory.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap, single_malloc_arena
 
     single_malloc_arena()
     fix_mmap_threshold()  # what the warm-up frees is unmapped: the cap leaves the room it says

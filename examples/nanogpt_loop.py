@@ -201,8 +201,8 @@ def train_tuned(model, optimizer, data, streams, cfg: Config, run_dir: str = "ru
 def measured_headroom(cfg: Config) -> int | None:
     """A cap under which a micro-batch of 4 trains (nanoGPT's step: forward and backward a micro-batch at
     a time, clip, AdamW's step) and an evaluation batch of `batch_size` does not, on this machine
-    (under real caps: autotune.limits)."""
-    from autotune.limits import calibrate_headroom
+    (under real caps: autotune.memory.limits)."""
+    from autotune.memory.limits import calibrate_headroom
 
     model, optimizer, data, streams = build(cfg)
     x = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.block_size))
@@ -230,7 +230,7 @@ def measured_headroom(cfg: Config) -> int | None:
 
 def run(cfg: Config, *, plain: bool, headroom: int | None, run_dir: str = "runs/nanogpt") -> Config:
     """nanoGPT's loop (plain) or the moved one, under a cap of `headroom` bytes (None: none)."""
-    from autotune.limits import cap_address_space, lift_address_space_cap
+    from autotune.memory.limits import cap_address_space, lift_address_space_cap
 
     model, optimizer, data, streams = build(cfg)
     if headroom:
@@ -255,7 +255,7 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="nanoGPT's loop, without the tuner")
     parser.add_argument("--run-dir", default="runs/nanogpt")
     options = parser.parse_args()
-    from autotune.limits import fix_mmap_threshold, single_malloc_arena
+    from autotune.memory.limits import fix_mmap_threshold, single_malloc_arena
 
     single_malloc_arena()
     fix_mmap_threshold()  # what the warm-up frees is unmapped: the cap leaves the room it says

@@ -17,9 +17,19 @@ import psutil
 import pytest
 import torch
 
-# Every journal record's fields checked against autotune/records.py, here and in every process the
-# tests start (set before autotune.journal is imported).
+# Every journal record's fields checked against autotune/observe/records.py, here and in every process the
+# tests start (set before autotune.observe.journal is imported).
 os.environ["AUTOTUNE_STRICT_JOURNAL"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _warnings_on_stderr():
+    """Each test starts with the library's warnings on stderr: an in-process `autotune` command (cli.main)
+    routes them through its loguru sink for the rest of the process, which a later test's capsys misses."""
+    from autotune.common import notices
+
+    yield
+    notices._through_loguru = False
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,7 +58,7 @@ def run_python(script: str, tmp_path: Path, timeout: float = 120,
                 json.dump(obj, f)
     """)
     # One malloc arena: a refused allocation then leaves no reserved heap behind, so what
-    # fits under the cap is the same on every run (see autotune.limits.single_malloc_arena).
+    # fits under the cap is the same on every run (see autotune.memory.limits.single_malloc_arena).
     proc = subprocess.run([sys.executable, "-c", preamble + textwrap.dedent(script)], capture_output=True,
                           text=True, timeout=timeout, cwd=tmp_path, env={**os.environ, "MALLOC_ARENA_MAX": "1", **(env or {})})
     result = json.loads(out.read_text()) if out.exists() else None
@@ -57,7 +67,7 @@ def run_python(script: str, tmp_path: Path, timeout: float = 120,
 
 def skip_if_uncalibrated(result: dict | None) -> None:
     """Skip, saying why, where a subprocess found no memory cap that tells its sizes apart on this
-    machine (`autotune.limits.calibrate_headroom`: it saves {"uncalibrated": reason} and exits 0)."""
+    machine (`autotune.memory.limits.calibrate_headroom`: it saves {"uncalibrated": reason} and exits 0)."""
     if result and "uncalibrated" in result:
         pytest.skip(f"no memory cap calibrated on this machine: {result['uncalibrated']}")
 
@@ -65,8 +75,8 @@ def skip_if_uncalibrated(result: dict | None) -> None:
 def journal(run_dir: Path) -> list[dict]:
     """The run's journal records, once any checkpoint this process writes in the background is on disk
     (its line is written then)."""
-    from autotune.checkpoint_files import wait_for_writes
-    from autotune.journal import read_journal
+    from autotune.run_folder.checkpoint_files import wait_for_writes
+    from autotune.observe.journal import read_journal
 
     wait_for_writes()
 

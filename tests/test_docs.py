@@ -72,11 +72,11 @@ def test_every_public_name_has_a_docstring_the_reference_shows():
 
 
 def test_the_policy_table_is_made_from_the_method_cards():
-    from autotune.presets import policy_table
+    from autotune.tuning.presets import policy_table
 
     text = (ROOT / "docs" / "policies.md").read_text()
     block = re.search(r"<!-- policy-table -->\n(.*?)\n<!-- /policy-table -->", text, re.S)
-    assert block and block.group(1) == policy_table(), "docs/policies.md's table differs: paste `python -m autotune.presets`"
+    assert block and block.group(1) == policy_table(), "docs/policies.md's table differs: paste `python -m autotune.tuning.presets`"
 
 
 @pytest.mark.slow

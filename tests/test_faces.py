@@ -7,7 +7,7 @@ import inspect
 import subprocess
 from pathlib import Path
 
-from autotune.host_face import HostFace
+from autotune.tuning.host_face import HostFace
 from autotune.tuner import Tuner
 
 PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
@@ -135,7 +135,7 @@ def test_only_progress_py_changes_the_counters(tmp_path):
 def test_only_the_jobs_own_modules_ask_whether_the_job_is_sharded():
     found = subprocess.run(["grep", "-rn", "sharded is not None", str(PACKAGE)], capture_output=True, text=True).stdout
     outside = [line for line in found.splitlines()
-               if not line.startswith((str(PACKAGE / "distributed.py"), str(PACKAGE / "sharded.py")))]
+               if not line.startswith((str(PACKAGE / "ranks" / "distributed.py"), str(PACKAGE / "ranks" / "sharded.py")))]
     assert not outside, outside
 
 

@@ -20,8 +20,8 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 PREAMBLE = f"""
 import sys, torch
 sys.path.insert(0, {str(EXAMPLES)!r})
-from autotune.limits import fix_mmap_threshold, single_malloc_arena
-from autotune.oom import is_oom
+from autotune.memory.limits import fix_mmap_threshold, single_malloc_arena
+from autotune.common.oom import is_oom
 
 single_malloc_arena()
 fix_mmap_threshold()

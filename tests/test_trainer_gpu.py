@@ -9,8 +9,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from autotune import AutoTrainer, Event
-from autotune.policy import PolicyBase
-from autotune.presets import resolve_policies
+from autotune.decisions.policy import PolicyBase
+from autotune.tuning.presets import resolve_policies
 from tests.conftest import journal
 
 pytestmark = pytest.mark.gpu
@@ -103,7 +103,7 @@ def test_close_gives_back_the_memory_fraction_and_bf16_trains(tmp_path):
 def test_an_oom_writes_the_allocator_snapshot_and_its_largest_sites(tmp_path):
     import pickle
 
-    from autotune.report import render, summarize
+    from autotune.observe.report import render, summarize
 
     device = torch.device("cuda", 0)  # set_per_process_memory_fraction wants an index
     data, model = wide(2048)
@@ -182,7 +182,7 @@ def test_a_dataset_of_cuda_tensors_trains_unpinned_and_cpu_batches_are_pinned(tm
 
 def test_under_a_memory_cap_the_room_is_counted_in_reserved_bytes_of_the_cap(tmp_path):
     from autotune import Tuner
-    from autotune.memory import allocator_stats
+    from autotune.memory.figures import allocator_stats
 
     device = torch.device("cuda", 0)
     total = torch.cuda.get_device_properties(device).total_memory

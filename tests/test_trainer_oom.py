@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 from autotune import AutoTrainer, OutOfMemory
-from autotune.limits import cap_address_space
+from autotune.memory.limits import cap_address_space
 
 def build():
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ trainer = AutoTrainer(model, data, step_fn=step_fn, optimizer=optimizer,
                       batch_size=BATCH, micro_batch_size=MICRO, keep_effective_batch=KEEP,
                       device="cpu", run_dir=RUN_DIR, progress=False, seed=1, shuffle=SHUFFLE, policies=POLICIES)
 if BUDGET_MIB == "measured":  # 96 rows fit, 256 do not: measured here (a row's kernels differ by CPU)
-    from autotune.limits import calibrate_headroom
+    from autotune.memory.limits import calibrate_headroom
 
     def probe(rows):
         try:
@@ -88,7 +88,7 @@ try:
                "committed": committed}
 except OutOfMemory as exc:
     outcome = {"error": str(exc)}
-from autotune.limits import lift_address_space_cap
+from autotune.memory.limits import lift_address_space_cap
 lift_address_space_cap()
 torch.save(model.state_dict(), RUN_DIR + "/weights.pt")
 save(outcome)

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from autotune import Tuner
-from autotune.report import summarize
+from autotune.observe.report import summarize
 from tests.conftest import journal, run_python, skip_if_uncalibrated
 
 LOOP = """
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from autotune import Tuner
-from autotune.limits import calibrate_headroom, cap_address_space, lift_address_space_cap
+from autotune.memory.limits import calibrate_headroom, cap_address_space, lift_address_space_cap
 
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)
@@ -295,10 +295,10 @@ def test_a_relief_dropped_for_a_smaller_micro_batch_is_journaled_and_its_policy_
     import dataclasses
     from typing import ClassVar
 
-    from autotune.actions import UseAutocast
-    from autotune.events import Event
+    from autotune.common.actions import UseAutocast
+    from autotune.common.events import Event
     from autotune.policies.halve_on_oom import HalveOnOOM
-    from autotune.policy import PolicyBase
+    from autotune.decisions.policy import PolicyBase
 
     @dataclasses.dataclass
     class AsksForAutocast(PolicyBase):

@@ -33,12 +33,12 @@ import dataclasses
 import io
 import mmap
 import multiprocessing
-import sys
 import os
 import pickle
 import secrets
-import statistics
 import shutil
+import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -47,11 +47,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from autotune.notices import warn
-from autotune.shared_memory import NoRoom, no_room, reserve
-from autotune.snapshot import InputProfile
-from autotune.stale import create_claimed, remove_stale_shared_memory, shared_memory_dir
-from autotune.units import format_bytes
+from autotune.common.notices import warn
+from autotune.common.shared_memory import NoRoom, no_room, reserve
+from autotune.common.snapshot import InputProfile
+from autotune.common.stale import create_claimed, remove_stale_shared_memory, shared_memory_dir
+from autotune.common.units import format_bytes
 
 _HEADER = 8  # int64 slots: [bytes used, full, hits, misses, entries, bytes reserved, no room, spare]
 _USED, _FULL, _HITS, _MISSES, _ENTRIES, _RESERVED, _NO_ROOM = range(7)

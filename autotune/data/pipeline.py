@@ -24,23 +24,23 @@ import torch
 from loguru import logger
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from autotune.actions import CacheSamples
-from autotune.batching import map_tensors
+from autotune.common.actions import CacheSamples
+from autotune.common.batching import map_tensors
+from autotune.common.events import Event
+from autotune.common.notices import warn
+from autotune.common.shared_memory import no_room
+from autotune.common.snapshot import InputProfile, InputState, StepTiming
+from autotune.common.units import format_bytes
 from autotune.data.cache import CachedDataset, NotCacheable, SampleCache, cache_budget, profile_input, split_for_caching
 from autotune.data.sampler import EpochSampler
 from autotune.data.tensors import batched_view, take_batch
 from autotune.data.user_loader import UserLoaderPosition, input_of
-from autotune.detectors import InputDetector
-from autotune.distributed import Ranks, Solo
-from autotune.events import Event
-from autotune.journal import Journal
-from autotune.memory import device_sample
-from autotune.notices import warn
-from autotune.preemption import DEFAULT_STOP_SIGNALS, WorkerStops
-from autotune.records import Kind
-from autotune.shared_memory import no_room
-from autotune.snapshot import InputProfile, InputState, StepTiming
-from autotune.units import format_bytes
+from autotune.decisions.detectors import InputDetector
+from autotune.memory.figures import device_sample
+from autotune.observe.journal import Journal
+from autotune.observe.records import Kind
+from autotune.ranks.distributed import Ranks, Solo
+from autotune.stops.preemption import DEFAULT_STOP_SIGNALS, WorkerStops
 
 
 class UnlikeTheOthers(ValueError):

@@ -23,12 +23,19 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler,
-                              SubsetRandomSampler, WeightedRandomSampler)
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 from torch.utils.data.distributed import DistributedSampler
 
-from autotune.notices import warn
-from autotune.rng import rng_state, set_rng_state
+from autotune.common.notices import warn
+from autotune.run_folder.rng import rng_state, set_rng_state
 
 # Samplers whose order is drawn only from their generator, torch's global state, or (seed, epoch).
 KNOWN_SAMPLERS = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler)

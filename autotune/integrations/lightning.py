@@ -44,14 +44,14 @@ from typing import Any, Callable
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from autotune.batching import batch_len
-from autotune.distributed import Ranks, Solo
-from autotune.evaluation import Evaluator
-from autotune.host_face import Wiring
-from autotune.progress import Progress
-from autotune.batch import add_gradients, set_aside_gradients
-from autotune.records import Kind
+from autotune.common.batching import batch_len
+from autotune.common.progress import Progress
+from autotune.observe.records import Kind
+from autotune.ranks.distributed import Ranks, Solo
+from autotune.training.evaluation import Evaluator
 from autotune.tuner import Tuner
+from autotune.tuning.batch import add_gradients, set_aside_gradients
+from autotune.tuning.host_face import Wiring
 
 STATE_KEY = "autotune"
 

@@ -50,16 +50,16 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from autotune.batching import batch_len, tensor_bytes
-from autotune.distributed import Ranks, Solo
-from autotune.evaluation import Evaluator
-from autotune.host_face import Wiring
+from autotune.common.batching import batch_len, tensor_bytes
+from autotune.common.notices import warn
+from autotune.common.progress import Progress
+from autotune.common.units import format_bytes
 from autotune.monitor.host import room_bytes
-from autotune.notices import warn
-from autotune.progress import Progress
-from autotune.records import Kind
+from autotune.observe.records import Kind
+from autotune.ranks.distributed import Ranks, Solo
+from autotune.training.evaluation import Evaluator
 from autotune.tuner import Tuner
-from autotune.units import format_bytes
+from autotune.tuning.host_face import Wiring
 
 STATE_FILE = "autotune.pt"
 SAVE_MARGIN_BYTES = 16 * 2**20  # beside the weights' copy: HF's metadata, the optimizer's file buffers
@@ -200,7 +200,7 @@ class AutoTuneTrainer(Trainer):
 
     def checkpoint_now(self, reason: str, report_failure: bool = True) -> Path | None:
         """HF's own checkpoint at the last completed optimizer step, with the tuner's state beside
-        it (`autotune.host_face.Host`: the Tuner asks before an OOM error, once the failed attempt's
+        it (`autotune.tuning.host_face.Host`: the Tuner asks before an OOM error, once the failed attempt's
         memory is freed); a resume redoes the accumulation in progress from its first batch."""
         # HF's save serializes the weights in native code (safetensors), which aborts the process
         # where an allocation fails: under memory that is still too short for that copy, it is
@@ -221,7 +221,7 @@ class AutoTuneTrainer(Trainer):
         return save_tuning(self.tuner, self.args, self.state, reason)
 
     def input_state(self) -> None:
-        """HF's loader is its own: nothing known of it (`autotune.host_face.Host`)."""
+        """HF's loader is its own: nothing known of it (`autotune.tuning.host_face.Host`)."""
         return None
 
 

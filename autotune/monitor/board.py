@@ -20,10 +20,10 @@ import os
 import struct
 from pathlib import Path
 
-from autotune.notices import warn
-from autotune.shared_memory import reserve
-from autotune.snapshot import DeviceSample
-from autotune.stale import BOARD, create_claimed, remove_stale, shared_memory_dir
+from autotune.common.notices import warn
+from autotune.common.shared_memory import reserve
+from autotune.common.snapshot import DeviceSample
+from autotune.common.stale import BOARD, create_claimed, remove_stale, shared_memory_dir
 
 _MAGIC = 0x41544D31  # "ATM1"
 _HEADER = struct.Struct("<IIQ")  # magic, layout version, sequence number

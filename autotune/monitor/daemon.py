@@ -24,11 +24,11 @@ from typing import Any, TextIO
 
 import psutil
 
+from autotune.common.units import format_bytes
 from autotune.monitor import host
-from autotune.monitor.nvml import GpuInfo, NVML, normalize_uuid, session
+from autotune.monitor.nvml import NVML, GpuInfo, normalize_uuid, session
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL, SampleLog
 from autotune.monitor.schedule import run_until_stopped, stop_on_signals
-from autotune.units import format_bytes
 
 
 class UsageError(ValueError):

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import psutil
 
-from autotune.snapshot import DeviceSample
-from autotune.units import format_bytes
+from autotune.common.snapshot import DeviceSample
+from autotune.common.units import format_bytes
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 

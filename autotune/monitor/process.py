@@ -32,12 +32,12 @@ from pathlib import Path
 
 import psutil
 
-from autotune.journal import open_for_append
+from autotune.common.snapshot import DeviceSample
 from autotune.monitor import host
 from autotune.monitor.board import Board, create_board
 from autotune.monitor.nvml import session as nvml_session
 from autotune.monitor.schedule import run_until_stopped, stop_on_signals
-from autotune.snapshot import DeviceSample
+from autotune.observe.journal import open_for_append
 
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 10.0
 _PR_SET_PDEATHSIG = 1

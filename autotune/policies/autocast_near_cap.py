@@ -1,7 +1,7 @@
 """autocast_near_cap: the first rung of the relief ladder: mixed precision.
 
 When: at the smallest micro-batch, an OOM, or steps that demand >= `high` of the room
-under the cap for `persist_steps` steps (see autotune/relief/trigger.py).
+under the cap for `persist_steps` steps (see autotune/decisions/relief_trigger.py).
 What: `UseAutocast`: forward passes under bf16 autocast where the device has bf16 (CPU,
 CUDA from Ampere), else fp16 with a gradient scaler. Activations saved for backward take
 half the memory. Once applied, it does nothing more.
@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from autotune.actions import UseAutocast
-from autotune.relief.trigger import NearCapRelief
-from autotune.snapshot import Snapshot
+from autotune.common.actions import UseAutocast
+from autotune.common.snapshot import Snapshot
+from autotune.decisions.relief_trigger import NearCapRelief
 
 
 @dataclasses.dataclass

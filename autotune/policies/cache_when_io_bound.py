@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Sequence
 
-from autotune.actions import Action, CacheSamples
-from autotune.events import Event
-from autotune.policy import PolicyBase
-from autotune.snapshot import Snapshot
-from autotune.units import parse_bytes
-from autotune.validate import check_fraction, check_int
+from autotune.common.actions import Action, CacheSamples
+from autotune.common.events import Event
+from autotune.common.snapshot import Snapshot
+from autotune.common.units import parse_bytes
+from autotune.common.validate import check_fraction, check_int
+from autotune.decisions.policy import PolicyBase
 
 
 @dataclasses.dataclass

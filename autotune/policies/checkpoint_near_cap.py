@@ -1,7 +1,7 @@
 """checkpoint_near_cap: the second rung of the relief ladder: activation checkpointing.
 
 When: at the smallest micro-batch, an OOM, or steps that demand >= `high` of the room
-under the cap for `persist_steps` steps (see autotune/relief/trigger.py).
+under the cap for `persist_steps` steps (see autotune/decisions/relief_trigger.py).
 What: `CheckpointActivations`: the model's repeated blocks (ResNet blocks, transformer layers, or a
 flat Sequential in segments) keep only their inputs and recompute the rest in backward:
 much less activation memory for about one more forward. Once applied, it does nothing more.
@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from autotune.actions import CheckpointActivations
-from autotune.relief.trigger import NearCapRelief
-from autotune.snapshot import Snapshot
+from autotune.common.actions import CheckpointActivations
+from autotune.common.snapshot import Snapshot
+from autotune.decisions.relief_trigger import NearCapRelief
 
 
 @dataclasses.dataclass

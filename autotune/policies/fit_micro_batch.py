@@ -41,11 +41,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Sequence
 
-from autotune.actions import Action, SetMicroBatch
-from autotune.events import Event
-from autotune.snapshot import Snapshot
-from autotune.units import format_bytes
-from autotune.validate import check_fraction, check_int
+from autotune.common.actions import Action, SetMicroBatch
+from autotune.common.events import Event
+from autotune.common.snapshot import Snapshot
+from autotune.common.units import format_bytes
+from autotune.common.validate import check_fraction, check_int
 
 
 @dataclasses.dataclass

@@ -31,10 +31,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Sequence
 
-from autotune.actions import Action, SetMicroBatch
-from autotune.events import Event
-from autotune.snapshot import Snapshot
-from autotune.validate import check_fraction, check_int
+from autotune.common.actions import Action, SetMicroBatch
+from autotune.common.events import Event
+from autotune.common.snapshot import Snapshot
+from autotune.common.validate import check_fraction, check_int
 
 
 @dataclasses.dataclass

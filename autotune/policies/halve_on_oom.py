@@ -27,11 +27,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Sequence
 
-from autotune.actions import Action, SetMicroBatch
-from autotune.events import Event
-from autotune.snapshot import Snapshot
-from autotune.validate import check_int
-
+from autotune.common.actions import Action, SetMicroBatch
+from autotune.common.events import Event
+from autotune.common.snapshot import Snapshot
+from autotune.common.validate import check_int
 
 # A size at the edge steps back by the tolerance the sizing aims for (within 10% of the largest);
 # at the edge: its last batch needed this share of the room or more (fit_micro_batch aims at 0.95).

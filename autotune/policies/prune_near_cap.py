@@ -1,7 +1,7 @@
 """prune_near_cap: the last rung of the relief ladder: structured pruning that frees memory.
 
 When: at the smallest micro-batch, an OOM, or steps that demand >= `high` of the room
-under the cap for `persist_steps` steps (see autotune/relief/trigger.py); after the cheaper
+under the cap for `persist_steps` steps (see autotune/decisions/relief_trigger.py); after the cheaper
 rungs in the preset have been applied (one relief per trigger, in preset order).
 What: `PruneChannels(step_ratio)`: Torch-Pruning removes `step_ratio` of the channels of
 every Linear/Conv layer but the output layers (outputs keep their shape), by L2 magnitude.
@@ -29,10 +29,10 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from autotune.actions import PruneChannels
-from autotune.relief.trigger import NearCapRelief
-from autotune.snapshot import Snapshot
-from autotune.validate import check_fraction
+from autotune.common.actions import PruneChannels
+from autotune.common.snapshot import Snapshot
+from autotune.common.validate import check_fraction
+from autotune.decisions.relief_trigger import NearCapRelief
 
 
 @dataclasses.dataclass

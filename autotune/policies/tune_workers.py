@@ -30,11 +30,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Sequence
 
-from autotune.actions import Action, SetLoaderWorkers
-from autotune.events import Event
-from autotune.policy import PolicyBase
-from autotune.snapshot import Snapshot
-from autotune.validate import check_int
+from autotune.common.actions import Action, SetLoaderWorkers
+from autotune.common.events import Event
+from autotune.common.snapshot import Snapshot
+from autotune.common.validate import check_int
+from autotune.decisions.policy import PolicyBase
 
 
 @dataclasses.dataclass

@@ -19,7 +19,8 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+from autotune.common.model_blocks import repeated_blocks
+
 _MARK = "_autotune_checkpointed"
 
 
@@ -29,25 +30,6 @@ def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _sequential_forward(module: nn.Sequential, segments: int, x: Any) -> Any:
     return checkpoint_sequential(module, segments, x, use_reentrant=False)
-
-
-def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of the blocks worth checkpointing one by one, outermost first."""
-    found: list[tuple[str, nn.Module]] = []
-    taken: set[int] = set()
-    for name, container in model.named_modules():
-        if not isinstance(container, (nn.Sequential, nn.ModuleList)) or id(container) in taken:
-            continue
-        children = list(container.named_children())
-        classes: dict[type, int] = {}
-        for _, child in children:
-            classes[type(child)] = classes.get(type(child), 0) + 1
-        for child_name, child in children:
-            if classes[type(child)] >= 2 and not isinstance(child, _LAYERS) \
-                    and any(True for _ in child.parameters()) and not any(id(m) in taken for m in child.modules()):
-                found.append((f"{name}.{child_name}" if name else child_name, child))
-                taken.update(id(m) for m in child.modules())
-    return found
 
 
 def checkpoint_blocks(model: nn.Module) -> list[str]:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from autotune.batching import map_tensors, tensor_bytes  # noqa: F401 (tensor_bytes: imported from here too)
+from autotune.common.batching import map_tensors, tensor_bytes  # noqa: F401 (tensor_bytes: imported from here too)
 
 PRUNABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _step import Report, main  # noqa: E402
 import json  # noqa: E402
 import torch  # noqa: E402
-from autotune.journal import read_journal  # noqa: E402
+from autotune.observe.journal import read_journal  # noqa: E402
 
 RANK = r'''
 import json, os, sys, torch

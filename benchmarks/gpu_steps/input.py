@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import Dataset, TensorDataset  # noqa: E402
 from autotune import AutoTrainer, Event  # noqa: E402
-from autotune.actions import CacheSamples  # noqa: E402
+from autotune.common.actions import CacheSamples  # noqa: E402
 
 
 def run(report: Report, device) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _step import MiB, Report, cuda_context_free, main, wait_for  # noqa: E402
 import torch  # noqa: E402
-from autotune.memory import cuda_reserved_cap, cuda_uuid  # noqa: E402
+from autotune.memory.figures import cuda_reserved_cap, cuda_uuid  # noqa: E402
 from autotune.monitor.nvml import session  # noqa: E402
 from autotune.monitor.process import MonitorProcess  # noqa: E402
 

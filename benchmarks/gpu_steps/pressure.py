@@ -25,12 +25,12 @@ from _step import MiB, Report, main  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from autotune import Event, Tuner  # noqa: E402
-from autotune.actions import EmptyCache  # noqa: E402
-from autotune.journal import read_journal  # noqa: E402
-from autotune.knobs import Knobs, apply  # noqa: E402
-from autotune.monitor import link  # noqa: E402
+from autotune.common.actions import EmptyCache  # noqa: E402
+from autotune.observe.journal import read_journal  # noqa: E402
+from autotune.decisions.knobs import Knobs, apply  # noqa: E402
+from autotune.tuning import monitor_link as link  # noqa: E402
 from autotune.policies import EmptyCacheOnPressure  # noqa: E402
-from autotune.units import parse_bytes  # noqa: E402
+from autotune.common.units import parse_bytes  # noqa: E402
 
 CAP = 4096 * MiB
 

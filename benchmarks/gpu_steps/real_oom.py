@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 from autotune import AutoTrainer  # noqa: E402
-from autotune.journal import read_journal  # noqa: E402
+from autotune.observe.journal import read_journal  # noqa: E402
 
 SAMPLES, FEATURES, WIDTH, CLASSES, BATCH = 16384, 256, 16384, 8, 2048
 

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import torchvision  # noqa: E402
 from torch import nn  # noqa: E402
 from autotune import Tuner  # noqa: E402
-from autotune.actions import CheckpointActivations, PruneChannels, UseAutocast  # noqa: E402
+from autotune.common.actions import CheckpointActivations, PruneChannels, UseAutocast  # noqa: E402
 
 
 def run(report: Report, device) -> None:

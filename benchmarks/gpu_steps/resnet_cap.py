@@ -24,7 +24,7 @@ import torchvision  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 from autotune import AutoTrainer  # noqa: E402
-from autotune.oom import is_oom  # noqa: E402
+from autotune.common.oom import is_oom  # noqa: E402
 
 BATCH, IMAGE, CLASSES, SAMPLES, STEPS = 256, 128, 100, 2048, 50
 

@@ -1,6 +1,6 @@
 """A Griffe extension for the API reference: classes whose docstring is completed at import time.
 
-`AutoTrainer` and `Tuner` document their arguments once, in autotune/arguments.py, and the
+`AutoTrainer` and `Tuner` document their arguments once, in autotune/tuning/arguments.py, and the
 `with_arguments` decorator appends them to the class docstring when the module is imported.
 Griffe reads the source, not the imported class, so without this the reference would show only
 the docstring's first lines and none of the arguments. Here those classes' docstrings are taken

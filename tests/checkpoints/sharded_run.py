@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from autotune import AutoTrainer
-from autotune.sharded import full_state
+from autotune.ranks.sharded import full_state
 
 mode, *paths = sys.argv[1:]
 out = paths[-1]

@@ -15,7 +15,7 @@ from torchvision import datasets, transforms as T
 
 from autotune.data.cache import (CachedDataset, NotCacheable, SampleCache, cache_budget, profile_input,
                                  split_for_caching)
-from autotune.shared_memory import NoRoom
+from autotune.common.shared_memory import NoRoom
 from tests.small_tmpfs import full_shm, small_shm  # noqa: F401  (fixtures)
 
 AUGMENT = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.ToTensor()])

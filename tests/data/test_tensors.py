@@ -65,7 +65,7 @@ def test_on_cuda_batches_already_on_a_device_are_not_pinned():
     # torch's pinning raises "cannot pin 'torch.cuda.FloatTensor'" on a tensor already on the device;
     # "meta" tensors stand in for CUDA ones here (neither is in host memory).
     from autotune.data.pipeline import InputPipeline, batches_on_host
-    from autotune.distributed import Solo
+    from autotune.ranks.distributed import Solo
 
     assert batches_on_host({"x": [torch.zeros(2)], "y": (torch.zeros(1), 3)})
     assert not batches_on_host([torch.zeros(2), {"y": torch.zeros(1, device="meta")}])

@@ -24,7 +24,7 @@ import lightning as L
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from autotune.integrations.lightning import AutoTuneDDPStrategy, AutoTuneStrategy
-from autotune.limits import cap_address_space, lift_address_space_cap
+from autotune.memory.limits import cap_address_space, lift_address_space_cap
 
 out = sys.argv[1]
 world = int(os.environ.get("WORLD_SIZE", "1"))

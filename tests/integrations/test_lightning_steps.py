@@ -65,7 +65,7 @@ save({"plain": plain.callback_metrics["train_loss_epoch"].item(), "tuned": tuned
 """
 
 VALIDATE = MODULE + """
-from autotune.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap
+from autotune.memory.limits import cap_address_space, fix_mmap_threshold, lift_address_space_cap
 fix_mmap_threshold()
 module = Module()
 loader = DataLoader(data, batch_size=64)
@@ -111,7 +111,7 @@ import lightning as L
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from autotune.integrations.lightning import AutoTuneStrategy
-from autotune.limits import cap_address_space, fix_mmap_threshold, least_headroom, lift_address_space_cap
+from autotune.memory.limits import cap_address_space, fix_mmap_threshold, least_headroom, lift_address_space_cap
 
 class Module(L.LightningModule):
     def __init__(self):

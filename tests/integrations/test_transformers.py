@@ -13,7 +13,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 SCRIPT = """
 import sys, torch
 sys.path.insert(0, EXAMPLES)
-from autotune.limits import calibrate_headroom, fix_mmap_threshold, cap_address_space, lift_address_space_cap
+from autotune.memory.limits import calibrate_headroom, fix_mmap_threshold, cap_address_space, lift_address_space_cap
 from hf_causal_lm import build
 from transformers import Trainer, TrainingArguments
 from autotune.integrations.transformers import AutoTuneTrainer
@@ -68,7 +68,7 @@ def test_hf_trainer_survives_ooms_resumes_at_the_settled_micro_batch_with_hfs_we
     # 2 batches of 16 per optimizer step, each sample once; then the resumed run does the second
     # step, and counts on from the first run's (the report's figure is the whole run's)
     assert result["first_samples"] == 32 and result["second_samples"] == 64
-    from autotune.report import summarize
+    from autotune.observe.report import summarize
     assert summarize(out)["samples_seen"] == 64
     assert result["diff"] < 1e-5  # the same weights as HF's Trainer without OOMs
     records = journal(out)
@@ -86,7 +86,7 @@ def test_hf_trainer_survives_ooms_resumes_at_the_settled_micro_batch_with_hfs_we
 EVAL_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, EXAMPLES)
-from autotune.limits import calibrate_headroom, fix_mmap_threshold, cap_address_space, lift_address_space_cap
+from autotune.memory.limits import calibrate_headroom, fix_mmap_threshold, cap_address_space, lift_address_space_cap
 from hf_causal_lm import build
 from transformers import Trainer, TrainingArguments
 from autotune.integrations.transformers import AutoTuneTrainer
@@ -140,7 +140,7 @@ DDP_SCRIPT = """
 import json, os, sys, torch
 import torch.distributed as dist
 sys.path.insert(0, os.environ["EXAMPLES"])
-from autotune.limits import calibrate_headroom, fix_mmap_threshold, cap_address_space, lift_address_space_cap
+from autotune.memory.limits import calibrate_headroom, fix_mmap_threshold, cap_address_space, lift_address_space_cap
 from hf_causal_lm import build
 from transformers import Trainer, TrainingArguments
 from autotune.integrations.transformers import AutoTuneTrainer
@@ -225,7 +225,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 from autotune import OutOfMemory
 from autotune.integrations.transformers import AutoTuneTrainer
-from autotune.limits import cap_address_space, fix_mmap_threshold, least_headroom, lift_address_space_cap
+from autotune.memory.limits import cap_address_space, fix_mmap_threshold, least_headroom, lift_address_space_cap
 
 fix_mmap_threshold()
 torch.manual_seed(0)

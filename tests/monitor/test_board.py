@@ -7,7 +7,7 @@ import time
 import pytest
 
 from autotune.monitor.board import Board, create_board, default_path
-from autotune.snapshot import DeviceSample
+from autotune.common.snapshot import DeviceSample
 from tests.small_tmpfs import full_shm, small_shm  # noqa: F401  (fixtures)
 
 
@@ -94,7 +94,7 @@ def test_where_shared_memory_is_full_the_board_is_made_in_the_run_folder_with_a_
 
 
 def test_an_shm_dir_that_is_not_a_writable_folder_is_said_and_the_default_is_used(tmp_path, monkeypatch, capsys):
-    from autotune.stale import shared_memory_dir
+    from autotune.common.stale import shared_memory_dir
 
     monkeypatch.setenv("AUTOTUNE_SHM_DIR", str(tmp_path / "missing"))
     assert shared_memory_dir() != tmp_path / "missing"

@@ -17,10 +17,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from autotune import AutoTrainer
-from autotune.actions import CacheSamples
-from autotune.events import Event
-from autotune.monitor import link
-from autotune.policy import PolicyBase
+from autotune.common.actions import CacheSamples
+from autotune.common.events import Event
+from autotune.tuning import monitor_link as link
+from autotune.decisions.policy import PolicyBase
 
 link.START_AFTER_S = 0.0  # the monitor (and its board) at the first batch, not a second in
 

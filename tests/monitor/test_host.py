@@ -7,7 +7,7 @@ import time
 import psutil
 
 from autotune.monitor.host import cgroup_memory, descendants, host_sample, parse_proc_cgroup, rss_bytes
-from autotune.units import format_bytes
+from autotune.common.units import format_bytes
 from tests.conftest import run_python
 
 
@@ -63,7 +63,7 @@ def test_the_tightest_cap_is_reported():
 
 def test_rlimit_as_is_seen_when_set(tmp_path):
     proc, result = run_python("""
-        from autotune.limits import cap_address_space
+        from autotune.memory.limits import cap_address_space
         from autotune.monitor.host import host_sample
         cap = cap_address_space(200 * 2**20)
         s = host_sample()

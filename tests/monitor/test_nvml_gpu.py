@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from autotune.memory import cuda_uuid
+from autotune.memory.figures import cuda_uuid
 from autotune.monitor.nvml import NVML
 from autotune.monitor.process import MonitorProcess
 

@@ -134,7 +134,7 @@ def test_training_survives_a_killed_monitor_and_restarts_it(tmp_path, monkeypatc
     from torch.utils.data import TensorDataset
 
     from autotune import AutoTrainer
-    from autotune.monitor import link
+    from autotune.tuning import monitor_link as link
     from tests.conftest import journal
 
     monkeypatch.setattr(link, "START_AFTER_S", 0.1)
@@ -172,7 +172,7 @@ def test_memory_high_reaches_a_policy(tmp_path):
         from torch import nn
         from torch.utils.data import TensorDataset
         from autotune import AutoTrainer, EmptyCache, Event
-        from autotune.limits import cap_address_space
+        from autotune.memory.limits import cap_address_space
 
         decided = []
 
@@ -232,7 +232,7 @@ def test_the_monitor_starts_once_a_run_has_trained_a_while(tmp_path, monkeypatch
     from torch.utils.data import TensorDataset
 
     from autotune import AutoTrainer
-    from autotune.monitor import link
+    from autotune.tuning import monitor_link as link
     from tests.conftest import journal
 
     def fit(run_dir, seconds_per_step=0.0):
@@ -262,7 +262,8 @@ def test_a_monitor_that_cannot_start_mid_run_leaves_training_going_and_says_so(t
     from torch.utils.data import TensorDataset
 
     from autotune import AutoTrainer
-    from autotune.monitor import link, process
+    from autotune.tuning import monitor_link as link
+    from autotune.monitor import process
     from tests.conftest import journal
 
     def refused(*args, **kwargs):

@@ -4,10 +4,10 @@ steps from below, with few OOMs from above, and then stay."""
 
 import pytest
 
-from autotune.actions import SetMicroBatch
-from autotune.events import Event
+from autotune.common.actions import SetMicroBatch
+from autotune.common.events import Event
 from autotune.policies import FitMicroBatch, HalveOnOOM
-from autotune.snapshot import Snapshot, StepMemory
+from autotune.common.snapshot import Snapshot, StepMemory
 
 MiB = 2**20
 

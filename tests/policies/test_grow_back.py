@@ -1,7 +1,7 @@
-from autotune.actions import SetMicroBatch
-from autotune.events import Event
+from autotune.common.actions import SetMicroBatch
+from autotune.common.events import Event
 from autotune.policies import GrowBack, HalveOnOOM
-from autotune.snapshot import DeviceSample, Snapshot
+from autotune.common.snapshot import DeviceSample, Snapshot
 
 
 def snap(step, micro, batch=1024, demand=None, failed=None, good=None):

@@ -1,9 +1,9 @@
 import pytest
 
-from autotune.actions import SetMicroBatch
-from autotune.events import Event
+from autotune.common.actions import SetMicroBatch
+from autotune.common.events import Event
 from autotune.policies import HalveOnOOM
-from autotune.snapshot import Snapshot
+from autotune.common.snapshot import Snapshot
 
 
 def oom_at(size, batch=64):
@@ -44,7 +44,7 @@ def test_a_size_at_the_edge_of_the_room_steps_back_a_tenth_then_halves():
     # At the edge (it fit the last batch, which needed nearly all the room), half the throughput
     # would be lost for a few bytes; if a tenth smaller fails too, the room really shrank and
     # halving takes over. Where the last batch needed much less, the need jumped: it halves.
-    from autotune.snapshot import StepMemory
+    from autotune.common.snapshot import StepMemory
 
     def oom(size, good, need_share):
         memory = StepMemory(good, int(need_share * 300 * 2**20), 300 * 2**20)

@@ -1,9 +1,9 @@
 import dataclasses
 
-from autotune.actions import CacheSamples, SetLoaderWorkers
-from autotune.events import Event
+from autotune.common.actions import CacheSamples, SetLoaderWorkers
+from autotune.common.events import Event
 from autotune.policies import CacheWhenIOBound, TuneWorkers
-from autotune.snapshot import InputProfile, InputState, Snapshot
+from autotune.common.snapshot import InputProfile, InputState, Snapshot
 
 LOAD_BOUND = InputProfile(load_seconds=0.004, transform_seconds=0.001, samples=8, cacheable=True, how="test")
 TRANSFORM_BOUND = InputProfile(load_seconds=0.001, transform_seconds=0.004, samples=8, cacheable=True, how="test")

@@ -1,7 +1,7 @@
-from autotune.actions import EmptyCache, SetMicroBatch
-from autotune.events import Event
+from autotune.common.actions import EmptyCache, SetMicroBatch
+from autotune.common.events import Event
 from autotune.policies import EmptyCacheOnPressure, ShrinkOnThrash
-from autotune.snapshot import AllocatorStats, DeviceSample, Snapshot
+from autotune.common.snapshot import AllocatorStats, DeviceSample, Snapshot
 
 
 def snap(step, fraction=0.95, retries=None, micro=64):

@@ -6,12 +6,12 @@ import inspect
 
 import pytest
 
-from autotune.actions import PruneChannels
-from autotune.events import Event
+from autotune.common.actions import PruneChannels
+from autotune.common.events import Event
 from autotune.policies import BUILTIN_POLICIES
-from autotune.policy import Policy
-from autotune.presets import build_policy, policy_parameters
-from autotune.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
+from autotune.decisions.policy import Policy
+from autotune.tuning.presets import build_policy, policy_parameters
+from autotune.common.snapshot import AllocatorStats, DeviceSample, InputProfile, InputState, Snapshot, StepTiming
 
 GIB = 2**30
 

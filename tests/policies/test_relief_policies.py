@@ -1,12 +1,12 @@
 import torch
 
-from autotune.actions import CheckpointActivations, PruneChannels, UseAutocast
-from autotune.dispatch import Dispatcher
-from autotune.events import Event
-from autotune.journal import Journal
-from autotune.knobs import Knobs
+from autotune.common.actions import CheckpointActivations, PruneChannels, UseAutocast
+from autotune.decisions.dispatch import Dispatcher
+from autotune.common.events import Event
+from autotune.observe.journal import Journal
+from autotune.decisions.knobs import Knobs
 from autotune.policies import AutocastNearCap, CheckpointNearCap, PruneNearCap
-from autotune.snapshot import Snapshot
+from autotune.common.snapshot import Snapshot
 
 
 def snap(step, demand=0.95, micro=1, reliefs=(), last=None, failed=None):

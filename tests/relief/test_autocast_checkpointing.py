@@ -8,16 +8,17 @@ import torch
 import torchvision
 from torch import nn
 
-from autotune.relief.autocast import autocast_plan
-from autotune.relief.checkpointing import checkpoint_blocks, repeated_blocks
+from autotune.step.precision import autocast_plan
+from autotune.common.model_blocks import repeated_blocks
+from autotune.relief.checkpointing import checkpoint_blocks
 from tests.conftest import run_python
 
 MEASURE = """
 import torch
 from torch import nn
-from autotune.limits import fix_mmap_threshold
-from autotune.demand import StepPeak
-from autotune.relief.autocast import autocast_plan
+from autotune.memory.limits import fix_mmap_threshold
+from autotune.memory.demand import StepPeak
+from autotune.step.precision import autocast_plan
 from autotune.relief.checkpointing import checkpoint_blocks
 fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
 torch.set_num_threads(1)
@@ -117,9 +118,9 @@ def test_the_autocast_relief_is_skipped_with_a_word_where_its_kernels_could_cras
     import json
 
     from autotune import Tuner
-    from autotune.actions import UseAutocast
+    from autotune.common.actions import UseAutocast
 
-    monkeypatch.setattr("autotune.relief.ladder.builds_bf16_kernels_under_a_hard_cap",
+    monkeypatch.setattr("autotune.tuning.relief_ladder.builds_bf16_kernels_under_a_hard_cap",
                         lambda: "this CPU has native bf16 (amx_bf16), ...")
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     with Tuner(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy,

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 from autotune import AutoTrainer
-from autotune.limits import fix_mmap_threshold
-from autotune.demand import StepPeak
+from autotune.memory.limits import fix_mmap_threshold
+from autotune.memory.demand import StepPeak
 from autotune.policies import AutocastNearCap, CheckpointNearCap, PruneNearCap
 
 fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
@@ -82,7 +82,7 @@ def test_a_pruned_run_resumes_from_its_checkpoint_into_a_fresh_model(tmp_path):
     from torch.utils.data import TensorDataset
 
     from autotune import AutoTrainer
-    from autotune.actions import CheckpointActivations, PruneChannels
+    from autotune.common.actions import CheckpointActivations, PruneChannels
 
     built = []  # every optimizer the factory made: the trainer must keep training that one
 

@@ -9,7 +9,7 @@ import torch
 import torchvision
 from torch import nn
 
-from autotune.actions import PruneChannels
+from autotune.common.actions import PruneChannels
 from autotune.relief.pruning import _cut, prune_channels, remap_optimizer, tensor_bytes
 from autotune.tuner import Tuner
 from tests.conftest import run_python
@@ -184,8 +184,8 @@ def test_state_that_cannot_be_cut_starts_fresh_with_a_word(tmp_path, capfd):
 PEAK = """
 import torch, torchvision
 from torch import nn
-from autotune.limits import fix_mmap_threshold
-from autotune.demand import StepPeak
+from autotune.memory.limits import fix_mmap_threshold
+from autotune.memory.demand import StepPeak
 from autotune.relief.pruning import prune_channels, remap_optimizer
 fix_mmap_threshold()  # big tensors mmapped: freed memory leaves the resident size
 torch.set_num_threads(1)

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from autotune.onednn import native_bf16
+from autotune.memory.onednn import native_bf16
 from tests.conftest import journal, run_python
 
 pytestmark = pytest.mark.slow  # a subprocess under RLIMIT_AS
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 from autotune import AutoTrainer, OutOfMemory
-from autotune.limits import cap_address_space, lift_address_space_cap
+from autotune.memory.limits import cap_address_space, lift_address_space_cap
 
 # oneDNN on, as a user has it: on a CPU with native bf16 (AMX) autocast would build its bf16 kernels
 # for the first time under the cap, where an allocation oneDNN does not check can crash the process
@@ -38,7 +38,7 @@ trainer = AutoTrainer(model, data, loss_fn=nn.functional.cross_entropy, batch_si
 trainer.fit(max_steps=1)  # one warm-up step, as a new user would have run
 # Its end checkpoint is written in the background from a copy of the state (128 MiB): on a busy
 # machine still in memory here, and freed under the cap, which the step would then fit in.
-from autotune.checkpoint_files import wait_for_writes
+from autotune.run_folder.checkpoint_files import wait_for_writes
 wait_for_writes()
 before = {k: v.clone() for k, v in model.state_dict().items()}
 cap_address_space(60 * 2**20)

@@ -20,7 +20,7 @@ import json, os, sys, torch
 from torch import nn
 from torch.utils.data import TensorDataset
 from autotune import AutoTrainer, Event
-from autotune.actions import CheckpointActivations, PruneChannels, UseAutocast
+from autotune.common.actions import CheckpointActivations, PruneChannels, UseAutocast
 
 run_dir = sys.argv[1]
 rank = int(os.environ["RANK"])

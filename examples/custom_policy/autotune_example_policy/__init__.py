@@ -16,7 +16,7 @@ import dataclasses
 from typing import ClassVar, Sequence
 
 from autotune import Action, EmptyCache, Event, PolicyBase, Snapshot
-from autotune.validate import check_int
+from autotune.common.validate import check_int
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """The plug-in's own test: installed, autotune finds it by name, and it decides as documented."""
 
 from autotune import EmptyCache, Event, Snapshot
-from autotune.presets import installed_policies, resolve_policy
+from autotune.tuning.presets import installed_policies, resolve_policy
 from autotune_example_policy import EmptyCacheEveryEpoch
 
 
