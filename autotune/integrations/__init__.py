@@ -5,5 +5,6 @@ Each is thin: the batch a trainer hands to its training step goes through the sa
 the trainer keeps its optimizer, schedule, precision, logging and checkpoints.
 
 Owns nothing. Each integration owns its framework's side and touches the Tuner only through its
-host face (tests/test_faces.py).
+host face (tests/test_faces.py). The top layer but for the command line: it may import the Tuner and
+everything below; nothing in autotune imports it (your code does).
 """

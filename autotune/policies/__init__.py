@@ -1,7 +1,8 @@
 """Built-in policies, one file each; each file's docstring is its method card.
 
-A policy owns its own state (saved in checkpoints) and touches nothing: it reads a `Snapshot`
-and returns actions, which knobs.py carries out.
+Owns the built-in policies. A policy owns its own state (saved in checkpoints) and touches nothing: it
+reads a `Snapshot` and returns actions, which `autotune.decisions.knobs` carries out. May import
+`decisions` and `common`; the presets (`autotune.tuning.presets`) import it.
 """
 
 from __future__ import annotations
