@@ -1,5 +1,5 @@
 """A scripted CUDA caching allocator's figures, for what this machine cannot have: the few
-torch.cuda calls memory.py reads (mem_get_info, memory_reserved/allocated, memory_stats, the
+torch.cuda calls memory/figures.py reads (mem_get_info, memory_reserved/allocated, memory_stats, the
 peak reset, the per-process fraction), set by a test as a GPU would report them."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ batch of it, with FIT_START at their first batch and FIT_END at `Tuner.end`)::
           while the batch is not done (batch.py):   # retry the same batch until it fits
             measured: the step's peak memory from here (demand.py's StepDemand)
             sharded (FSDP2): every rank takes rank 0's micro-batch first (sharded.py)
-            attempt (step.py):
+            attempt (step/core.py):
               for micro in split(batch, micro_batch_size):
                 loss = step(model, micro) * len(micro) / len(batch)   # or by items: (loss, n_items)
                 loss.backward()
@@ -32,7 +32,7 @@ batch of it, with FIT_START at their first batch and FIT_END at `Tuner.end`)::
             sample, no log line due) skips the four lines below: nothing in them could act
                                                     BATCH_END
           measured: the step's need and room        BATCH_MEASURED
-          a relief a policy asked for (relief/ladder.py): autocast, checkpointing, pruning
+          a relief a policy asked for (tuning/relief_ladder.py): autocast, checkpointing, pruning
           monitor samples, step timing -> detectors MEMORY_HIGH | MEMORY_PRESSURE | IO_BOUND
           a policy changed workers or caching: rebuild the loader at this position
           a signal (agreed by all ranks): checkpoint and stop

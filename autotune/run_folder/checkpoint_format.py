@@ -2,7 +2,7 @@
 
     {"format": 2,
      "run":      {"id"}   # same_run.py: the run the checkpoint belongs to (None before run ids)
-     "core":     {"model", "optimizer", "optimizer_class", "scheduler", "grad_scaler", "injector"}   # step.py + the weights
+     "core":     {"model", "optimizer", "optimizer_class", "scheduler", "grad_scaler", "injector"}   # step/core.py + the weights
      "tuning":   {"micro_batch_size", "batch_size", "reliefs", "policies", "counters"}   # Tuner.tuning_state
      "progress": {"step", "epoch", "position", "batches_done", "samples_seen", "ooms",
                   "world", "epoch_world", "nonfinite_steps"}   # progress.py (the last three came later: see migrate)

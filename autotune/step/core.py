@@ -336,7 +336,7 @@ class StepCore:
 
     def enable_autocast(self) -> AutocastPlan | None:
         """Run forward passes under autocast from now on (a relief); None where the device has none.
-        With a precision the user chose, nothing changes (see `relief/ladder.py`)."""
+        With a precision the user chose, nothing changes (see `tuning/relief_ladder.py`)."""
         if self.precision != "fp32":
             return self.autocast
         plan = autocast_plan(self.device)

@@ -6,7 +6,7 @@ check). On CUDA a fused optimizer's check is handed to its kernel and read a ste
 (`LateRead`): the host never waits for it.
 
 Owns: the found-inf flags (one per device, made once) and the late read's. Touches nothing else:
-the step core (step.py) asks, and decides what a non-finite step means.
+the step core (step/core.py) asks, and decides what a non-finite step means.
 """
 
 from __future__ import annotations

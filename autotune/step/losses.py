@@ -6,7 +6,7 @@ A micro-batch's loss is its mean over its samples (or the items the step functio
 tokens, say); `Losses` keeps each with its weight and sums them when asked, so a batch in one
 piece costs no tensor op, and `LossSum` folds an epoch's batches a few ops at a time.
 
-Owns: the loss records. Touches nothing: the step core (step.py) fills them, the batch runner and
+Owns: the loss records. Touches nothing: the step core (step/core.py) fills them, the batch runner and
 the trainer read them.
 """
 

@@ -48,7 +48,7 @@ SHARED = """        device: "cpu", "cuda", "cuda:1" or a `torch.device`; default
         memory_snapshot: CUDA only: keep the allocator's last 100,000 allocations (an int: that
             many) with their Python stacks, and write `run_dir/oom-<step>.pickle` at each OOM,
             for https://pytorch.org/memory_viz; the journal and `autotune report` name the
-            largest allocation sites (see memory_history.py).
+            largest allocation sites (see memory/history.py).
         shard: under torchrun, shard the model with FSDP2 (`fully_shard` on each repeated block,
             then the root) instead of replicating it with DDP. A model you sharded yourself is
             trained as it is. Either way an OOM on any rank, in forward or backward, is retried

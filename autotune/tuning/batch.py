@@ -3,7 +3,7 @@ agreement after each, OOM recovery between them, and the gradients a caller held
 
     while the batch is not done:       (events.py has the whole picture)
       measured: the step's peak from here
-      attempt (step.py): forward and backward, micro-batch by micro-batch
+      attempt (step/core.py): forward and backward, micro-batch by micro-batch
       agree (distributed.py), failed or not
       nobody failed: reduce, add the held, step; done
       failure: recovery.py (clean up, record, decide), then the same batch again, smaller

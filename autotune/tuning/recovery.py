@@ -3,7 +3,7 @@
 `recover` is what the Tuner calls once every rank agreed that an attempt failed:
 
     clean up: the partial gradients dropped, the memory freed (outside the `except` block)
-    record:   where the memory went (breakdown.py), the allocator's history (memory_history.py),
+    record:   where the memory went (breakdown.py), the allocator's history (memory/history.py),
               the `oom` record and the one line a user sees
     CUDA, the batch's first OOM at a size the last batch completed at: the same size once more
               (`oom_retry`), the cache emptied after a synchronize: a block that would fit may still

@@ -1,7 +1,7 @@
 """The parts of one Tuner's run that the rooms of a batch share, wired once (Composer's `State`).
 
 The Tuner makes one `Run` and hands it to the rooms a batch goes through (batch.py, recovery.py,
-reactions.py, relief/ladder.py) instead of the same five objects to each constructor. What a
+reactions.py, tuning/relief_ladder.py) instead of the same five objects to each constructor. What a
 room owns stays its own; a `Run` holds only what several of them read, and `Lent`: the three
 calls that need the whole Tuner (tell the policies, carry out a relief, checkpoint), lent once
 here instead of handed down through every call of a batch.

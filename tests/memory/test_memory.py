@@ -1,4 +1,4 @@
-"""memory.py: autotune's own threads under an address-space cap, and the allocator's figures read by name."""
+"""memory/figures.py: autotune's own threads under an address-space cap, and the allocator's figures read by name."""
 
 import json
 import os

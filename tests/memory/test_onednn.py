@@ -85,7 +85,7 @@ def test_after_a_refused_kernel_the_thread_builds_kernels_again_once_cleared(tmp
 
 def test_bf16_kernels_under_a_hard_cap_are_told_only_where_torch_sends_bf16_to_onednn(monkeypatch):
     # Issue 48: on an AMX Xeon under RLIMIT_AS the autocast relief's first step died of SIGSEGV inside
-    # oneDNN; the relief is skipped where that can happen (relief/ladder.py), tried everywhere else.
+    # oneDNN; the relief is skipped where that can happen (tuning/relief_ladder.py), tried everywhere else.
     # Issue 56: "where" is where torch sends bf16 to oneDNN, not native bf16: under
     # ONEDNN_MAX_CPU_ISA=AVX512_CORE the native-bf16 matmul's descriptor is still allocated (before its
     # ISA is checked) and the same crash came (tests/memory/test_kernel_room.py's sweep, run with it).
