@@ -63,16 +63,18 @@ from autotune.tuning.config import (
     resolve_micro_batch,
 )
 from autotune.tuning.host_face import Wiring
+from autotune.tuning.options import tuner_keywords
 
 
 def _counter(name: str) -> property:
     return property(lambda self: getattr(self.counters, name), doc=f"`Progress.{name}` of this trainer's run")
 
 
-@with_arguments(TRAINER)
+@with_arguments(TRAINER, trainer=True)
 class AutoTrainer:
     """Train `model` on `dataset`, adapting to memory limits instead of crashing. Its arguments
-    are documented in arguments.py (`TRAINER`, then those it shares with `Tuner`), appended here."""
+    are documented in tuning/arguments.py (`TRAINER`), then those it shares with `Tuner` in its options
+    record (tuning/options.py), appended here."""
 
     def __init__(self, model: nn.Module, dataset: Dataset | DataLoader, *,
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None,
@@ -94,6 +96,7 @@ class AutoTrainer:
                  memory_snapshot: bool | int = False, shard: bool = False, on_nonfinite: str = "skip",
                  max_nonfinite_steps: int | None = 50, data_stall_seconds: float | None = None,
                  stop_signals: Sequence[int | str] | None = None):
+        given = dict(locals())  # the keywords as passed, before any is resolved below (the Tuner's, forwarded)
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("pass exactly one of loss_fn(outputs, targets) or step_fn(model, micro_batch)")
         check_run_limits(checkpoint_every=checkpoint_every, checkpoint_interval=checkpoint_interval, seed=seed,
@@ -114,15 +117,10 @@ class AutoTrainer:
             check_sample_layout(dataset[0])
         # The step, OOM recovery, policies, monitor and run log: the same Tuner a custom loop uses.
         self.counters = Progress()
+        # Its options by name (tuning/options.py): an option of the Tuner's that AutoTrainer shows is forwarded
+        # by being a keyword of both.
         self.tuner = Tuner(model, optimizer, loss_fn=loss_fn, step_fn=step_fn, scheduler=scheduler,
-                           micro_batch_size=micro, batch_size=batch_size, keep_effective_batch=keep_effective_batch,
-                           device=device, policies=policies, memory_cap=memory_cap, precision=precision,
-                           clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                           scheduler_interval=scheduler_interval, split_fn=split_fn, run_dir=run_dir,
-                           monitor=monitor, monitor_interval=monitor_interval, tensorboard=tensorboard,
-                           inject_oom=inject_oom, seed=seed, compile=compile, progress=progress,
-                           memory_snapshot=memory_snapshot, shard=shard, on_nonfinite=on_nonfinite,
-                           max_nonfinite_steps=max_nonfinite_steps,
+                           **tuner_keywords(given, micro_batch_size=micro, batch_size=batch_size, device=device),
                            _wiring=Wiring(host=self, ranks=ranks, counters=self.counters))
         self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
         self.is_main = ranks.is_main

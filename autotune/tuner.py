@@ -70,12 +70,12 @@ from autotune.tuning.arguments import TUNER, with_arguments
 from autotune.tuning.batch import BatchOutcome, BatchRunner, add_gradients, set_aside_gradients
 from autotune.tuning.config import (
     OptimizerFactory,
-    check_tuner_arguments,
-    injection_rate,
+    check_what_is_trained,
     make_optimizer,
     make_scheduler,
     resolve_device,
     resolve_memory_cap,
+    tuner_options,
 )
 from autotune.tuning.host_face import Wiring
 from autotune.tuning.monitor_link import MonitorLink
@@ -94,7 +94,8 @@ def default_run_dir(ranks: Solo | Ranks) -> Path:
 @with_arguments(TUNER)
 class Tuner:
     """OOM-resilient steps on your model and optimizer, in your own loop. Its arguments are
-    documented in arguments.py (`TUNER`, then those it shares with `AutoTrainer`), appended here."""
+    documented in tuning/arguments.py (`TUNER`), then its options in their record (tuning/options.py),
+    appended here."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, *,
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None, scheduler: Any = None,
@@ -108,66 +109,61 @@ class Tuner:
                  reliefs: bool = True, progress: bool = False, memory_snapshot: bool | int = False,
                  shard: bool = False, on_nonfinite: str = "skip", max_nonfinite_steps: int | None = 50,
                  _wiring: Wiring = Wiring()):
-        check_tuner_arguments(model=model, loss_fn=loss_fn, step_fn=step_fn, micro_batch_size=micro_batch_size,
-                              batch_size=batch_size, memory_snapshot=memory_snapshot, precision=precision,
-                              clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                              scheduler_interval=scheduler_interval, compile=compile, on_nonfinite=on_nonfinite,
-                              max_nonfinite_steps=max_nonfinite_steps)
+        check_what_is_trained(model=model, loss_fn=loss_fn, step_fn=step_fn)
+        # The keywords but what is trained, as one record (config.py: checked; tuning/options.py: the fields).
+        self.options = options = tuner_options(locals())
         one_arena_under_an_address_space_cap()  # before any thread of ours allocates
         host, ranks, counters, owns_optimizer = _wiring.host, _wiring.ranks, _wiring.counters, _wiring.owns_optimizer
+        keep_effective_batch = options.step.keep_effective_batch
         self.ranks = ranks if ranks is not None else from_environment()
-        self.device = resolve_device(self.ranks.device_for(device, keep_effective_batch))
+        self.device = resolve_device(self.ranks.device_for(options.device, keep_effective_batch))
         if ranks is None:  # ranks given: the host joined the job
             self.ranks.join(self.device)
         self.model = model.to(self.device)
         if owns_optimizer:
-            self.ranks.wrap(self.model, self.device, shard=shard)
+            self.ranks.wrap(self.model, self.device, shard=options.shard)
         # Before any file is written, so that an error leaves nothing behind: a bad optimizer (and the first
         # optimizer of a process imports torch._dynamo: seconds), memory_snapshot where the allocator keeps no history.
         optimizer = make_optimizer(optimizer, self.model) if owns_optimizer else None
-        self.history = AllocationHistory.asked(memory_snapshot, self.device)
+        self.history = AllocationHistory.asked(options.memory_snapshot, self.device)
         self.keep_effective_batch, self.is_main = keep_effective_batch, self.ranks.is_main
-        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(self.ranks)
+        self.run_dir = Path(options.run_dir) if options.run_dir is not None else default_run_dir(self.ranks)
         self._lock = hold_run_dir(self.run_dir, self.ranks)  # one writer: another process's run here is refused
         self.run_id = self.ranks.broadcast_object(new_run_id())  # rank 0's; a resume takes the checkpoint's
-        self.log = RunLog(self.run_dir, writes=self.is_main, tensorboard=tensorboard, progress=progress)
+        self.log = RunLog(self.run_dir, writes=self.is_main, tensorboard=options.tensorboard, progress=options.progress)
         self.journal = self.log.journal  # rank 0 writes
         self.counters = counters if counters is not None else Progress()
         self.counters.on_ranks(self.ranks.world, epoch_too=True)
         self.stepper = OptimizerStep(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
-                                     device=self.device, ranks=self.ranks, counters=self.counters,
-                                     clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
-                                     scheduler_interval=scheduler_interval, on_nonfinite=on_nonfinite,
-                                     max_nonfinite_steps=max_nonfinite_steps)
-        self.core = StepCore(self.model, self.stepper, loss_fn=loss_fn, step_fn=step_fn, split_fn=split_fn,
-                             device=self.device, backward_fn=_wiring.backward_fn, ranks=self.ranks,
-                             keep_effective_batch=keep_effective_batch, inject_oom=injection_rate(inject_oom),
-                             seed=seed, precision=precision, compile=compile)
+                                     device=self.device, ranks=self.ranks, counters=self.counters, options=options.step)
+        self.core = StepCore(self.model, self.stepper, loss_fn=loss_fn, step_fn=step_fn, device=self.device,
+                             ranks=self.ranks, options=options.step, backward_fn=_wiring.backward_fn)
         # Sizes are known once batches are: the first one sets them unless given here.
-        self.knobs = Knobs.given(batch_size, micro_batch_size, self.device, resolve_memory_cap(memory_cap, self.device))
+        self.knobs = Knobs.given(options.batch_size, options.micro_batch_size, self.device,
+                                 resolve_memory_cap(options.memory_cap, self.device))
         run = Run(self.model, self.device, self.ranks, self.knobs, self.counters, self.journal, self.run_dir,
                   keep_effective_batch, Lent(self))  # what the rooms below share
-        self.dispatcher = Dispatcher(resolve_policies(policies), self.knobs, self.journal)
+        self.dispatcher = Dispatcher(resolve_policies(options.policies), self.knobs, self.journal)
         self.ladder = ReliefLadder(run, self.core, self.stepper)
-        self.monitor_link = MonitorLink(self.run_dir, self.device, enabled=monitor and self.is_main,
-                                        interval=monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
+        self.monitor_link = MonitorLink(self.run_dir, self.device, enabled=options.monitor and self.is_main,
+                                        interval=options.monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
                                         journal=self.journal)
         self.demand = StepDemand(self.device, self.knobs.memory_cap_bytes)
         self.cadence = MeasureCadence()
         self.recovery = OOMRecovery(run, self.stepper, self.demand, self.history, dispatcher=self.dispatcher,
-                                    cadence=self.cadence, reliefs_allowed=reliefs)
+                                    cadence=self.cadence, reliefs_allowed=options.reliefs)
         self.batches = BatchRunner(run, self.core, self.stepper, self.cadence, self.demand, self.recovery)
         self.evaluator = Evaluator(self.core, batch_size=None, collate_fn=None, metrics=None, journal=self.journal)
         self._host = weakref.ref(host) if host is not None else None
         self.reactions = Reactions(run, self.dispatcher, self.ladder, self.monitor_link, self.demand, self.cadence,
                                    self.batches, log=self.log, stepper=self.stepper, host=self._host,
-                                   reliefs_allowed=reliefs)
+                                   reliefs_allowed=options.reliefs)
         # A host writes its own checkpoints; alone, the Tuner writes state_dict() into run_dir/checkpoints.
         self._checkpointer = None if host is not None else Checkpointer(
             self.run_dir / "checkpoints", keep=3, every=None, interval=None, ranks=self.ranks, journal=self.journal)
         # The demand's and the history's, not ours: no reference cycle
         self.core.on_failure = functools.partial(read_at_failure, self.demand, self.history, self.model, self.device)
-        self._memory_fraction_set = memory_cap is not None and self.device.type == "cuda"
+        self._memory_fraction_set = options.memory_cap is not None and self.device.type == "cuda"
         self._started = self._closed = False  # started: between begin() and end() (fit_start ... fit_end)
         self._loaded = False  # a state loaded (load_state_dict): not a fresh run
         self._last_step_end: float | None = None  # a step's end: the next one's time runs from it

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autotune.common.batching import SplitFn, map_tensors, micro_batches
+from autotune.common.batching import map_tensors, micro_batches
 from autotune.common.oom import is_oom, maybe_not_memory, oom_message
 from autotune.memory import kernel_room
 from autotune.ranks.distributed import Ranks, Solo
@@ -45,6 +45,7 @@ from autotune.ranks.sharded import PeerFailed
 from autotune.step.losses import Losses, loss_and_items, read_step
 from autotune.step.norm_stats import BatchNormStats
 from autotune.step.optimizer_step import OptimizerStep
+from autotune.step.options import StepOptions
 from autotune.step.precision import AutocastPlan, autocast_plan, precision_plan
 from autotune.step.rewind import Rewind
 
@@ -98,24 +99,25 @@ class StepCore:
     """Forward/backward over micro-batches (see the module docstring)."""
 
     def __init__(self, model: nn.Module, stepper: OptimizerStep, *, loss_fn: LossFn | None, step_fn: StepFn | None,
-                 split_fn: SplitFn | None, device: torch.device, ranks: Solo | Ranks, keep_effective_batch: bool,
-                 inject_oom: float, seed: int, precision: str = "fp32", compile: bool | dict[str, Any] = False,
+                 device: torch.device, ranks: Solo | Ranks, options: StepOptions = StepOptions(),
                  backward_fn: Callable[[torch.Tensor], Any] | None = None):
-        self.model, self.stepper = model, stepper
-        self.loss_fn, self.step_fn, self.split_fn = loss_fn, step_fn, split_fn
+        self.model, self.stepper, self.options = model, stepper, options
+        self.loss_fn, self.step_fn, self.split_fn = loss_fn, step_fn, options.split_fn
         # What errors about the loss name.
         self.source = "loss_fn" if loss_fn is not None else "step_fn"
         self.device, self.ranks = device, ranks
-        self.keep_effective_batch = keep_effective_batch
-        self.inject_oom = inject_oom
-        self._injector = random.Random(seed + 0x5EED + ranks.rank)  # own stream per rank
-        self.precision = precision
-        self.autocast: AutocastPlan | None = precision_plan(precision, device)
+        # The options the attempt reads, on the core itself: one attribute lookup on the steady path, not two.
+        self.keep_effective_batch = options.keep_effective_batch
+        self.inject_oom = options.inject_oom or 0.0  # the rate (the Tuner's record resolves the environment's)
+        self._injector = random.Random(options.seed + 0x5EED + ranks.rank)  # own stream per rank
+        self.precision = options.precision
+        self.autocast: AutocastPlan | None = precision_plan(options.precision, device)
         # fp16's gradient scaler: the loss is scaled here, the gradients unscaled by the step.
         stepper.scaler = (torch.amp.GradScaler(device.type)
                           if self.autocast is not None and self.autocast.needs_scaler else None)
         # torch.compile: ours (compile=True) over what forward calls, or the user's own compiled
         # model; either way the batch dimension is marked dynamic (micro-batch changes).
+        compile = options.compile
         self.compile_options = (compile if isinstance(compile, dict) else {}) if compile is not False else None
         self.compiled: nn.Module | None = (torch.compile(ranks.module(model), **self.compile_options)
                                            if self.compile_options is not None else None)

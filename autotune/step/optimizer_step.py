@@ -33,6 +33,7 @@ from autotune.common.oom import NonFiniteStep, is_oom, oom_message
 from autotune.common.progress import Progress
 from autotune.ranks.distributed import Ranks, Solo
 from autotune.step import finite
+from autotune.step.options import StepOptions
 
 BUFFERS_PUT_BACK = "; the model's buffers put back as before the batch"
 BUFFERS_KEPT = "; the model's buffers keep what its forward wrote (the check was read a step late)"
@@ -42,22 +43,21 @@ class OptimizerStep:
     """Steps the optimizer on accumulated gradients (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, *,
-                 device: torch.device, ranks: Solo | Ranks, counters: Progress,
-                 clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
-                 scheduler_interval: str = "step", on_nonfinite: str = "skip", max_nonfinite_steps: int | None = None):
+                 device: torch.device, ranks: Solo | Ranks, counters: Progress, options: StepOptions = StepOptions()):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.device, self.ranks, self.counters = device, ranks, counters
+        self.device, self.ranks, self.counters, self.options = device, ranks, counters, options
         # fp16's, set by step.py where the precision needs one (its backward scales the loss); None without
         self.scaler: torch.amp.GradScaler | None = None
-        self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
-        self.scheduler_interval, self.on_nonfinite = scheduler_interval, on_nonfinite
+        # The options a step reads, on the stepper itself: one attribute lookup on the steady path, not two.
+        self.clip_grad_norm, self.clip_grad_value = options.clip_grad_norm, options.clip_grad_value
+        self.scheduler_interval, self.on_nonfinite = options.scheduler_interval, options.on_nonfinite
         # Optimizer steps not taken since the caller last looked: (step, why, by whom, what of the
         # model's buffers: "" where it has none that moved, else one of BUFFERS_PUT_BACK, BUFFERS_KEPT).
         self.skipped: list[tuple[int, str, str, str]] = []
         # Puts back the buffers the skipped batch's forward wrote, whether there were any (step.py hands
         # rewind.py's `restore_buffers`); None: nothing to put back.
         self.on_skip: Callable[[], bool] | None = None
-        self.max_nonfinite_steps = max_nonfinite_steps or None  # 0 or None: no limit
+        self.max_nonfinite_steps = options.max_nonfinite_steps or None  # 0 or None: no limit
         self.nonfinite_in_a_row = 0  # steps skipped on non-finite gradients since the last one taken
         self.steps_tried = 0  # calls of `step`: the steps a batch tried, taken or not (`streak_reached`)
         self.failure: str | None = None  # the optimizer step ran out of memory: training cannot go on

@@ -1,69 +1,22 @@
-"""The arguments of `AutoTrainer` and `Tuner`, documented here and appended to the classes'
-docstrings (as Hugging Face shares its docstrings with `add_start_docstrings`): each class's own
-(`TRAINER`, `TUNER`), then those they share (`SHARED`), written once so the two references
-cannot drift apart. The classes' files keep their code; `help(AutoTrainer)` shows it all.
+"""The arguments of `AutoTrainer` and `Tuner`, shown in the classes' docstrings (as Hugging Face
+shares its docstrings with `add_start_docstrings`): each class's own, documented here (`TRAINER`,
+`TUNER`: what it trains and, for AutoTrainer, its data, evaluation, checkpoints and stops), then the
+Tuner's options it takes, each documented once at its field of the options records
+(tuning/options.py, step/options.py), so that the two references cannot drift apart. The classes'
+files keep their code; `help(AutoTrainer)` shows it all, and the API reference renders the same
+text (docs/hooks/runtime_docstrings.py).
 
-Owns the text. Touches the two classes' `__doc__` only.
+Owns the text of the arguments that are not options. Touches the two classes' `__doc__` only.
 """
 
 from __future__ import annotations
 
+import inspect
+import textwrap
 from typing import Callable, TypeVar
 
-SHARED = """        device: "cpu", "cuda", "cuda:1" or a `torch.device`; default CUDA when available.
-        policies: a preset name ("default", "conservative"), a path to a TOML preset, or a
-            list of policy objects; None or [] for none (an OOM is then an error at once).
-        keep_effective_batch: on OOM, accumulate smaller micro-batches into the same optimizer
-            step (True) or make each smaller chunk its own optimizer step (False).
-        split_fn: `split_fn(batch, size) -> list of micro-batches` for batch types the
-            built-in splitter does not know.
-        run_dir: where the journal (events.jsonl) goes; default `runs/<timestamp>`.
-        monitor: sample memory in a background process (run_dir/samples.jsonl) and turn
-            it into MEMORY_HIGH / MEMORY_PRESSURE events; False turns it off.
-        monitor_interval: seconds between memory samples (0.05 to 10).
-        scheduler_interval: step the scheduler after each optimizer step ("step") or at each
-            epoch end ("epoch"; with a Tuner, `tuner.step_scheduler()` is yours to call).
-        precision: "fp32", or "bf16" / "fp16" (autocast; fp16 with a gradient scaler, saved in
-            checkpoints). With either, the autocast relief changes nothing.
-        clip_grad_norm: clip the whole batch's gradient norm to this once per optimizer step
-            (after every micro-batch, the ranks' average and unscaling); the norm before
-            clipping goes to steps.jsonl and TensorBoard.
-        clip_grad_value: clip each gradient element to +-this, once per optimizer step, as
-            `clip_grad_norm` is.
-        compile: `torch.compile` the model (the batch dimension marked dynamic, so micro-batch
-            changes do not recompile each time); a dict is passed to torch.compile as options
-            (`{"backend": "aot_eager"}`). A model the user compiled is trained as it is.
-        memory_cap: keep memory under this: a fraction of the device (0 < f <= 1), bytes (an
-            int), or a size such as "12GiB". On CUDA it is enforced with
-            `torch.cuda.set_per_process_memory_fraction`; on CPU it is a soft cap on the
-            resident memory of the process and its workers that the policies keep under (the
-            effective cap is the tightest of it, the cgroup limit and RLIMIT_AS). It is the
-            denominator of memory pressure.
-        inject_oom: probability per micro-batch of a fake `torch.OutOfMemoryError`, raised
-            through the same path as a real one, to test a setup (default: the
-            AUTOTUNE_INJECT_OOM environment variable, else off).
-        tensorboard: write loss, throughput, memory, micro-batch and every action to
-            TensorBoard in `run_dir/tb` (True) or in the folder given; needs the optional
-            `tensorboard` package.
-        memory_snapshot: CUDA only: keep the allocator's last 100,000 allocations (an int: that
-            many) with their Python stacks, and write `run_dir/oom-<step>.pickle` at each OOM,
-            for https://pytorch.org/memory_viz; the journal and `autotune report` name the
-            largest allocation sites (see memory/history.py).
-        shard: under torchrun, shard the model with FSDP2 (`fully_shard` on each repeated block,
-            then the root) instead of replicating it with DDP. A model you sharded yourself is
-            trained as it is. Either way an OOM on any rank, in forward or backward, is retried
-            by every rank at the same smaller micro-batch (see sharded.py). Alone, ignored.
-        on_nonfinite: a batch with NaN or inf gradients is never trained on: "skip" its optimizer
-            step (the default; journaled, said once on stderr, its samples not counted as trained)
-            or "stop" with `autotune.NonFiniteStep` (AutoTrainer: after a checkpoint of the last
-            finite step). A model whose weights are not finite is never checkpointed.
-        max_nonfinite_steps: this many optimizer steps in a row skipped on NaN or inf gradients
-            (default 50, well above what a run that trains meets: fp16's loss scale, halved at each
-            skip, found its level after 17 in a row from 65536 to 0.5 on targets in the
-            thousands) stop the run with `autotune.TooManyNonFiniteSteps`, after a checkpoint of
-            the last finite step; None or 0: never. `FitResult.nonfinite_steps` and the journal's
-            `fit_end` count the steps skipped.
-"""
+from autotune.common.options import keywords
+from autotune.tuning.options import TunerOptions
 
 TRAINER = """        model: the `nn.Module` to train; moved to `device`.
         dataset: a map-style `Dataset` (batched here, with `batch_size`), or a `DataLoader`
@@ -75,15 +28,10 @@ TRAINER = """        model: the `nn.Module` to train; moved to `device`.
             micro-batch size.
         optimizer: an optimizer over the model's parameters, or a factory `params -> Optimizer`;
             default AdamW(lr=1e-3).
-        batch_size: samples per optimizer step.
-        micro_batch_size: samples per forward/backward at the start; default `batch_size`.
-            "auto" starts at `batch_size` and lets the policies find the largest that fits.
         shuffle: shuffle each epoch; its order is a function of (seed, epoch).
-        seed: the seed of the epochs' orders (and of the injected OOMs).
         num_workers: worker processes of the DataLoader built for a map-style dataset (the
             `tune_workers` policy may raise them when the loop waits on its data).
         collate_fn: passed to that DataLoader (and the evaluation's).
-        progress: show a tqdm bar with loss, micro-batch and memory.
         scheduler: an LR scheduler over `optimizer` (or a factory optimizer -> scheduler),
             saved in checkpoints; stepped per `scheduler_interval` ("step": each optimizer
             step, "epoch": each epoch end).
@@ -123,21 +71,22 @@ TUNER = """        model: the `nn.Module` to train; moved to `device` (wrapped i
         step_fn: or the default for `step`: `step_fn(model, micro_batch) -> loss | (loss, n_items)`.
         scheduler: an LR scheduler over the optimizer (or a factory), stepped after each
             optimizer step (`scheduler_interval="step"`) or by you (`tuner.step_scheduler()`).
-        micro_batch_size: samples per forward/backward at the start (default: the whole batch).
-        batch_size: the largest batch you will pass (default: the largest seen so far); the
-            micro-batch never grows past it.
-        seed: the injected OOMs' random stream (`inject_oom`).
-        reliefs: let policies change the model (autocast, activation checkpointing, pruning)
-            at the smallest micro-batch; False where another framework owns the optimizer.
-        progress: a tqdm bar (AutoTrainer's).
 """
 
 T = TypeVar("T")
+WIDTH = 100  # of a rendered line, indentation included
 
 
-def with_arguments(own: str) -> Callable[[T], T]:
-    """A class decorator: an Args section of `own` then `SHARED` appended to the class's docstring."""
+def with_arguments(own: str, *, trainer: bool = False) -> Callable[[T], T]:
+    """A class decorator: an Args section of `own`, then of every Tuner option the class takes (its
+    signature's keywords among the records' fields; `trainer`: AutoTrainer's wording where it has
+    one), appended to the class's docstring."""
     def document(cls: T) -> T:
-        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + own + SHARED
+        takes = inspect.signature(cls).parameters
+        options = "".join(textwrap.fill(option.trainer if trainer and option.trainer else option.doc, WIDTH,
+                                        initial_indent=f"        {option.name}: ", subsequent_indent=" " * 12,
+                                        break_long_words=False, break_on_hyphens=False) + "\n"
+                          for option in keywords(TunerOptions) if option.name in takes)
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + own + options
         return cls
     return document

@@ -3,12 +3,14 @@
 Every function here either returns a resolved value or raises an error that names the
 argument and the value. Nothing here trains, and nothing here keeps state; the one side
 effect is the CUDA allocator fraction that `resolve_memory_cap` sets (the cap must bind).
+`tuner_options` builds the Tuner's options record (tuning/options.py) from its keywords, checked.
 
 Owns: the rules for arguments. Touches: the CUDA allocator fraction (above), nothing else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable
@@ -17,11 +19,14 @@ import psutil
 import torch
 from torch import nn
 
+from autotune.common.options import build
 from autotune.common.units import format_bytes, parse_bytes
 from autotune.common.validate import check_int, check_positive, check_range, is_number
 from autotune.memory.figures import with_cuda_index
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL
 from autotune.step.core import PRECISIONS
+from autotune.step.options import StepOptions
+from autotune.tuning.options import TunerOptions
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -170,36 +175,48 @@ def check_run_limits(*, checkpoint_every: Any, checkpoint_interval: Any, keep_ch
 NONFINITE = ("skip", "stop")
 
 
-def check_step_options(*, precision: Any, clip_grad_norm: Any, clip_grad_value: Any, scheduler_interval: Any,
-                       compile: Any, on_nonfinite: Any = "skip", max_nonfinite_steps: Any = None) -> None:
+def tuner_options(given: Mapping[str, Any]) -> TunerOptions:
+    """The Tuner's options record from its keywords (`locals()` at its first line), checked, with
+    `inject_oom` resolved to the rate (the AUTOTUNE_INJECT_OOM environment variable read here, once)."""
+    options = build(TunerOptions, given)
+    check_tuner_options(options)
+    return dataclasses.replace(options, step=dataclasses.replace(options.step,
+                                                                  inject_oom=injection_rate(options.step.inject_oom)))
+
+
+def check_step_options(options: StepOptions) -> None:
     """Precision, clipping, the scheduler's interval, torch.compile's options, non-finite steps."""
-    if on_nonfinite not in NONFINITE:
-        raise ValueError(f"on_nonfinite={on_nonfinite!r}: pass one of {', '.join(map(repr, NONFINITE))}")
-    check_int("", "max_nonfinite_steps", max_nonfinite_steps, 0, optional=True)
-    if not isinstance(compile, (bool, dict)):
-        raise TypeError(f"compile={compile!r}: pass True/False or a dict of torch.compile options")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: pass one of {', '.join(map(repr, PRECISIONS))}")
-    check_positive("", "clip_grad_norm", clip_grad_norm, optional=True)
-    check_positive("", "clip_grad_value", clip_grad_value, optional=True)
-    if scheduler_interval not in ("step", "epoch"):
-        raise ValueError(f"scheduler_interval={scheduler_interval!r}: pass 'step' or 'epoch'")
+    if options.on_nonfinite not in NONFINITE:
+        raise ValueError(f"on_nonfinite={options.on_nonfinite!r}: pass one of {', '.join(map(repr, NONFINITE))}")
+    check_int("", "max_nonfinite_steps", options.max_nonfinite_steps, 0, optional=True)
+    if not isinstance(options.compile, (bool, dict)):
+        raise TypeError(f"compile={options.compile!r}: pass True/False or a dict of torch.compile options")
+    if options.precision not in PRECISIONS:
+        raise ValueError(f"precision={options.precision!r}: pass one of {', '.join(map(repr, PRECISIONS))}")
+    check_positive("", "clip_grad_norm", options.clip_grad_norm, optional=True)
+    check_positive("", "clip_grad_value", options.clip_grad_value, optional=True)
+    if options.scheduler_interval not in ("step", "epoch"):
+        raise ValueError(f"scheduler_interval={options.scheduler_interval!r}: pass 'step' or 'epoch'")
 
 
-def check_tuner_arguments(*, model: Any, loss_fn: Any, step_fn: Any, micro_batch_size: Any, batch_size: Any,
-                          memory_snapshot: Any, **step_options: Any) -> None:
-    """The arguments a Tuner (and so AutoTrainer, which builds one) takes: checked once, here."""
+def check_tuner_options(options: TunerOptions) -> None:
+    """The options a Tuner (and so AutoTrainer, which builds one) takes: checked once, here."""
+    micro_batch_size, batch_size = options.micro_batch_size, options.batch_size
+    check_int("", "micro_batch_size", micro_batch_size, 1, optional=True)
+    check_int("", "batch_size", batch_size, 1, optional=True)
+    if not isinstance(options.memory_snapshot, bool):
+        check_int("", "memory_snapshot", options.memory_snapshot, 1)
+    if micro_batch_size is not None and batch_size is not None and micro_batch_size > batch_size:
+        raise ValueError(f"micro_batch_size ({micro_batch_size}) cannot exceed batch_size ({batch_size})")
+    check_step_options(options.step)
+
+
+def check_what_is_trained(*, model: Any, loss_fn: Any, step_fn: Any) -> None:
+    """The model and the functions a Tuner computes its loss with."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if loss_fn is not None and step_fn is not None:
         raise ValueError("pass one of loss_fn(outputs, targets) or step_fn(model, micro_batch), not both")
-    check_int("", "micro_batch_size", micro_batch_size, 1, optional=True)
-    check_int("", "batch_size", batch_size, 1, optional=True)
-    if not isinstance(memory_snapshot, bool):
-        check_int("", "memory_snapshot", memory_snapshot, 1)
-    if micro_batch_size is not None and batch_size is not None and micro_batch_size > batch_size:
-        raise ValueError(f"micro_batch_size ({micro_batch_size}) cannot exceed batch_size ({batch_size})")
-    check_step_options(**step_options)
 
 
 def check_evaluation(*, eval_dataset: Any, eval_every: Any, eval_batch_size: Any, metrics: Any,

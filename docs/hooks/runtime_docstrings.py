@@ -1,7 +1,8 @@
 """A Griffe extension for the API reference: classes whose docstring is completed at import time.
 
-`AutoTrainer` and `Tuner` document their arguments once, in autotune/tuning/arguments.py, and the
-`with_arguments` decorator appends them to the class docstring when the module is imported.
+`AutoTrainer` and `Tuner` document their arguments once, in autotune/tuning/arguments.py and (the
+Tuner's options) at the fields of the options records, and the `with_arguments` decorator appends
+them to the class docstring when the module is imported.
 Griffe reads the source, not the imported class, so without this the reference would show only
 the docstring's first lines and none of the arguments. Here those classes' docstrings are taken
 from the imported classes (tests/test_docs.py checks every parameter reaches the built site).
