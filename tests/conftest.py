@@ -24,12 +24,16 @@ os.environ["AUTOTUNE_STRICT_JOURNAL"] = "1"
 
 @pytest.fixture(autouse=True)
 def _warnings_on_stderr():
-    """Each test starts with the library's warnings on stderr: an in-process `autotune` command (cli.main)
-    routes them through its loguru sink for the rest of the process, which a later test's capsys misses."""
+    """Each test starts as a library user's process does: warnings on stderr once, loguru off. An in-process
+    `autotune` command (cli.main) routes the warnings through its loguru sink and enables it for the rest of
+    the process: a later test's capsys would miss them, or see them twice."""
+    from loguru import logger
+
     from autotune.common import notices
 
     yield
     notices._through_loguru = False
+    logger.disable("autotune")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -47,7 +47,9 @@ def test_a_normal_run(tmp_path, capsys):
     # How many of the 8 stretches hold two steps is the machine's timing (a loaded one leaves gaps):
     # the windowing itself is checked on scripted steps below.
     assert windows and all(w["samples_per_second"] > 0 for w in windows)
-    assert windows[-1]["to_seconds"] == pytest.approx(summary["wall_seconds"], abs=0.5)
+    # The windows reach the run's end (what follows the last step, the end checkpoint and the close, takes
+    # longer on a loaded machine: 0.5 s of 3.3 was seen with the suite run beside four others).
+    assert windows[-1]["to_seconds"] == pytest.approx(summary["wall_seconds"], abs=max(0.5, 0.25 * summary["wall_seconds"]))
     assert main(["report", str(tmp_path / "run")]) == 0
     text = capsys.readouterr().out
     # The windows start where the steps log has two lines in one (0.0 s, or later on a loaded machine).
