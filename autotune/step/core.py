@@ -99,8 +99,8 @@ class Attempt:
     started: float = 0.0  # perf_counter when the work an OOM throws away began
     peer_failed: bool = False  # another rank ran out of memory in this attempt (sharded.py)
     core: StepCore | None = None  # whose streams, buffers and BatchNorm statistics it changed
-    n: int = 0  # the batch's samples
-    size: int = 0  # the micro-batch size it ran at
+    n: int = 0  # the batch's samples and the micro-batch size it ran at, where it ran through
+    size: int = 0  # BatchNorm in micro-batches (set only then: the steady path makes none)
 
     def discard(self) -> None:
         """The attempt failed: its accumulated losses, outputs and items count for nothing."""
@@ -177,8 +177,7 @@ class StepCore:
         that normalises its own loss); each is backpropagated as it is, and nothing steps."""
         stepping = not (self.keep_effective_batch or additive)
         size = min(micro_batch_size, n) if stepping else micro_batch_size
-        result = Attempt(None, done, Losses([], additive, []), started=time.perf_counter(), core=self, n=n,
-                         size=size)
+        result = Attempt(None, done, Losses([], additive, []), started=time.perf_counter(), core=self)
         if self.stepper.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
         self.rewind.keep()  # what a failed attempt must not leave behind (rewind.py)
@@ -191,6 +190,7 @@ class StepCore:
         split = size < n and self.keep_effective_batch and not additive
         if split or self.norms.active:  # most attempts: one piece, nothing to set up
             self.norms.begin(split)
+            result.n, result.size = n, size  # what its commit says (`_settle_norms`)
         try:
             for micro, m in pieces:
                 seen += m

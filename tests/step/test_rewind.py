@@ -160,7 +160,7 @@ def test_an_attempt_rolled_back_leaves_no_trace_and_one_committed_settles_batchn
     model = _cnn()
     x, y = _batches()[0]
     with Tuner(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn=nn.functional.cross_entropy,
-               device="cpu", run_dir=tmp_path / "run", monitor=False, policies=None) as tuner:
+               device="cpu", run_dir=tmp_path / "run", monitor=False, policies=None, micro_batch_size=32) as tuner:
         tuner.step((x, y))  # a whole attempt first: rewind.py has learned what moves
         before = {name: b.clone() for name, b in model.named_buffers()}
         stream = torch.get_rng_state()
