@@ -22,8 +22,15 @@ scaler), torch.compile, fault injection, and entering the kernel room around for
 (kernel_room.py: under RLIMIT_AS, room for oneDNN's low-precision kernels checked before each op).
 Its rooms: losses.py (the loss records it fills) and optimizer_step.py (the step after the attempt).
 May touch: the model's gradients. Does not decide anything: the micro-batch size comes in, what
-failed goes out; OOM recovery is recovery.py's. What an attempt changes besides gradients (random
-streams, running statistics) is kept before it by rewind.py, for batch.py to put back when it fails.
+failed goes out; OOM recovery is recovery.py's.
+
+The attempt's side state: what an attempt changes besides gradients (random streams, buffers,
+BatchNorm's running statistics under micro-batches) is kept before it (rewind.py, norm_stats.py),
+and its losses and outputs are held in the `Attempt`. Once every rank agreed, the batch loop calls
+one of the attempt's two: `commit` (it fit: BatchNorm's statistics settled to the whole batch's,
+said once a run in the journal) or `roll_back` (it failed here or on another rank: streams and
+buffers put back, BatchNorm's sums and, unless its chunks were stepped, its losses and outputs
+dropped). Nothing outside this module drives rewind.py or norm_stats.py.
 """
 
 from __future__ import annotations
@@ -32,14 +39,18 @@ import dataclasses
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from autotune.common.batching import map_tensors, micro_batches
+from autotune.common.notices import warn
 from autotune.common.oom import is_oom, maybe_not_memory, oom_message
 from autotune.memory import kernel_room
+from autotune.observe.journal import Journal
+from autotune.observe.records import Kind
 from autotune.ranks.distributed import Ranks, Solo
 from autotune.ranks.sharded import PeerFailed
 from autotune.step.losses import Losses, loss_and_items, read_step
@@ -73,7 +84,8 @@ def _flat_and_there(obj: Any, device: torch.device) -> bool:
 
 @dataclasses.dataclass(slots=True)  # slots: made every batch, and read on the steady path
 class Attempt:
-    """What one attempt at a batch did."""
+    """What one attempt at a batch did, and what it changed besides the gradients: once every rank
+    agreed whether it fit, the batch loop calls `commit` or `roll_back` (the module docstring)."""
 
     failed_micro_batch: int | None  # the micro-batch size that ran out of memory, or None
     done: int  # samples of the batch in completed optimizer steps (keep_effective_batch=False)
@@ -87,12 +99,33 @@ class Attempt:
     not_supported: BaseException | None = None
     started: float = 0.0  # perf_counter when the work an OOM throws away began
     peer_failed: bool = False  # another rank ran out of memory in this attempt (sharded.py)
+    core: StepCore | None = None  # whose streams, buffers and BatchNorm statistics it changed
+    n: int = 0  # the batch's samples and the micro-batch size it ran at, where it ran through
+    size: int = 0  # BatchNorm in micro-batches (set only then: the steady path makes none)
 
     def discard(self) -> None:
         """The attempt failed: its accumulated losses, outputs and items count for nothing."""
         self.losses.parts.clear()
         self.losses.outputs.clear()
         self.items, self.ref = None, None
+
+    def commit(self) -> None:
+        """Every rank agreed the attempt fit: a batch it ran in micro-batches through BatchNorm in
+        training leaves the running statistics the whole batch's (norm_stats.py), said once a run."""
+        core = self.core
+        if core.norms.active:  # most attempts: in one piece, nothing to settle
+            core._settle_norms(self)
+
+    def roll_back(self) -> None:
+        """Every rank agreed the attempt failed (here or on another rank): what it drew from the
+        random streams and wrote into buffers is put back for the retry, its BatchNorm sums go, and
+        so do its losses and outputs (kept, they would count twice), but with keep_effective_batch=False
+        its stepped chunks stay, and so do their buffers (rewind.py kept them at each chunk's end)."""
+        core = self.core
+        core.rewind.restore()
+        core.norms.drop()
+        if core.keep_effective_batch or self.losses.additive:  # nothing of it was stepped
+            self.discard()
 
 
 class StepCore:
@@ -136,6 +169,7 @@ class StepCore:
         self.rewind = Rewind(model, device)  # the random streams and buffers an attempt changes, kept before it
         stepper.on_skip = self.rewind.restore_buffers  # a step skipped on NaN leaves the buffers as before its batch
         self.norms = BatchNormStats(model)  # BatchNorm's running statistics over a batch in micro-batches
+        self._notice_to: tuple[Journal, Path] | None = None  # where `_settle_norms` says its change, until it has
 
     # ------------------------------------------------------------------------- the attempt
     def attempt(self, batch: Any, n: int, done: int, micro_batch_size: int, additive: bool = False) -> Attempt:
@@ -145,7 +179,7 @@ class StepCore:
         that normalises its own loss); each is backpropagated as it is, and nothing steps."""
         stepping = not (self.keep_effective_batch or additive)
         size = min(micro_batch_size, n) if stepping else micro_batch_size
-        result = Attempt(None, done, Losses([], additive, []), started=time.perf_counter())
+        result = Attempt(None, done, Losses([], additive, []), started=time.perf_counter(), core=self)
         if self.stepper.failure is not None:
             return result  # this rank cannot go on: it only joins the agreement that says so
         self.rewind.keep()  # what a failed attempt must not leave behind (rewind.py)
@@ -158,6 +192,7 @@ class StepCore:
         split = size < n and self.keep_effective_batch and not additive
         if split or self.norms.active:  # most attempts: one piece, nothing to set up
             self.norms.begin(split)
+            result.n, result.size = n, size  # what its commit says (`_settle_norms`)
         try:
             for micro, m in pieces:
                 seen += m
@@ -215,6 +250,27 @@ class StepCore:
             self._backward(loss * (items / result.ref))
             result.items = items if result.items is None else result.items + items
         result.losses.parts.append((loss.detach(), m if items is None else items))
+
+    def _settle_norms(self, attempt: Attempt) -> None:
+        """`attempt` ran in micro-batches through BatchNorm in training and fit (`Attempt.commit`): the
+        running statistics are the whole batch's now. Each micro-batch was normalised over itself: a
+        numerics change, said once a run on stderr and in the journal (`journal_to`)."""
+        modules = len(self.norms.active)
+        self.norms.settle()
+        if self._notice_to is None:
+            return  # said already, or no run to say it in
+        journal, run_dir = self._notice_to
+        self._notice_to = None
+        change = (f"BatchNorm ({modules} modules) normalises each micro-batch of {attempt.size} over "
+                  f"its own samples, not the batch of {attempt.n}; its running statistics are the whole batch's")
+        counters = self.stepper.counters
+        journal.write(Kind.NUMERICS, counters.step, counters.epoch, change=change, micro_batch_size=attempt.size,
+                      batch_size=attempt.n, modules=modules)
+        warn(f"{change} (docs: getting-started, what stays exact)", key=f"batchnorm micro {run_dir}")
+
+    def journal_to(self, journal: Journal, run_dir: Path) -> None:
+        """The run whose journal an attempt's numerics notice goes to (once a run), and on stderr once per `run_dir`."""
+        self._notice_to = (journal, run_dir)
 
     def _note_failure(self, exc: Exception, result: Attempt, size: int) -> None:
         # An attempt's exception: an OOM is noted in `result` (never the exception itself, whose

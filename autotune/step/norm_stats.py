@@ -29,7 +29,9 @@ and unbiased variance, its momentum None means no update, and it counts no batch
 where an attempt may fail on one rank (its name in the error).
 
 Owns: the sums and the momenta it set aside. Touches: the BatchNorm modules' momentum (during an
-attempt) and running buffers (in `settle`), hooks on them while an attempt runs.
+attempt) and running buffers (in `settle`), hooks on them while an attempt runs. Used by
+step/core.py only: `begin` and `pause` around an attempt, `settle` from its `Attempt.commit` (which
+says the numerics change) and `drop` from its `Attempt.roll_back`.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ too. The buffers are what must go back: a NaN sample leaves NaN running statisti
 later checkpoint refused, evaluation broken) though the weights never saw it.
 
 Owns: the copies and the kept streams. Touches: the model's buffers and the random streams, only
-in `restore` (the buffers in `restore_buffers`). Used by step/core.py (keep; it hands `restore_buffers`
-to the optimizer step, which calls it on a skip) and batch.py (restore, once every rank agreed an
-attempt failed).
+in `restore` (the buffers in `restore_buffers`). Used by step/core.py only: `keep` before an
+attempt, `restore` from its `Attempt.roll_back` (once every rank agreed it failed); it hands
+`restore_buffers` to the optimizer step, which calls it on a skip.
 """
 
 from __future__ import annotations

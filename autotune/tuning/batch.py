@@ -5,8 +5,9 @@ agreement after each, OOM recovery between them, and the gradients a caller held
       measured: the step's peak from here
       attempt (step/core.py): forward and backward, micro-batch by micro-batch
       agree (distributed.py), failed or not
-      nobody failed: reduce, add the held, step; done
-      failure: recovery.py (clean up, record, decide), then the same batch again, smaller
+      nobody failed: the attempt committed; reduce, add the held, step; done
+      failure: the attempt rolled back; recovery.py (clean up, record, decide),
+               then the same batch again, smaller
 
 There is one path. Alone, the agreement is this process's own proposal. Under torchrun with a
 replicated model, an attempt whose proposal is quiet on every rank (no OOM, signal, due
@@ -15,9 +16,10 @@ all-reduce carries each rank's "I have news" and, where nobody has, it was the a
 (distributed.Ranks.agree, given the attempt). Where anybody has, the full agreement follows.
 
 Owns: whether the last batch was measured, the last good micro-batch, whether earlier gradients
-are held. Touches: the step core (attempts, the optimizer step), the knobs (rank 0's size), the
-demand (measured), the cadence, the job's agreement, the recovery. Used by `Tuner.train_batch`,
-the one way every host trains a batch.
+are held. Touches: the step core (attempts, each committed or rolled back once the ranks agreed:
+what an attempt changes besides gradients is the attempt's own, step/core.py; the optimizer step),
+the knobs (rank 0's size), the demand (measured), the cadence, the job's agreement, the recovery.
+Used by `Tuner.train_batch`, the one way every host trains a batch.
 """
 
 from __future__ import annotations
@@ -28,10 +30,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from autotune.common.notices import warn
 from autotune.memory.cadence import MeasureCadence
 from autotune.memory.demand import StepDemand
-from autotune.observe.records import Kind
 from autotune.ranks.agreement import Agreement
 from autotune.step.core import Attempt, StepCore
 from autotune.step.losses import Losses, join_outputs
@@ -81,8 +81,7 @@ class BatchRunner:
         self.last_good_micro: int | None = None  # the micro-batch of the last batch that completed
         self.holding = False  # gradients of earlier batches set aside during this one
         self.last: BatchOutcome | None = None  # the last batch trained (its outputs: `Tuner.outputs`)
-        self.journal, self.counters, self.run_dir = run.journal, run.counters, run.run_dir
-        self._said_norms = False  # BatchNorm at a micro-batch below the batch: said once a run
+        core.journal_to(run.journal, run.run_dir)  # where an attempt's numerics notice goes
 
     def run(self, batch: Any, n: int, *, optimizer_step: bool, proposal: Callable[[], dict[str, Any]] | None,
             held: list[tuple[nn.Parameter, torch.Tensor]] | None) -> BatchOutcome:
@@ -92,56 +91,48 @@ class BatchRunner:
         parameters directly."""
         self.holding = held is not None
         additive = not optimizer_step
-        core, stepper, knobs, ranks, cadence = self.core, self.stepper, self.knobs, self.ranks, self.cadence
-        measured = self.measured = cadence.due(knobs.micro_batch_size)
-        rebase = not cadence.last_measured
+        measured = self.measured = self.cadence.due(self.knobs.micro_batch_size)
+        rebase = not self.cadence.last_measured
         done = 0  # samples whose optimizer step has completed (keep_effective_batch=False)
-        steps_before = stepper.steps_tried
+        steps_before = self.stepper.steps_tried
         tried: list[int] = []
         losses: Losses | None = None
         while True:
             if measured:
-                self.demand.start(knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
+                self.demand.start(self.knobs.micro_batch_size, rebase=rebase)  # a retry is measured afresh
                 rebase = False
-            knobs.follow(ranks.job.same_size(knobs.micro_batch_size, n, stepper.counters.step))
-            attempt = core.attempt(batch, n, done, knobs.micro_batch_size, additive=additive)
+            self.knobs.follow(self.ranks.job.same_size(self.knobs.micro_batch_size, n, self.stepper.counters.step))
+            attempt = self.core.attempt(batch, n, done, self.knobs.micro_batch_size, additive=additive)
             # Sharded, a rank that cannot go on (its optimizer step failed) ran no exchange: it says
             # "failed" at the others' first check, and the agreement then stops every rank.
-            if ranks.job.end_attempt(attempt.failed_micro_batch is not None or stepper.failure is not None,
-                                 attempt.peer_failed):
+            if self.ranks.job.end_attempt(attempt.failed_micro_batch is not None or self.stepper.failure is not None,
+                                          attempt.peer_failed):
                 attempt.discard()  # sharded: another rank failed, during this attempt or after it
             done = attempt.done
             # Every rank joins here, failed or not: nobody waits in a gradient all-reduce for a
             # rank that ran out of memory. Before the step: a checkpoint is due by the step it ends at.
-            mine = Agreement(attempt.failed_micro_batch, knobs.micro_batch_size, relief=ranks.offer_relief(knobs),
-                             fatal=stepper.failure, **(proposal() if proposal is not None else _NOTHING_PROPOSED))
+            mine = Agreement(attempt.failed_micro_batch, self.knobs.micro_batch_size,
+                             relief=self.ranks.offer_relief(self.knobs), fatal=self.stepper.failure,
+                             **(proposal() if proposal is not None else _NOTHING_PROPOSED))
             # Where nothing else is added to them, the gradients may carry the agreement (see above).
-            agreed, reduced = ranks.agree(mine, attempt if optimizer_step and not held else None)
+            agreed, reduced = self.ranks.agree(mine, attempt if optimizer_step and not held else None)
             if agreed.failed_micro_batch is not None:
-                # This rank or another ran out of memory: what the attempt drew from the random
-                # streams and wrote into buffers (running statistics) is put back for the retry;
-                # its losses go too (kept, they would count twice), but with
-                # keep_effective_batch=False its stepped chunks stay, and so do their buffers.
-                core.rewind.restore()
-                core.norms.drop()
-                if self.keep_effective_batch or additive:
-                    attempt.discard()
+                attempt.roll_back()  # this rank or another ran out of memory: the retry starts as this attempt did
             if losses is None:
                 losses = attempt.losses
             else:  # with keep_effective_batch=False, a failed attempt's stepped chunks count too
                 losses.parts += attempt.losses.parts
                 losses.outputs += attempt.losses.outputs
-            knobs.follow(agreed.micro_batch_size)  # rank 0's
-            if agreed.relief is not None or knobs.relief is not None:  # most attempts: none asked, none agreed
+            self.knobs.follow(agreed.micro_batch_size)  # rank 0's
+            if agreed.relief is not None or self.knobs.relief is not None:  # most attempts: none asked, none agreed
                 self.recovery.settle_relief(agreed.relief)
             if agreed.fatal:
                 self.recovery.give_up_on_the_step(agreed.fatal)
             if agreed.failed_micro_batch is None:
-                if core.norms.active:
-                    self._settle_norms(n)
+                attempt.commit()  # it fit on every rank: BatchNorm's statistics the whole batch's
                 self._complete(attempt, n, optimizer_step, held, reduced)
                 self.ranks.buffers_from_rank0()
-                return self._outcome(losses, len(tried), agreed, measured, stepper.steps_tried - steps_before)
+                return self._outcome(losses, len(tried), agreed, measured, self.stepper.steps_tried - steps_before)
             # Out of the `except` block now, so the exception and its frames are gone and
             # the tensors they pinned (activations, partial gradients) can be freed.
             tried.append(agreed.failed_micro_batch)
@@ -169,19 +160,6 @@ class BatchRunner:
         failure = self.stepper.failure
         if failure is not None and self.ranks.known_to_all(failure):
             self.recovery.give_up_on_the_step(failure)
-
-    def _settle_norms(self, n: int) -> None:
-        # The batch ran in micro-batches through BatchNorm in training: its running statistics are
-        # the whole batch's now; each micro-batch was normalised over itself, which is said once.
-        modules = len(self.core.norms.active)
-        self.core.norms.settle()
-        if not self._said_norms:
-            self._said_norms = True
-            change = (f"BatchNorm ({modules} modules) normalises each micro-batch of {self.knobs.micro_batch_size} over "
-                      f"its own samples, not the batch of {n}; its running statistics are the whole batch's")
-            self.journal.write(Kind.NUMERICS, self.counters.step, self.counters.epoch, change=change,
-                               micro_batch_size=self.knobs.micro_batch_size, batch_size=n, modules=modules)
-            warn(f"{change} (docs: getting-started, what stays exact)", key=f"batchnorm micro {self.run_dir}")
 
     def _outcome(self, losses: Losses, retries: int, agreed: Agreement, measured: bool,
                  steps_tried: int) -> BatchOutcome:

@@ -153,3 +153,32 @@ def test_a_batchnorm_in_eval_at_first_and_trained_later_is_rewound_too(tmp_path)
     assert int(plain[1].num_batches_tracked) == 3
     for (name, a), b in zip(plain.state_dict().items(), retried.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_an_attempt_rolled_back_leaves_no_trace_and_one_committed_settles_batchnorm(tmp_path):
+    # StepCore.attempt's own two ends, without the batch loop: the side state is the attempt's.
+    model = _cnn()
+    x, y = _batches()[0]
+    with Tuner(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn=nn.functional.cross_entropy,
+               device="cpu", run_dir=tmp_path / "run", monitor=False, policies=None, micro_batch_size=32) as tuner:
+        tuner.step((x, y))  # a whole attempt first: rewind.py has learned what moves
+        before = {name: b.clone() for name, b in model.named_buffers()}
+        stream = torch.get_rng_state()
+        attempt = tuner.core.attempt((x, y), 32, 0, 8)  # four micro-batches: BatchNorm's sums, dropout's draws
+        assert len(attempt.losses.parts) == 4 and not torch.equal(torch.get_rng_state(), stream)
+        attempt.roll_back()
+        assert not attempt.losses.parts and not tuner.core.norms.active
+        assert torch.equal(torch.get_rng_state(), stream)
+        for name, b in model.named_buffers():
+            assert torch.equal(b, before[name]), name
+        model.zero_grad()
+        tuner.core.attempt((x, y), 32, 0, 8).commit()
+    # Committed: the first BatchNorm's statistics moved once, toward the whole batch's (lr 0: the
+    # weights as they were; the second BatchNorm's input was normalised per micro-batch).
+    whole = _cnn()
+    whole.load_state_dict({**whole.state_dict(), **before})
+    with torch.no_grad():
+        whole.train()(x)
+    for (name, a), b in zip(model[1].named_buffers(), whole[1].buffers()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert int(model[1].num_batches_tracked) == 2 and not torch.equal(model[1].running_mean, before["1.running_mean"])

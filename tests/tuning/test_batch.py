@@ -155,3 +155,43 @@ def test_a_skipped_step_is_journaled_on_an_unmeasured_batch(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert [r["at_step"] for r in records if r["kind"] == "nonfinite"] == [20]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _reaches_into_the_attempts_side_state(source: str) -> list[str]:
+    # What only an attempt may drive (step/core.py): rewind.py, norm_stats.py, and their calls.
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        name = (node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name)
+                else node.module or "" if isinstance(node, ast.ImportFrom) else "")
+        if name.split(".")[-1] in {"rewind", "norms", "norm_stats", "Rewind", "BatchNormStats", "restore",
+                                   "restore_buffers", "settle", "drop", "begin", "pause", "keep"}:
+            found.append(f"{node.lineno}: {ast.unparse(node)[:60]}")
+    return found
+
+
+def _tuple_bound_parts(source: str) -> list[str]:
+    # `core, stepper = self.core, self.stepper`: locals that hide whose call each is.
+    import ast
+
+    return [ast.unparse(node)[:60] for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Tuple) and any(isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name)
+                                                          and e.value.id == "self" for e in node.value.elts)
+            and all(isinstance(t, ast.Tuple) and all(isinstance(e, ast.Name) for e in t.elts) for t in node.targets)]
+
+
+def test_the_batch_loop_commits_or_rolls_back_an_attempt_and_touches_none_of_its_side_state():
+    import inspect
+    import textwrap
+
+    from autotune.tuning import batch
+
+    assert not _reaches_into_the_attempts_side_state(inspect.getsource(batch)), \
+        _reaches_into_the_attempts_side_state(inspect.getsource(batch))
+    assert not _tuple_bound_parts(textwrap.dedent(inspect.getsource(batch.BatchRunner.run)))
+    # The scans see what they look for (batch.py's lines before the attempt owned its side state).
+    old = ("def run(self, core, n):\n    core, stepper, knobs = self.core, self.stepper, self.knobs\n"
+           "    core.rewind.restore()\n    core.norms.drop()\n    if self.core.norms.active:\n        self._settle_norms(n)\n")
+    assert len(_reaches_into_the_attempts_side_state(old)) == 5
+    assert len(_tuple_bound_parts(old)) == 1
