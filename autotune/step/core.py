@@ -40,7 +40,7 @@ from torch import nn
 from autotune.common.batching import SplitFn, map_tensors, micro_batches
 from autotune.common.oom import is_oom, maybe_not_memory, oom_message
 from autotune.memory import kernel_room
-from autotune.ranks.distributed import Ranks, Solo
+from autotune.ranks.process import Process
 from autotune.ranks.sharded import PeerFailed
 from autotune.step.losses import Losses, loss_and_items, read_step
 from autotune.step.norm_stats import BatchNormStats
@@ -98,7 +98,7 @@ class StepCore:
     """Forward/backward over micro-batches (see the module docstring)."""
 
     def __init__(self, model: nn.Module, stepper: OptimizerStep, *, loss_fn: LossFn | None, step_fn: StepFn | None,
-                 split_fn: SplitFn | None, device: torch.device, ranks: Solo | Ranks, keep_effective_batch: bool,
+                 split_fn: SplitFn | None, device: torch.device, ranks: Process, keep_effective_batch: bool,
                  inject_oom: float, seed: int, precision: str = "fp32", compile: bool | dict[str, Any] = False,
                  backward_fn: Callable[[torch.Tensor], Any] | None = None):
         self.model, self.stepper = model, stepper
@@ -208,8 +208,8 @@ class StepCore:
         else:
             if result.ref is None:
                 # Sharded, FSDP2 sums the ranks' gradients before anyone knows every rank's
-                # items: each weights by raw items (ref 1), divided after.
-                result.ref = 1 if self.ranks.job.sums_in_backward else _at_least_one(items * (n / m) if m != n else items)
+                # items: each weights by raw items (ref 1), divided after (the job's answer).
+                result.ref = self.ranks.job.items_reference(_at_least_one(items * (n / m) if m != n else items))
             self._backward(loss * (items / result.ref))
             result.items = items if result.items is None else result.items + items
         result.losses.parts.append((loss.detach(), m if items is None else items))
@@ -304,7 +304,7 @@ class StepCore:
 
     def state_dict(self) -> dict[str, Any]:
         """The scheduler, the gradient scaler (the step's) and the injector's random stream (the
-        weights and the optimizer are the job's to take: `Solo.model_state`, sharded or not)."""
+        weights and the optimizer are the job's to take: `ranks.job.model_state`, sharded or not)."""
         version, keys, gauss = self._injector.getstate()
         return {**self.stepper.state_dict(), "injector": [version, list(keys), gauss],
                 "optimizer_class": type(self.stepper.optimizer).__name__}  # a resume refuses another (same_run.py)
