@@ -139,11 +139,11 @@ class AutoTrainer:
                                          room_bytes=functools.partial(room_bytes, self.knobs.host_cap_bytes))
         self._stop_request = StopRequest(ranks, device, self.callbacks)
         # Named in the note of an error, and checkpointed before it propagates where that loses nothing.
-        self._in_hand = BatchInHand(self.input.describe_batch, world=ranks.world, folder=self.checkpointer.folder,
+        self._in_hand = BatchInHand(self.input.describe_batch, ranks=ranks, folder=self.checkpointer.folder,
                                     find_bad=self.input.find_bad_sample,
                                     preempted=functools.partial(self.checkpointer.preempted, progress=self.counters),
                                     stop_pending=self._stop.pending)
-        self._stall_watch = StallWatch(self._in_hand, self.input.batch_indices, self.journal, world=ranks.world,
+        self._stall_watch = StallWatch(self._in_hand, self.input.batch_indices, self.journal, ranks=ranks,
                                        seconds=data_stall_seconds)  # a loader that never answers is named
         self._stop.interrupts = self._stall_watch.interrupts  # a stop signal during a wait unwinds it
         self._closed = False
@@ -170,8 +170,7 @@ class AutoTrainer:
         if self._closed:
             raise RuntimeError("this AutoTrainer was closed: build a new one to train again")
         self.checkpointer.begin(resume, self.load_state_dict, self.counters, self.device,  # or refuse another run's
-                                template=lambda: template_for_shards(self.state_dict(), self.model, self.optimizer,
-                                                                     self.ranks.job.writes_shards))
+                                template=lambda: template_for_shards(self.state_dict(), self.model, self.optimizer))
         self._stop_request.clear()
         started, fitting = time.perf_counter(), os.getpid()
         self.checkpointer.restart_clock(self.step)
@@ -195,9 +194,10 @@ class AutoTrainer:
                 # load, and the interpreter's exit wait for it).
                 saved = self.checkpoint_now("end" if self._stop_request.reason is None else "stop_requested",
                                             background=True)
-                if self._stop.signum is not None and self.ranks.world == 1:
+                signum = self.ranks.known_to_all(self._stop.signum)  # alone; under torchrun no agreement is left
+                if signum is not None:
                     # A stop that came after the last batch: the run is done and saved, and still stops.
-                    raise self.checkpointer.preempted(self._stop.signum, saved, self.counters)
+                    raise self.checkpointer.preempted(signum, saved, self.counters)
             except BaseException as exc:
                 if os.getpid() != fitting:  # a child a callback forked, ending (sys.exit): not the run's end
                     raise

@@ -57,7 +57,8 @@ from autotune.memory.figures import one_arena_under_an_address_space_cap, warm_u
 from autotune.memory.history import AllocationHistory
 from autotune.observe.journal import RunLog
 from autotune.observe.records import Kind
-from autotune.ranks.distributed import Ranks, Solo, from_environment
+from autotune.ranks.distributed import from_environment
+from autotune.ranks.process import Process
 from autotune.run_folder import checkpoint_format
 from autotune.run_folder.checkpoint import Checkpointer, RankFailed
 from autotune.run_folder.rng import rng_state, set_rng_state
@@ -86,7 +87,7 @@ from autotune.tuning.relief_ladder import ReliefLadder
 from autotune.tuning.run import Lent, Run
 
 
-def default_run_dir(ranks: Solo | Ranks) -> Path:
+def default_run_dir(ranks: Process) -> Path:
     """`runs/<timestamp>`, rank 0's on every rank."""
     return Path(ranks.broadcast_object(str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f"))))
 
@@ -191,9 +192,8 @@ class Tuner:
         # batches) is kept out of the attempts and added back before the step: a failed attempt's
         # gradients are dropped here, never by an optimizer wrapper's zero_grad (Accelerate's
         # skips it between sync steps). Under DDP, gradients untouched since the last step are none.
-        bucket = self.ranks.job.bucket
         held = (set_aside_gradients(core.parameters())
-                if self.keep_effective_batch and (bucket is None or not bucket.untouched()) else None)
+                if self.keep_effective_batch and not self.ranks.job.gradients_untouched() else None)
         outcome = self.train_batch(batch, n, held=held)
         self._after_own_batch(n, outcome)
         return outcome.mean_loss()

@@ -139,6 +139,44 @@ def test_only_the_jobs_own_modules_ask_whether_the_job_is_sharded():
     assert not outside, outside
 
 
+# What the job's kind once was read from (job.py's strategies now answer with behaviour), and the
+# modules that are the strategies.
+KIND_FLAGS = {"forwards_are_collective", "writes_shards", "sums_in_backward", "why_not_prunable", "bucket",
+              "news_rides_gradients"}
+STRATEGIES = {PACKAGE / "ranks" / name for name in ("job.py", "whole_model.py", "sharded.py")}
+
+
+def asks_the_job_its_kind(path: Path) -> list[str]:
+    """Where `path` reads one of the job's kind flags, compares a process's `world` with 1 or 2
+    (`ranks.world == 1`: "am I alone?"), or spells the process's type as `Solo | Ranks`."""
+    text = path.read_text()
+    found = [f"{path.name}: Solo | Ranks" for spelt in ("Solo | Ranks", "Ranks | Solo") if spelt in text]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute) and node.attr in KIND_FLAGS:
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(side, ast.Attribute) and side.attr in ("world", "_world") for side in sides) and \
+                    any(isinstance(side, ast.Constant) and side.value in (1, 2) for side in sides):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_the_strategies_asks_the_job_what_kind_it_is(tmp_path):
+    # job.py: every question about how the model is spread is a method of the job's strategy that
+    # does the thing; process.py: every question about being alone, a method of the process.
+    # distributed.py, where the processes pick their strategy, included.
+    asked = [line for path in sorted(PACKAGE.rglob("*.py")) if path not in STRATEGIES
+             for line in asks_the_job_its_kind(path)]
+    assert not asked, asked
+    # The scan sees each way of asking.
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(self, ranks: Solo | Ranks):\n    if self.ranks.job.writes_shards: pass\n"
+                     "    x = ranks.job.bucket\n    if self.ranks.world == 1: pass\n    if 1 < self._world: pass\n"
+                     "    y = self.ranks.world * 2\n")
+    assert len(asks_the_job_its_kind(probe)) == 5, asks_the_job_its_kind(probe)
+
+
 def test_every_module_says_what_it_owns_and_what_it_may_touch():
     import re
 

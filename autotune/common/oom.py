@@ -109,3 +109,8 @@ class TooManyNonFiniteSteps(NonFiniteStep):
     stops, a permanent failure (a restart from the same state meets the same NaN). The weights are
     those of the last finite step (a skipped step never changes them), checkpointed first; the
     message names the count, the step and the checkpoint."""
+
+
+class UnsafePruning(Exception):
+    """Pruning would break the model (e.g. a residual stream that starts at the raw input), or
+    cannot apply to it (a model sharded with FSDP2); nothing was pruned."""

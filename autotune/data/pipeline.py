@@ -39,7 +39,7 @@ from autotune.decisions.detectors import InputDetector
 from autotune.memory.figures import device_sample
 from autotune.observe.journal import Journal
 from autotune.observe.records import Kind
-from autotune.ranks.distributed import Ranks, Solo
+from autotune.ranks.process import Process
 from autotune.stops.preemption import DEFAULT_STOP_SIGNALS, WorkerStops
 
 
@@ -117,7 +117,7 @@ class InputPipeline:
 
     def __init__(self, dataset: Dataset | DataLoader, *, batch_size: int, shuffle: bool, seed: int,
                  num_workers: int, collate_fn: Callable[[list], Any] | None, device: torch.device,
-                 ranks: Solo | Ranks, stop_signals: Sequence[int] = DEFAULT_STOP_SIGNALS):
+                 ranks: Process, stop_signals: Sequence[int] = DEFAULT_STOP_SIGNALS):
         self.seed = seed
         self.worker_stops = WorkerStops(stop_signals)  # what the workers built here do with a group's stop signal
         self.device = device

@@ -77,7 +77,7 @@ class EpochSampler(Sampler[int]):
     def order(self) -> list[int]:
         """This rank's full order for the current epoch."""
         order = self.job_order()
-        return order[self.rank::self.world] if self.world > 1 else order
+        return order[self.rank::self.world]  # alone: all of it
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.order()[self.start:])

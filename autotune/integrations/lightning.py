@@ -48,6 +48,7 @@ from autotune.common.batching import batch_len
 from autotune.common.progress import Progress
 from autotune.observe.records import Kind
 from autotune.ranks.distributed import Ranks, Solo
+from autotune.ranks.process import Process
 from autotune.training.evaluation import Evaluator
 from autotune.tuner import Tuner
 from autotune.tuning.batch import add_gradients, set_aside_gradients
@@ -74,7 +75,7 @@ class _TunedSteps:
         """Samples per forward/backward now (None before the first step)."""
         return self.tuner.micro_batch_size if self.tuner is not None else None
 
-    def _ranks(self) -> Solo | Ranks:
+    def _ranks(self) -> Process:
         return Solo()
 
     def _make_tuner(self) -> Tuner:
@@ -237,7 +238,7 @@ class AutoTuneDDPStrategy(_TunedSteps, DDPStrategy):
         super().__init__(**kwargs)
         self._autotune_init(tuner_options)
 
-    def _ranks(self) -> Solo | Ranks:
+    def _ranks(self) -> Process:
         ranks = Ranks(self.global_rank, self.world_size, self.local_rank)
         # The gradients' one flat all-reduce, before each optimizer step (never inside backward).
         ranks.bucket_gradients(self.lightning_module.parameters())

@@ -57,6 +57,7 @@ from autotune.common.units import format_bytes
 from autotune.monitor.host import room_bytes
 from autotune.observe.records import Kind
 from autotune.ranks.distributed import Ranks, Solo
+from autotune.ranks.process import Process
 from autotune.training.evaluation import Evaluator
 from autotune.tuner import Tuner
 from autotune.tuning.host_face import Wiring
@@ -90,7 +91,7 @@ class AutoTuneTrainer(Trainer):
                                    metrics=None, journal=self.tuner.journal)
         self._whole_batch_items: Any = None  # the evaluated batch's label items, while its pieces run
 
-    def _job(self) -> Solo | Ranks:
+    def _job(self) -> Process:
         """This process alone, or its place among DDP's ranks (the process group HF's Accelerate joined)."""
         if self.args.world_size <= 1:
             return Solo()

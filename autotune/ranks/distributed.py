@@ -1,13 +1,13 @@
-"""Where this process stands in a job: `Solo` alone, `Ranks` under torchrun.
+"""Where this process stands in a job: `Solo` alone, `Ranks` under torchrun (process.py's `Process`).
 
 The loop talks to one of the two and never asks which: `Solo` is the null object (every
-agreement is the process's own proposal, gradients are its own), `Ranks` makes the same
-calls collective. Under torchrun the model is replicated (DDP) or sharded (FSDP2), and what
-differs between the two (how many forwards every rank must run, where gradients are summed,
-what a checkpoint holds) is answered by the job's strategy, `ranks.job` (job.py's Protocol):
-`Replicated` here or sharded.py's `Sharded`, answering what `Solo`, its own job, answers alone.
-This module owns the DDP wrapper, the flat gradient buffer and every collective the trainer
-makes; it touches the model only to wrap it.
+agreement is the process's own proposal, every gather its own object), `Ranks` makes the same
+calls collective. How the model is spread over the processes (how many forwards every rank
+must run, where gradients are summed, what a checkpoint holds) is the job's strategy, `ranks.job`
+(job.py's Protocol): whole_model.py's `Single` alone, its `Replicated` (DDP) or sharded.py's
+`Sharded` (FSDP2) under torchrun, chosen here (`Ranks.wrap`).
+This module owns the DDP wrapper and every collective the trainer makes; it touches the model
+only to wrap it.
 
 The rule that keeps every rank out of a deadlock: no collective runs while a rank may still
 fail. Each rank runs all micro-batches of its batch with DDP's gradient sync off
@@ -33,28 +33,35 @@ import gc
 import inspect
 import os
 import weakref
-from typing import Any, Iterable
+from pathlib import Path
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 import torch.distributed as dist
 from loguru import logger
 from torch import nn
+from torch.utils.data import Subset
 
 from autotune.common.actions import Relief, relief_to_ints
 from autotune.ranks.agreement import Agreement, rank0s
 from autotune.ranks.gradient_bucket import GradientBucket
 from autotune.ranks.job import Job
+from autotune.ranks.process import Process
 from autotune.ranks.sharded import Sharded, is_sharded
 from autotune.ranks.sharded import shard as shard_blocks
+from autotune.ranks.whole_model import Replicated, Single, any_rank
+
+T = TypeVar("T")
 
 
 class Solo:
-    """A process training alone: every agreement is its own proposal; no collective, no wrapper."""
+    """A process training alone: every agreement is its own proposal; no collective, no wrapper.
+    Its strategy is whole_model.py's `Single`."""
 
     rank, world, local_rank, is_main = 0, 1, 0, True
 
     def __init__(self) -> None:
-        self.job: Job = self  # alone, this process is its own strategy (job.py)
+        self.job: Job = Single()
 
     def device_for(self, device: str | torch.device | None, keep_effective_batch: bool) -> str | torch.device | None:
         return device
@@ -68,29 +75,6 @@ class Solo:
     def module(self, model: nn.Module) -> nn.Module:
         """The module to call in forward (alone: the model itself)."""
         return model
-
-    # The job's strategy alone (job.py says what each answer means): the null answers.
-    forwards_are_collective = writes_shards = sums_in_backward = news_rides_gradients = False
-    why_not_prunable: str | None = None
-    bucket = None  # gradients are never all-reduced
-
-    def same_size(self, micro_batch_size: int, n: int, step: int) -> int:
-        return micro_batch_size  # this process's own
-
-    def micro_batch(self, last: bool) -> None:
-        pass
-
-    def check(self, flag: bool) -> bool:
-        return flag
-
-    def finite_everywhere(self, finite: bool, device: torch.device) -> bool:
-        return finite
-
-    def end_attempt(self, failed: bool, peer_failed: bool) -> bool:
-        return False  # no other rank
-
-    def reset_after_failure(self) -> None:
-        pass
 
     def buffers_from_rank0(self) -> None:
         """After a batch every rank completed: rank 0's buffers on every rank. Alone: one set already."""
@@ -113,26 +97,29 @@ class Solo:
         """The relief to carry out at this safe point (knobs.py holds it): alone, what a policy asked for."""
         return knobs.take_relief()
 
-    def known_to_all(self, failure: str | None) -> str | None:
-        """A failure every process of the job knows of now: alone, this one's own."""
-        return failure
+    def known_to_all(self, news: T | None) -> T | None:
+        """This process's news where every process knows it now: alone, the news itself."""
+        return news
+
+    def save_alone(self, save: Callable[[], Path | None]) -> tuple[Path | None, str | None]:
+        """A checkpoint this process decides on by itself: alone, it writes it."""
+        return save(), None
+
+    def may_stop_waiting(self, stalled: bool) -> bool:
+        """Alone, a stop signal unwinds any wait for a batch."""
+        return True
+
+    def label(self) -> str:
+        return ""
+
+    def share(self, dataset: Any) -> Any:
+        return dataset  # alone, all of it
 
     def average_gradients(self) -> None:
-        pass
-
-    def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
-        total = items.clamp_min(1) if isinstance(items, torch.Tensor) else max(items, 1)
-        torch._foreach_mul_(grads, ref / total)
+        self.job.average_gradients(1)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
-
-    def model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
-        return _whole(model, optimizer)  # the whole of both
-
-    def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
-                         optimizer_state: Any) -> None:
-        _load_whole(model, optimizer, weights, optimizer_state)
+        self.job.zero_grad(optimizer)
 
     def gather(self, obj: Any) -> list[Any]:
         return [obj]
@@ -157,7 +144,7 @@ class Ranks:
         self.device = torch.device("cpu")  # this rank's device, once it joined the job
         # What depends on how the model is spread over the ranks (job.py): replicated until
         # wrap() finds it sharded with FSDP2.
-        self.job: Replicated | Sharded = Replicated(self.device)
+        self.job: Job = Replicated(self.device)
         self._buffers: list[torch.Tensor] = []  # the model's, once wrapped (`wrap`); none where a host wraps it
         # The last agreement's quiet form: what a batch no rank has news for agrees (`agree`).
         self._quiet: Agreement | None = None
@@ -223,7 +210,7 @@ class Ranks:
         """Bind these parameters' gradients to flat buffers that `average_gradients` all-reduces:
         for a model another framework wrapped in DDP (HF, Lightning), whose own gradient sync
         autotune never reaches (its micro-batches run on the module inside the wrapper)."""
-        self.job.bucket = GradientBucket(parameters)
+        self.job = Replicated(self.device, GradientBucket(parameters))
 
     def module(self, model: nn.Module) -> nn.Module:
         """The module to call in forward: the DDP wrapper (held only here, so it can be dropped at exit)."""
@@ -236,15 +223,17 @@ class Ranks:
         agreement's quiet form is this one. Returns the agreement and whether the gradients are
         reduced already."""
         reduced = False
-        if attempt is not None and self._quiet is not None and self.job.news_rides_gradients:
-            reduced = True
+        if attempt is not None and self._quiet is not None:
             # The attempt's gradients made the batch's (averaged, or divided by every rank's items)
             # with this rank's news (an OOM, a signal, a due checkpoint...) summed in the same
-            # all-reduce. Where any rank has news, every rank agrees in full next, and a failure
-            # drops these gradients. A steady step makes one collective, not two.
+            # all-reduce, where the job's gradients have one (replicated). Where any rank has news,
+            # every rank agrees in full next, and a failure drops these gradients. A steady step
+            # makes one collective, not two.
             news = not mine.is_quiet(self._quiet, self.is_main)
-            if not self.job.reduce_with_news(news, attempt.ref, attempt.items, self.world):
+            told = self.job.reduce_with_news(news, attempt.ref, attempt.items, self.world)
+            if told is False:
                 return self._quiet, True  # nobody had anything to say: the gradients are the batch's now
+            reduced = told is not None
         values = torch.tensor(mine.to_wire(self.is_main), dtype=torch.int64, device=self.device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         agreed = mine.from_wire(values.tolist(), self.is_main, self.gather)
@@ -265,20 +254,31 @@ class Ranks:
         # What every rank agreed to, so all change their models at the same step.
         return knobs.take_agreed_relief()
 
-    def known_to_all(self, failure: str | None) -> str | None:
+    def known_to_all(self, news: T | None) -> T | None:
         # The other ranks learn of it at the next agreement or checkpoint gather; until then this
-        # rank makes the same collectives as they do, and trains no more.
+        # rank makes the same collectives as they do (a failed one trains no more).
         return None
 
+    def save_alone(self, save: Callable[[], Path | None]) -> tuple[Path | None, str | None]:
+        # A checkpoint gathers from every rank, and the others are not here.
+        return None, "under torchrun a checkpoint needs every rank"
+
+    def may_stop_waiting(self, stalled: bool) -> bool:
+        # A wait that is not a stall ends in the step's collectives, whose agreement carries the stop.
+        return stalled
+
+    def label(self) -> str:
+        return f"rank {self.rank}: "
+
+    def share(self, dataset: Any) -> Any:
+        # Each rank its share, in order: the ranks' figures meet in one sum (`sum`).
+        return Subset(dataset, range(self.rank, len(dataset), self.world))
+
     def average_gradients(self) -> None:
-        if self.job.bucket is not None:
-            self.job.bucket.average(self.world)
+        self.job.average_gradients(self.world)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.job.bucket is not None:
-            self.job.bucket.zero()  # in place: the gradients stay views of the all-reduce buffer
-        else:
-            optimizer.zero_grad(set_to_none=True)
+        self.job.zero_grad(optimizer)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """`values` summed over ranks (evaluation's figures), on every rank."""
@@ -287,7 +287,7 @@ class Ranks:
 
     def any(self, flag: bool, device: torch.device) -> bool:
         """Whether any rank's `flag` is set (a callback asked to stop), on every rank."""
-        return _any_rank(flag, device)
+        return any_rank(flag, device)
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank (per-rank RNG states, failure messages)."""
@@ -316,88 +316,12 @@ class Ranks:
         return box[0]
 
 
-class Replicated:
-    """A replicated (DDP) model's strategy under torchrun: every rank holds the whole model, runs
-    its own micro-batches, and the gradients are averaged once the ranks agree (the module
-    docstring). The answers `Solo` gives alone, made over the ranks where they must be."""
-
-    forwards_are_collective = False  # a rank may run more or fewer forwards than another
-    writes_shards = False  # rank 0 writes the whole model (the same on every rank)
-    sums_in_backward = False  # averaged after the agreement, never inside backward
-    why_not_prunable = None  # every rank prunes alike, at the same step
-    bucket: GradientBucket | None = None  # the gradients' all-reduce buffers, once bound
-
-    def __init__(self, device: torch.device):
-        self.device = device  # where the checks' tensors go
-        self.bucket = None
-
-    def same_size(self, micro_batch_size: int, n: int, step: int) -> int:
-        # A rank may differ until the agreement after the attempt, which every rank then follows.
-        return micro_batch_size
-
-    def micro_batch(self, last: bool) -> None:
-        pass  # DDP's own sync is off for good (wrap): nothing to switch
-
-    def check(self, flag: bool) -> bool:
-        return _any_rank(flag, self.device)
-
-    def finite_everywhere(self, finite: bool, device: torch.device) -> bool:
-        return finite  # every rank holds the same averaged gradients
-
-    def end_attempt(self, failed: bool, peer_failed: bool) -> bool:
-        return False  # no rank waits on another inside an attempt: the agreement tells
-
-    def reset_after_failure(self) -> None:
-        pass  # nothing of DDP's ran: the gradients are dropped as alone
-
-    def divide_by_items(self, grads: list[torch.Tensor], ref: Any, items: Any) -> None:
-        # Each rank's gradient back to its raw sum over items, summed over ranks with the items
-        # themselves in the same all-reduce, then divided by every rank's items together.
-        self.bucket.sum_over_items(ref, items)
-
-    # A model whose gradients autotune all-reduces itself carries the ranks' news in that all-reduce.
-    news_rides_gradients = property(lambda self: self.bucket is not None)
-
-    def reduce_with_news(self, news: bool, ref: Any, items: Any, world: int) -> bool:
-        if items is None:
-            return self.bucket.average(world, news)
-        return self.bucket.sum_over_items(ref, items, news)
-
-    model_state = staticmethod(lambda model, optimizer: _whole(model, optimizer))
-    load_model_state = staticmethod(lambda model, optimizer, weights, state: _load_whole(model, optimizer, weights, state))
-
-
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    value = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
-def from_environment() -> Solo | Ranks:
+def from_environment() -> Process:
     """The torchrun job this process is part of, or `Solo` when it runs alone (WORLD_SIZE <= 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Solo()
     return Ranks(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def _whole(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
-    return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
-
-
-def _load_whole(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, Any],
-                optimizer_state: Any) -> None:
-    model.load_state_dict(weights)
-    if optimizer is None or optimizer_state is None:
-        return
-    if any(isinstance(key, str) for key in optimizer_state.get("state", {})):
-        # Keyed by parameter name: a sharded job's checkpoint, its shards read whole (sharded.py's
-        # `sharded_state`), on one process now.
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(model, optimizer, optimizer_state)
-        return
-    optimizer.load_state_dict(optimizer_state)
 
 
 def _leave_process_group() -> None:

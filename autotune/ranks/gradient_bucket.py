@@ -1,6 +1,6 @@
 """The flat gradient buffers a replicated job all-reduces: every gradient a view into one buffer a
 (dtype, device), so averaging is one in-place all-reduce a buffer, and a batch's item count and
-the ranks' news ride in the same collective (distributed.Ranks.reduce_with_news).
+the ranks' news ride in the same collective (whole_model.Replicated.reduce_with_news).
 
 Owns: the buffers and the parameters' `.grad` views into them. Touches: the parameters' `.grad`.
 """
@@ -23,7 +23,7 @@ class GradientBucket:
         groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
         for p in self.params:
             groups.setdefault((p.dtype, p.device), []).append(p)
-        # A batch's item count and the ranks' news (distributed.Ranks.reduce_with_news) ride in the
+        # A batch's item count and the ranks' news (whole_model.Replicated.reduce_with_news) ride in the
         # same all-reduce as the gradients: two slots more in the first buffer wide enough to count
         # exactly (fp32 and up); else a buffer of their own.
         counter = next((key for key in groups if key[0] in (torch.float32, torch.float64)), None)

@@ -49,14 +49,15 @@ import datetime
 import mmap
 import os
 import resource
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from autotune.common.model_blocks import repeated_blocks
-from autotune.common.oom import ExchangeFailed, is_oom
+from autotune.common.oom import ExchangeFailed, UnsafePruning, is_oom
+from autotune.ranks.job import CheckpointWriter, Held, T
 
 DEFAULT_TIMEOUT_S = 300.0  # far below gloo's 30 minutes; above any wait a healthy job makes between exchanges
 
@@ -108,16 +109,11 @@ def shard(model: nn.Module) -> list[str]:
 class Sharded:
     """A sharded (FSDP2) model's strategy under torchrun: the checks around its exchanges, the
     no-sync switch, the reset after a failure, its state in shards (see the module docstring).
-    It answers the questions distributed.py's `Replicated` answers for a DDP model (and `Solo`
-    alone), so the loop never asks which it runs under."""
-
-    forwards_are_collective = True  # every rank must run as many forwards: they all-gather
-    writes_shards = True  # a checkpoint is a folder every rank writes its shards to
-    sums_in_backward = True  # gradients are reduce-scattered inside the last backward
-    bucket = None  # FSDP2 reduce-scatters its own gradients: no all-reduce buffer
-    news_rides_gradients = False  # ... so the ranks' news has no all-reduce to ride in
-    why_not_prunable = ("the model is sharded with FSDP2: its parameters are shards that pruning cannot trace or "
-                        "cut (the cheaper reliefs, autocast and checkpointing, still apply)")
+    It answers job.py's Protocol as whole_model.py's `Replicated` does for a DDP model (and
+    `Single` alone), so the loop never asks which it runs under. Every rank must run as many
+    forwards (they all-gather); gradients are reduce-scattered inside the last backward (no
+    all-reduce of autotune's, so the ranks' news has none to ride in); a checkpoint is a folder
+    every rank writes its shards to."""
 
     def __init__(self, model: nn.Module, timeout_s: float | None = None):
         root = fsdp_modules(model)
@@ -229,6 +225,50 @@ class Sharded:
         self.model.reset_iter_state()
         _drop_unsharded_gradients(self.modules)
         self.micro_batch(True)
+
+    def items_reference(self, estimate: Any) -> Any:
+        """1: FSDP2 sums the ranks' gradients in backward, before any rank knows the others' items:
+        each rank weights by raw items, divided after (`divide_by_items`)."""
+        return 1
+
+    def gradients_untouched(self) -> bool:
+        return False  # FSDP2's gradients are its own tensors: the caller's are held back
+
+    def held_into_buffers(self, held: Held) -> Held:
+        return held  # no buffer of autotune's: added after the division, as alone
+
+    def average_gradients(self, world: int) -> None:
+        pass  # FSDP2 averaged them in the last backward's reduce-scatter
+
+    def reduce_with_news(self, news: bool, ref: Any, items: Any, world: int) -> bool | None:
+        return None  # reduced inside backward already: the ranks agree in full
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def check_finite_late(self, try_late: Callable[[], bool]) -> bool:
+        return False  # every rank's shards are checked together (`finite_everywhere`): at once
+
+    def evaluate(self, batches: Iterable[Any], each: Callable[[Any], int],
+                 in_rounds: Callable[[Iterable[Any]], int]) -> int:
+        return in_rounds(batches)  # every forward all-gathers: every rank runs as many
+
+    def require_free_forwards(self, what: str, instead: str) -> None:
+        raise NotImplementedError(f"{what} under FSDP2 (every forward is collective) is not supported yet: {instead}")
+
+    def check_prunable(self) -> None:
+        raise UnsafePruning("the model is sharded with FSDP2: its parameters are shards that pruning cannot trace or "
+                            "cut (the cheaper reliefs, autocast and checkpointing, still apply)")
+
+    def reads_shards(self, template: T | None) -> T | None:
+        return template  # its own shards, as they are
+
+    def prepare_checkpoint(self, writer: CheckpointWriter, step: int, is_main: bool) -> None:
+        if is_main:  # before the gather: no rank writes there yet
+            writer.clear_unfinished(step)
+
+    def write_checkpoint(self, writer: CheckpointWriter, state: dict[str, Any], step: int, is_main: bool) -> Any:
+        return writer.write_shards(state, step, is_main)  # every rank its own, at once
 
     def finite_everywhere(self, finite: bool, device: torch.device) -> bool:
         """Whether every rank's gradient shards are finite (each rank holds its own)."""

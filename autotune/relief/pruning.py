@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from autotune.common.batching import map_tensors, tensor_bytes  # noqa: F401 (tensor_bytes: imported from here too)
+from autotune.common.oom import UnsafePruning  # raised here, and by a job whose model cannot be pruned (ranks/)
 
 PRUNABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -103,10 +104,6 @@ def output_layers(model: nn.Module, example: Any, forward_fn: Callable[[nn.Modul
 def _attention_heads(model: nn.Module) -> dict[nn.Module, int]:
     # Attention splits its width into heads: Torch-Pruning must cut every head alike.
     return {m: m.num_heads for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-
-
-class UnsafePruning(Exception):
-    """Pruning would break the model (e.g. a residual stream that starts at the raw input); nothing was pruned."""
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:

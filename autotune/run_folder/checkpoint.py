@@ -47,6 +47,32 @@ def nonfinite_weights(weights: dict[str, Any]) -> list[str]:
     return [named[i][0] for i in nonfinite([t for _, t in named])]
 
 
+class _Writing:
+    """One checkpoint's two ways of being written (ranks/job.py's `CheckpointWriter`), each
+    returning (path, seconds taken, whether it is still being written in the background): the
+    job calls the one its model's layout needs."""
+
+    def __init__(self, checkpointer: "Checkpointer", reason: str, epoch: int, background: bool,
+                 journal_fields: dict[str, Any]):
+        self._checkpointer, self._reason, self._epoch = checkpointer, reason, epoch
+        self._background, self._journal_fields = background, journal_fields
+
+    def clear_unfinished(self, step: int) -> None:
+        self._checkpointer.store.clear_unfinished(step)
+
+    def write_whole(self, state: dict[str, Any], step: int) -> tuple[Path, float, bool]:
+        checkpointer = self._checkpointer
+        if self._background and checkpointer.room_bytes is not None:
+            done = functools.partial(checkpointer._written, self._reason, step, self._epoch, self._journal_fields)
+            queued = checkpointer.store.save_in_background(state, step, checkpointer.room_bytes(), done)
+            if queued is not None:
+                return (*queued, True)
+        return (*checkpointer.store.save(state, step), False)
+
+    def write_shards(self, state: dict[str, Any], step: int, is_main: bool) -> tuple[Path, float, bool]:
+        return (*self._checkpointer.store.save_sharded(state, step, is_main), False)  # synchronously, every rank
+
+
 def _weights(state: dict[str, Any]) -> dict[str, Any]:
     # The weights in a state to save (checkpoint_format.py's "core"; {} in a state that has none).
     return (state.get("core") or {}).get("model") or {}
@@ -123,10 +149,10 @@ class Checkpointer:
             return None
         if self.ranks.is_main and not still_held(self.store.folder.parent):
             return None  # the run folder is another's now: RunDirLost was raised when that was found
-        sharded = self.ranks.job.writes_shards
+        # The job writes it as its model is held: rank 0 the whole of it, or every rank its shards.
+        job, writer = self.ranks.job, _Writing(self, reason, epoch, background, journal_fields)
         try:
-            if sharded and self.ranks.is_main:  # before the gather: no rank writes there yet
-                self.store.clear_unfinished(step)
+            job.prepare_checkpoint(writer, step, self.ranks.is_main)
             state = state_fn()
             self._state_bytes = tensor_bytes(state)
             gathered = self.ranks.gather((state["rng"], failure, nonfinite_weights(_weights(state))))
@@ -147,24 +173,18 @@ class Checkpointer:
                 return None
             if len(gathered) > 1:  # every rank's random state; the rest is the same everywhere
                 state["rng"] = {**state["rng"], "ranks": [rng for rng, _, _ in gathered]}
-            if sharded:  # every rank writes its shards
-                path, seconds = self.store.save_sharded(state, step, self.ranks.is_main)
+            written = job.write_checkpoint(writer, state, step, self.ranks.is_main)
             if not self.ranks.is_main:
                 self._last = (step, time.monotonic())
                 return None
-            queued = None
-            if not sharded:
-                if background and self.room_bytes is not None:
-                    done = functools.partial(self._written, reason, step, epoch, journal_fields)
-                    queued = self.store.save_in_background(state, step, self.room_bytes(), done)
-                path, seconds = queued if queued is not None else self.store.save(state, step)
+            path, seconds, queued = written
         except RankFailed:
             raise
         except Exception as exc:
             self._failed(reason, step, epoch, None, exc)
             return None
         self._last = (step, time.monotonic())
-        if queued is not None:
+        if queued:
             return path  # journaled by `_written` once it is on disk
         self.failed_in_a_row = 0
         self.journal.write(Kind.CHECKPOINT, step, epoch, reason=reason, path=str(path), seconds=round(seconds, 4),
@@ -240,7 +260,7 @@ class Checkpointer:
         state now (`state_dict`), whose shards a sharded model's checkpoint is read into."""
         # Sharded checkpoints are read into the state now: by the ranks of a sharded job, or by a job of
         # one process, which reads every rank's shards into whole tensors (a node lost: issue 33).
-        template = template if self.ranks.job.writes_shards or self.ranks.world == 1 else None
+        template = self.ranks.job.reads_shards(template)
         elsewhere = path is not None and path.resolve().parent != self.folder.resolve()
         if elsewhere:  # this folder's checkpoints, if any, are another run's
             self.refuse_another_run()
@@ -274,7 +294,7 @@ class Checkpointer:
     def _folder_run_id(self) -> str | None:
         # The run this folder's journal says wrote it last (rank 0 reads it; every rank skips alike).
         run_id = last_run_id(self.journal.path) if self.ranks.is_main and self.journal.path is not None else None
-        return self.ranks.broadcast_object(run_id) if self.ranks.world > 1 else run_id
+        return self.ranks.broadcast_object(run_id)
 
     def refuse_another_run(self, starting: tuple[str, str] = FRESH_FIT) -> None:
         """Before a run starts afresh here (`fit(resume=False)`, a Tuner's first batch: `starting`):
@@ -282,8 +302,7 @@ class Checkpointer:
         neither wrote nor resumed from."""
         others = self.store.others() if self.ranks.is_main else []
         refusal = str(another_runs_checkpoints(self.folder, others, starting)) if others else None
-        if self.ranks.world > 1:
-            refusal = self.ranks.broadcast_object(refusal)
+        refusal = self.ranks.broadcast_object(refusal)  # alone: its own
         if refusal is not None:
             raise AnotherRunsCheckpoints(refusal)
 

@@ -393,8 +393,7 @@ def hold_run_dir(run_dir: Path, ranks: Any) -> RunLock:
         except RunDirInUse as exc:
             refusal = str(exc)
         remove_stale_shared_memory()  # the sample boards and caches of runs killed before they could
-    if ranks.world > 1:
-        refusal = ranks.broadcast_object(refusal)
+    refusal = ranks.broadcast_object(refusal)  # alone: its own
     if refusal is not None:
         raise RunDirInUse(refusal)
     return lock

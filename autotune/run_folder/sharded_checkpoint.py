@@ -178,15 +178,14 @@ def _data_only_reader(folder: Path) -> Any:
     return DataOnlyReader(folder)
 
 
-def template_for_shards(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                        writes_shards: bool) -> dict[str, Any]:
-    """`state` (a host's state now) as where a sharded checkpoint's shards are read into. One
-    process reading a sharded job's checkpoint reads the weights and the optimizer state by
-    parameter name, as the sharded job wrote them (DCP assembles each whole tensor from every
-    rank's shards); a sharded job reads into its own shards as they are."""
-    if not writes_shards:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+def template_for_shards(state: dict[str, Any], model: nn.Module,
+                        optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """`state` (a host's state now) as where a sharded checkpoint's shards are read into: the weights
+    and the optimizer state by parameter name, as the sharded job wrote them. One process reads
+    whole tensors there (DCP assembles each from every rank's shards); a sharded job its own shards
+    (what its state holds already: ranks/sharded.py's `sharded_state`)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        state["core"]["model"] = get_model_state_dict(model)
-        state["core"]["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    state["core"]["model"] = get_model_state_dict(model)
+    state["core"]["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state

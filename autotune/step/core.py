@@ -51,7 +51,7 @@ from autotune.common.oom import is_oom, maybe_not_memory, oom_message
 from autotune.memory import kernel_room
 from autotune.observe.journal import Journal
 from autotune.observe.records import Kind
-from autotune.ranks.distributed import Ranks, Solo
+from autotune.ranks.process import Process
 from autotune.ranks.sharded import PeerFailed
 from autotune.step.losses import Losses, loss_and_items, read_step
 from autotune.step.norm_stats import BatchNormStats
@@ -132,7 +132,7 @@ class StepCore:
     """Forward/backward over micro-batches (see the module docstring)."""
 
     def __init__(self, model: nn.Module, stepper: OptimizerStep, *, loss_fn: LossFn | None, step_fn: StepFn | None,
-                 device: torch.device, ranks: Solo | Ranks, options: StepOptions = StepOptions(),
+                 device: torch.device, ranks: Process, options: StepOptions = StepOptions(),
                  backward_fn: Callable[[torch.Tensor], Any] | None = None):
         self.model, self.stepper, self.options = model, stepper, options
         self.loss_fn, self.step_fn, self.split_fn = loss_fn, step_fn, options.split_fn
@@ -245,8 +245,8 @@ class StepCore:
         else:
             if result.ref is None:
                 # Sharded, FSDP2 sums the ranks' gradients before anyone knows every rank's
-                # items: each weights by raw items (ref 1), divided after.
-                result.ref = 1 if self.ranks.job.sums_in_backward else _at_least_one(items * (n / m) if m != n else items)
+                # items: each weights by raw items (ref 1), divided after (the job's answer).
+                result.ref = self.ranks.job.items_reference(_at_least_one(items * (n / m) if m != n else items))
             self._backward(loss * (items / result.ref))
             result.items = items if result.items is None else result.items + items
         result.losses.parts.append((loss.detach(), m if items is None else items))
@@ -362,7 +362,7 @@ class StepCore:
 
     def state_dict(self) -> dict[str, Any]:
         """The scheduler, the gradient scaler (the step's) and the injector's random stream (the
-        weights and the optimizer are the job's to take: `Solo.model_state`, sharded or not)."""
+        weights and the optimizer are the job's to take: `ranks.job.model_state`, sharded or not)."""
         version, keys, gauss = self._injector.getstate()
         return {**self.stepper.state_dict(), "injector": [version, list(keys), gauss],
                 "optimizer_class": type(self.stepper.optimizer).__name__}  # a resume refuses another (same_run.py)

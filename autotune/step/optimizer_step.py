@@ -31,7 +31,7 @@ from torch import nn
 
 from autotune.common.oom import NonFiniteStep, is_oom, oom_message
 from autotune.common.progress import Progress
-from autotune.ranks.distributed import Ranks, Solo
+from autotune.ranks.process import Process
 from autotune.step import finite
 from autotune.step.options import StepOptions
 
@@ -43,7 +43,7 @@ class OptimizerStep:
     """Steps the optimizer on accumulated gradients (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, *,
-                 device: torch.device, ranks: Solo | Ranks, counters: Progress, options: StepOptions = StepOptions()):
+                 device: torch.device, ranks: Process, counters: Progress, options: StepOptions = StepOptions()):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.device, self.ranks, self.counters, self.options = device, ranks, counters, options
         # fp16's, set by step.py where the precision needs one (its backward scales the loss); None without
@@ -92,7 +92,7 @@ class OptimizerStep:
         if self._late is not None and self._late.pending:
             self.settle()  # the last step's check first: its scheduler step sets this step's LR
         late = (scaler is None and self._reads_late_here and self._may_read_late()
-                and self._check_late(optimizer))
+                and self.ranks.job.check_finite_late(lambda: self._check_late(optimizer)))
         if scaler is None and not late and not self._gradients_finite():
             # Never trained on: the weights stay those of the last finite step.
             if self.on_nonfinite == "stop":
@@ -163,9 +163,10 @@ class OptimizerStep:
         return watched[1]
 
     def _may_read_late(self) -> bool:
-        # Alone (the ranks' agreement reads the host anyway), plain parameters, and only to skip:
-        # "stop" must stop before the next batch is trained on.
-        return self.on_nonfinite == "skip" and self.ranks.world == 1 and self._stepped_parameters()[1]
+        # Plain parameters, and only to skip: "stop" must stop before the next batch is trained
+        # on. (The job says whether a late check spares anything: alone, where no agreement reads
+        # the host anyway.)
+        return self.on_nonfinite == "skip" and self._stepped_parameters()[1]
 
     def _check_late(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether this step's non-finite check is left on the device (`finite.LateRead`): the
@@ -302,7 +303,7 @@ class OptimizerStep:
         self._stepped = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The scheduler and the gradient scaler (the optimizer is the job's to take: `Solo.model_state`)."""
+        """The scheduler and the gradient scaler (the optimizer is the job's to take: `ranks.job.model_state`)."""
         return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None}
 

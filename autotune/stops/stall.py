@@ -31,7 +31,6 @@ Owns the watchdog thread. Touches: the user's warnings, the journal; reads the b
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from typing import Any, Callable
@@ -59,10 +58,10 @@ class StallWatch:
     """The watchdog of a trainer's fits: `start()` with the trainer, `with watch:` around each fit
     (what it watches), `stop()` at close."""
 
-    def __init__(self, in_hand: Any, indices: Callable[[int], list[int] | None], journal: Any, *, world: int,
+    def __init__(self, in_hand: Any, indices: Callable[[int], list[int] | None], journal: Any, *, ranks: Any,
                  seconds: float | None = None):
         self._in_hand, self._indices, self._journal = in_hand, indices, journal
-        self._world, self._seconds = world, seconds
+        self._ranks, self._seconds = ranks, seconds  # ranks: this process's place in the job (ranks/process.py)
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._fitting = False  # between a fit's start and end: the batch in hand is this trainer's
@@ -80,7 +79,7 @@ class StallWatch:
         """Whether a stop signal now should unwind the wait for a batch (see the module docstring): only
         inside the loader's `next()` (`BatchInHand.fetch` catches it there)."""
         waited = self._in_hand.waited()
-        return waited is not None and self._in_hand.in_next and (self._world == 1 or waited >= self.threshold())
+        return waited is not None and self._in_hand.in_next and self._ranks.may_stop_waiting(waited >= self.threshold())
 
     def start(self) -> None:
         """Start the thread (once); where it cannot start, the run goes on without the warning."""
@@ -124,8 +123,8 @@ class StallWatch:
         indices = self._indices(position) or []
         shown = (f"; the dataset's samples being fetched: [{', '.join(map(str, indices[:64]))}"
                  f"{', ...' if len(indices) > 64 else ''}]") if indices else ""
-        rank = f"rank {os.environ['RANK']}: " if self._world > 1 and "RANK" in os.environ else ""
         # Said on every rank: a stalled rank is rarely rank 0, whose peers wait for it in silence.
+        rank = self._ranks.label()
         warn(f"{rank}no batch for {waited:.0f} s (over {threshold:.0f} s): waiting for batch {batches_done + 1} of "
              f"epoch {epoch + 1}, {position} samples into it{shown}. A __getitem__ that blocks (storage, a lock) or a "
              "stuck worker? SIGTERM or Ctrl-C now checkpoints the last completed step and stops",

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 from autotune.common.notices import warn
 from autotune.common.oom import ExchangeFailed, OutOfMemory, TooManyNonFiniteSteps
 from autotune.data.pipeline import UnlikeTheOthers
+from autotune.ranks.process import Process
 from autotune.run_folder.checkpoint import CheckpointFailed, RankFailed
 from autotune.stops.stall import StoppedWhileWaiting
 
@@ -39,7 +40,7 @@ END = object()  # what `BatchInHand.fetch` returns after an epoch's last batch
 class BatchInHand:
     """Where the loop is, kept cheaply (put in words only when an error needs it)."""
 
-    def __init__(self, describe: Callable[[int, int, int], str], *, world: int, folder: Path,
+    def __init__(self, describe: Callable[[int, int, int], str], *, ranks: Process, folder: Path,
                  find_bad: Callable[[int, int], tuple[int, Exception] | None] | None = None,
                  preempted: Callable[[int, Path | None], BaseException] | None = None,
                  stop_pending: Callable[[], int | None] | None = None):
@@ -47,7 +48,7 @@ class BatchInHand:
         self._find_bad = find_bad  # (epoch, position) -> (index, its error) of the first sample that fails
         self._preempted = preempted  # (signum, the checkpoint's path) -> the error that ends a stop by signal
         self._stop_pending = stop_pending  # () -> the stop signal received in this fit, or None
-        self._world, self._folder = world, folder  # the job's size; the checkpoints' folder
+        self._ranks, self._folder = ranks, folder  # this process's place in the job; the checkpoints' folder
         self._batch: tuple[int, int, int] | None = None
         self._waiting_since: float | None = None  # perf_counter() at the start of the wait for the batch in hand
         self.in_next = False  # inside the loader's next(): a stop signal may unwind the wait
@@ -73,7 +74,8 @@ class BatchInHand:
         try:
             try:
                 self.start(epoch, position, batches_done, step, now)  # inside: a signal may come once it is marked
-                pending = self._stop_pending() if self._stop_pending is not None and self._world == 1 else None
+                # Alone; under torchrun the step's agreement carries it.
+                pending = self._ranks.known_to_all(self._stop_pending()) if self._stop_pending is not None else None
                 if pending is not None:  # it came after the last step's check: no new wait
                     raise StoppedWhileWaiting(pending)
                 batch = next(batches)
@@ -93,7 +95,7 @@ class BatchInHand:
         return batch
 
     def _stopped(self, signum: int, save: Callable[[str], Path | None]) -> None:
-        saved = save(f"signal {signal.Signals(signum).name}") if self._world == 1 else None
+        saved, _ = self._ranks.save_alone(lambda: save(f"signal {signal.Signals(signum).name}"))
         raise self._preempted(signum, saved) from None
 
     def done(self) -> None:
@@ -129,15 +131,15 @@ class BatchInHand:
                 self._name_bad_sample(exc)  # (a sample that calls sys.exit would call it again)
         if isinstance(exc, (OutOfMemory, ExchangeFailed, RankFailed, CheckpointFailed, TooManyNonFiniteSteps)):
             return None
-        unsaved = None
-        if self._world > 1:
-            unsaved = (f"not checkpointed (under torchrun a checkpoint needs every rank); the newest checkpoint in "
-                       f"{self._folder} is the one to resume from")
-        elif self._batch is not None and step != self.step_at_start:
-            # keep_effective_batch=False steps inside a batch: a checkpoint would train that part again.
+        unsaved, path = None, None
+        if self._batch is not None and step != self.step_at_start:
+            # keep_effective_batch=False steps inside a batch (alone only): a checkpoint would train that part again.
             unsaved = ("not checkpointed: this batch was already partly stepped on, and the newest checkpoint in "
                        f"{self._folder} is the one to resume from")
-        path = save("exit" if exiting else "error") if unsaved is None else None
+        else:
+            path, why = self._ranks.save_alone(lambda: save("exit" if exiting else "error"))
+            if why is not None:
+                unsaved = f"not checkpointed ({why}); the newest checkpoint in {self._folder} is the one to resume from"
         if exiting:
             done = unsaved or (f"the training up to step {step} is in the checkpoint {path}" if path is not None
                                else "the checkpoint could not be written (said above)")

@@ -85,7 +85,7 @@ class StopRequest:
     def __init__(self, ranks: Any, device: torch.device, callbacks: Callbacks):
         self.reason: str | None = None
         self._ranks, self._device = ranks, device
-        self._agree = bool(callbacks) and ranks.world > 1
+        self._agree = bool(callbacks)  # alone, `ranks.any` is the flag itself: no collective
 
     def ask(self, reason: str) -> None:
         self.reason = str(reason)

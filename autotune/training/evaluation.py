@@ -39,7 +39,7 @@ import time
 from typing import Any, Callable, Mapping
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
 from autotune.common.batching import batch_len, is_namedtuple, micro_batches
 from autotune.common.notices import warn
@@ -109,9 +109,7 @@ class Evaluator:
     def loader(self, dataset: Dataset | DataLoader) -> DataLoader:
         if isinstance(dataset, DataLoader):
             return dataset
-        ranks = self.core.ranks
-        if ranks.world > 1:  # each rank its share, in order; the sums meet at the end
-            dataset = Subset(dataset, range(ranks.rank, len(dataset), ranks.world))
+        dataset = self.core.ranks.share(dataset)  # each rank its share, in order; the sums meet at the end
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate_fn)
 
     def run(self, dataset: Dataset | DataLoader, step: int, epoch: int) -> dict[str, float]:
@@ -126,11 +124,10 @@ class Evaluator:
         model.eval()
         try:
             with torch.no_grad():
-                if self.core.ranks.job.forwards_are_collective:
-                    samples = self._lockstep(self.loader(dataset), sums, outputs, step, epoch)
-                else:
-                    for batch in self.loader(dataset):
-                        samples += self._batch(batch, sums, outputs, step, epoch)
+                # Batch by batch, or (sharded: every forward is collective) in rounds every rank joins.
+                samples = self.core.ranks.job.evaluate(
+                    self.loader(dataset), lambda batch: self._batch(batch, sums, outputs, step, epoch),
+                    lambda batches: self._lockstep(batches, sums, outputs, step, epoch))
         finally:
             outputs[0] = None
             if hook is not None:
@@ -194,9 +191,7 @@ class Evaluator:
         their mean weighted by samples, tensors joined along their first dimension, tuples and
         dicts leaf by leaf."""
         core = self.core
-        if core.ranks.job.forwards_are_collective:
-            raise NotImplementedError("Tuner.evaluate under FSDP2 (every forward is collective) is not supported "
-                                      "yet: evaluate with AutoTrainer.evaluate, or unsharded")
+        core.ranks.job.require_free_forwards("Tuner.evaluate", "evaluate with AutoTrainer.evaluate, or unsharded")
         n = batch_len(batch)
         if self.micro_batch_size is None:  # the first batch sizes it; a larger one raises the cap
             self.micro_batch_size = n

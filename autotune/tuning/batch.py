@@ -147,11 +147,10 @@ class BatchRunner:
         if reduced:
             self.stepper.step(n)
         elif optimizer_step and self.keep_effective_batch:
-            if held and self.ranks.job.bucket is not None:
-                # The held gradients are views of the ranks' gradient buffers: added into them first
-                # (rank-alike already, so averaging leaves them as they are).
-                add_gradients(held)
-                held = None
+            if held:
+                # Where the held gradients are views of the ranks' gradient buffers (replicated), the
+                # job adds them in first (rank-alike already, so averaging leaves them as they are).
+                held = self.ranks.job.held_into_buffers(held)
             self.stepper.reduce_gradients(attempt.ref, attempt.items)
             if held:
                 add_gradients(held)

@@ -30,7 +30,7 @@ from autotune.decisions.knobs import Knobs
 from autotune.memory.demand import StepDemand
 from autotune.monitor.process import MonitorProcess
 from autotune.observe.journal import Journal, RunLog
-from autotune.ranks.distributed import Ranks, Solo
+from autotune.ranks.process import Process
 from autotune.step.core import StepCore, StepFn
 from autotune.step.optimizer_step import OptimizerStep
 from autotune.tuning.batch import BatchOutcome
@@ -54,7 +54,7 @@ class Wiring:
     `Tuner(..., _wiring=Wiring(...))`. Not a user's arguments, so not among the public ones."""
 
     host: Host | None = None  # what it lends (held weakly); None: the Tuner checkpoints itself
-    ranks: Solo | Ranks | None = None  # the job it joined; None: from the environment, joined by the Tuner
+    ranks: Process | None = None  # the job it joined; None: from the environment, joined by the Tuner
     counters: Progress | None = None  # the counters it owns and shares with the Tuner
     backward_fn: Callable[[torch.Tensor], Any] | None = None  # its framework's backward; None: loss.backward()
     owns_optimizer: bool = True  # False: its framework steps the optimizer and wraps the model (no DDP here)
@@ -70,7 +70,7 @@ class HostFace(Protocol):
     knobs: Knobs
     log: RunLog
     journal: Journal
-    ranks: Solo | Ranks
+    ranks: Process
     counters: Progress
     demand: StepDemand
     model: nn.Module

@@ -173,8 +173,7 @@ class ReliefLadder:
         return builds_bf16_kernels_under_a_hard_cap() if self.core.device.type == "cpu" else None
 
     def _prune(self, ratio: float, save_checkpoint: Callable[[str], Any]) -> dict[str, Any]:
-        if self.ranks.job.why_not_prunable is not None:
-            raise UnsafePruning(self.ranks.job.why_not_prunable)
+        self.ranks.job.check_prunable()  # UnsafePruning where the job's model cannot be pruned (sharded)
         if self._inputs.example is None:
             raise UnsafePruning("the model has not run yet: there is no input to trace it with")
         save_checkpoint("before_pruning")  # the unpruned model can be restored from here

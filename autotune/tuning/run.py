@@ -23,7 +23,7 @@ from torch import nn
 from autotune.common.progress import Progress
 from autotune.decisions.knobs import Knobs
 from autotune.observe.journal import Journal
-from autotune.ranks.distributed import Ranks, Solo
+from autotune.ranks.process import Process
 
 
 class Lent:
@@ -53,7 +53,7 @@ class Run:
 
     model: nn.Module  # the user's model, on the device (the DDP wrapper is the job's: `ranks.module`)
     device: torch.device
-    ranks: Solo | Ranks  # the job: its collectives, and `ranks.job` its strategy
+    ranks: Process  # the job: its collectives, and `ranks.job` its strategy
     knobs: Knobs  # what policies control
     counters: Progress  # where the run is
     journal: Journal  # events.jsonl (rank 0 writes)

@@ -8,15 +8,26 @@ import torch
 from autotune.run_folder.checkpoint import Checkpointer
 from autotune.run_folder.checkpoint_files import Checkpoints
 from autotune.ranks.distributed import Solo
+from autotune.ranks.sharded import Sharded
+from autotune.ranks.whole_model import Replicated, Single
 from autotune.run_folder.sharded_checkpoint import IN_DCP, REST, join, split
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process: meant
 
 
+class ShardedLayout(Single):
+    """Alone, with a sharded model's checkpoint answers (`Sharded`'s own: one rank, every shard)."""
+
+    reads_shards, prepare_checkpoint, write_checkpoint = (Sharded.reads_shards, Sharded.prepare_checkpoint,
+                                                          Sharded.write_checkpoint)
+
+
 class ShardedSolo(Solo):
     """A process alone whose checkpoints are written as a sharded model's (one rank, every shard)."""
 
-    writes_shards = True  # the one answer of the job that the checkpointer asks
+    def __init__(self):
+        super().__init__()
+        self.job = ShardedLayout()
 
 
 class Journal:
@@ -127,6 +138,10 @@ class ReplicatedPair(Solo):
     """Rank 0 of two whose model is replicated (DDP): its checkpoints are one file."""
 
     world = 2
+
+    def __init__(self):
+        super().__init__()
+        self.job = Replicated(torch.device("cpu"))
 
 
 def test_a_replicated_job_that_finds_a_sharded_checkpoint_says_so_instead_of_starting_afresh(tmp_path):

@@ -22,6 +22,7 @@ from autotune import AutoTrainer
 from autotune.training.batch_in_hand import END, BatchInHand
 from autotune.stops.preemption import Preempted, StopRequests, stop_signals
 from autotune.stops.stall import StallWatch
+from autotune.ranks.distributed import Solo
 from tests.conftest import journal
 
 SCRIPT = """
@@ -264,9 +265,9 @@ def test_a_signal_at_any_instruction_of_fetch_is_the_stop_never_a_bare_stoppedwh
     offset = 0
     while True:
         stop = StopRequests((signal.SIGTERM,))
-        in_hand = BatchInHand(lambda *a: "", world=1, folder=Path("."), stop_pending=stop.pending,
+        in_hand = BatchInHand(lambda *a: "", ranks=Solo(), folder=Path("."), stop_pending=stop.pending,
                               preempted=lambda signum, path: Preempted(signum, f"stopped, {path}"))
-        watch = StallWatch(in_hand, lambda position: None, None, world=1)
+        watch = StallWatch(in_hand, lambda position: None, None, ranks=Solo())
         watch.stop()
         stop.interrupts = watch.interrupts
         seen = [0]
@@ -318,7 +319,7 @@ def test_a_signal_during_the_stops_checkpoint_does_not_abandon_it(tmp_path):
 
     def body():
         stop = StopRequests((signal.SIGTERM,))
-        in_hand = BatchInHand(lambda *a: "", world=1, folder=tmp_path, stop_pending=stop.pending,
+        in_hand = BatchInHand(lambda *a: "", ranks=Solo(), folder=tmp_path, stop_pending=stop.pending,
                               preempted=lambda signum, saved: Preempted(signum, f"stopped, {saved}"))
         with stop:
             os.kill(os.getpid(), signal.SIGTERM)  # after the last step's check: the next fetch stops

@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+from autotune.ranks.distributed import Ranks, Solo
 from autotune.training.batch_in_hand import BatchInHand
 from autotune.stops.stall import FIRST_BATCH, HIGHEST, LOWEST, StallWatch
 
@@ -124,8 +125,8 @@ class _Journal:
 
 
 def test_the_threshold_follows_the_measured_batch_times_within_its_bounds():
-    in_hand = BatchInHand(lambda *a: "", world=1, folder=Path("."))
-    watch = StallWatch(in_hand, lambda position: None, _Journal(), world=1)
+    in_hand = BatchInHand(lambda *a: "", ranks=Solo(), folder=Path("."))
+    watch = StallWatch(in_hand, lambda position: None, _Journal(), ranks=Solo())
     in_hand.new_fit()
     in_hand.start(0, 0, 0, 0, now=100.0)
     assert watch.threshold() == FIRST_BATCH  # the first batch starts the workers
@@ -134,13 +135,14 @@ def test_the_threshold_follows_the_measured_batch_times_within_its_bounds():
         for k in range(4):
             in_hand.start(0, 8 * k, k, k, now=k * gap)
         assert watch.threshold() == pytest.approx(expected), gap
-    assert StallWatch(in_hand, lambda position: None, _Journal(), world=1, seconds=3.0).threshold() == 3.0
+    assert StallWatch(in_hand, lambda position: None, _Journal(), ranks=Solo(), seconds=3.0).threshold() == 3.0
 
 
 def test_a_stall_is_named_once_per_batch_with_its_samples(capfd):
-    in_hand = BatchInHand(lambda *a: "", world=1, folder=Path("."))
+    in_hand = BatchInHand(lambda *a: "", ranks=Solo(), folder=Path("."))
     journal = _Journal()
-    watch = StallWatch(in_hand, lambda position: list(range(position, position + 4)), journal, world=1, seconds=2.0)
+    watch = StallWatch(in_hand, lambda position: list(range(position, position + 4)), journal, ranks=Solo(),
+                       seconds=2.0)
     in_hand.start(1, 8, 2, 7, now=time.perf_counter())
     watch.check()
     assert journal.records == []  # not yet
@@ -152,7 +154,7 @@ def test_a_stall_is_named_once_per_batch_with_its_samples(capfd):
     assert "waiting for batch 3 of epoch 2, 8 samples into it; the dataset's samples being fetched: [8, 9, 10, 11]" \
         in capfd.readouterr().err
     assert watch.interrupts()  # alone, any wait is unwound by a stop signal
-    two_ranks = StallWatch(in_hand, lambda position: None, journal, world=2, seconds=60.0)
+    two_ranks = StallWatch(in_hand, lambda position: None, journal, ranks=Ranks(0, 2, 0), seconds=60.0)
     assert not two_ranks.interrupts()  # under torchrun, only a stall (the others wait in the step's collectives)
     in_hand.done()
     assert not watch.interrupts()
