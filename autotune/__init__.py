@@ -57,6 +57,8 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _moved.MOVED:  # `autotune.oom` after `import autotune`, as before the folders
+        return importlib.import_module(f"autotune.{name}")
     raise AttributeError(f"module 'autotune' has no attribute {name!r}")
 
 

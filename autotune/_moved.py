@@ -14,8 +14,10 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from types import ModuleType
+from typing import Any
 
 MOVED = {
     "events": "common.events", "actions": "common.actions", "snapshot": "common.snapshot", "oom": "common.oom",
@@ -61,6 +63,13 @@ class _Alias(importlib.abc.Loader):
         # The import system set the module's __spec__ to the old name's: the module keeps its own.
         module.__spec__ = self._spec
 
+    def get_code(self, fullname: str) -> Any:
+        """The new module's code, for `python -m autotune.<old path>` (runpy runs it as __main__)."""
+        spec = importlib.util.find_spec(self.target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
+            raise ImportError(f"{fullname} moved to {self.target}, which has no code to run", name=fullname)
+        return spec.loader.get_code(self.target)
+
 
 class OldPaths(importlib.abc.MetaPathFinder):
     """Finds `autotune.<old path>` for the modules that moved into folders."""
@@ -71,7 +80,12 @@ class OldPaths(importlib.abc.MetaPathFinder):
         new = MOVED.get(fullname[len("autotune."):])
         if new is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _Alias("autotune." + new))
+        target = importlib.util.find_spec("autotune." + new)
+        spec = importlib.machinery.ModuleSpec(fullname, _Alias("autotune." + new),
+                                              origin=target.origin if target is not None else None)
+        # Its file, for `python -m autotune.<old path>` (runpy's __file__); an import keeps the module's own.
+        spec.has_location = target is not None and target.has_location
+        return spec
 
 
 def install() -> None:

@@ -94,3 +94,14 @@ def test_the_module_paths_from_before_the_folders_are_the_modules_they_became():
     # A name that never existed is still an ImportError, not something the aliases make up.
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("autotune.no_such_module")
+    assert autotune.oom is autotune.common.oom  # an attribute of the package, as before the folders
+    with pytest.raises(AttributeError):
+        autotune.no_such_module  # noqa: B018
+
+
+def test_an_old_module_path_runs_with_python_m():
+    # docs/policies.md said `python -m autotune.presets` before the folders: it prints the policy table still.
+    done = subprocess.run([sys.executable, "-m", "autotune.presets"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| `halve_on_oom` |" in done.stdout
