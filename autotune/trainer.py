@@ -33,7 +33,7 @@ from autotune.common.notices import warn
 from autotune.common.oom import OutOfMemory
 from autotune.common.progress import FitResult, Progress
 from autotune.common.snapshot import InputState, StepTiming
-from autotune.common.validate import check_int
+from autotune.common.validate import check_bool, check_int
 from autotune.data.pipeline import InputPipeline, changed_input
 from autotune.decisions.policy import Policy
 from autotune.memory.figures import gc_frozen, memory_text
@@ -102,12 +102,19 @@ class AutoTrainer:
         check_run_limits(checkpoint_every=checkpoint_every, checkpoint_interval=checkpoint_interval, seed=seed,
                          keep_checkpoints=keep_checkpoints, monitor=monitor, monitor_interval=monitor_interval,
                          data_stall_seconds=data_stall_seconds)
+        for name in ("keep_effective_batch", "shuffle", "progress", "shard"):  # the Tuner's too: before the data's
+            check_bool("", name, given[name])
+        # All that can be checked before the Tuner takes the run folder (a factory's scheduler is built there).
+        plateau = (isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+                   if scheduler is None or hasattr(scheduler, "state_dict") else None)
+        check_evaluation(eval_dataset=eval_dataset, eval_every=eval_every, eval_batch_size=eval_batch_size,
+                         metrics=metrics, scheduler_metric=scheduler_metric, plateau=plateau)
         self._stop = StopRequests(parse_stop_signals(stop_signals))  # its handlers are installed while a fit runs
         self.callbacks = Callbacks(callbacks)
         ranks = from_environment()
         device = resolve_device(ranks.device_for(device, keep_effective_batch))
         ranks.join(device)
-        self.keep_effective_batch = keep_effective_batch
+        self.keep_effective_batch = bool(keep_effective_batch)  # checked: a bool, or numpy's
         self.input = InputPipeline(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
                                    num_workers=num_workers, collate_fn=collate_fn, device=device, ranks=ranks,
                                    stop_signals=self._stop.signals)
@@ -115,37 +122,48 @@ class AutoTrainer:
         micro = resolve_micro_batch(micro_batch_size, batch_size)
         if loss_fn is not None and isinstance(dataset, Dataset) and not isinstance(dataset, IterableDataset):
             check_sample_layout(dataset[0])
-        # The step, OOM recovery, policies, monitor and run log: the same Tuner a custom loop uses.
-        self.counters = Progress()
-        # Its options by name (tuning/options.py): an option of the Tuner's that AutoTrainer shows is forwarded
-        # by being a keyword of both.
-        self.tuner = Tuner(model, optimizer, loss_fn=loss_fn, step_fn=step_fn, scheduler=scheduler,
-                           **tuner_keywords(given, micro_batch_size=micro, batch_size=batch_size, device=device),
-                           _wiring=Wiring(host=self, ranks=ranks, counters=self.counters))
-        self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
-        self.is_main = ranks.is_main
-        self.core, self.knobs, self.log, self.journal = self.tuner.core, self.tuner.knobs, self.tuner.log, self.tuner.journal
-        self.input.bind(self.knobs, self.journal)  # the workers in use, and where they cannot start
-        check_evaluation(eval_dataset=eval_dataset, eval_every=eval_every, eval_batch_size=eval_batch_size,
-                         metrics=metrics, scheduler_metric=scheduler_metric, plateau=self.tuner.stepper.plateau)
-        self.evaluation = EvaluationPlan(self.tuner.stepper, eval_dataset, eval_every, scheduler_metric)
-        self.evaluator = Evaluator(self.core, batch_size=eval_batch_size or batch_size, collate_fn=collate_fn,
-                                   metrics=metrics, journal=self.journal)
-        self.metrics: dict[str, float] = {}  # the last evaluation's
-        # A background checkpoint copies the state into host memory: the room under the host's
-        # tightest limit (the memory cap too, training on CPU).
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=keep_checkpoints, every=checkpoint_every,
-                                         interval=checkpoint_interval, ranks=self.ranks, journal=self.journal,
-                                         room_bytes=functools.partial(room_bytes, self.knobs.host_cap_bytes))
-        self._stop_request = StopRequest(ranks, device, self.callbacks)
-        # Named in the note of an error, and checkpointed before it propagates where that loses nothing.
-        self._in_hand = BatchInHand(self.input.describe_batch, ranks=ranks, folder=self.checkpointer.folder,
-                                    find_bad=self.input.find_bad_sample,
-                                    preempted=functools.partial(self.checkpointer.preempted, progress=self.counters),
-                                    stop_pending=self._stop.pending)
-        self._stall_watch = StallWatch(self._in_hand, self.input.batch_indices, self.journal, ranks=ranks,
-                                       seconds=data_stall_seconds)  # a loader that never answers is named
-        self._stop.interrupts = self._stall_watch.interrupts  # a stop signal during a wait unwinds it
+        try:
+            # The step, OOM recovery, policies, monitor and run log: the same Tuner a custom loop uses.
+            self.counters = Progress()
+            # Its options by name (tuning/options.py): an option of the Tuner's that AutoTrainer shows is forwarded
+            # by being a keyword of both.
+            self.tuner = Tuner(model, optimizer, loss_fn=loss_fn, step_fn=step_fn, scheduler=scheduler,
+                               **tuner_keywords(given, micro_batch_size=micro, batch_size=batch_size, device=device),
+                               _wiring=Wiring(host=self, ranks=ranks, counters=self.counters))
+            self.ranks, self.device, self.model, self.run_dir = ranks, device, self.tuner.model, self.tuner.run_dir
+            self.is_main = ranks.is_main
+            tuner = self.tuner
+            self.core, self.knobs, self.log, self.journal = tuner.core, tuner.knobs, tuner.log, tuner.journal
+            self.input.bind(self.knobs, self.journal)  # the workers in use, and where they cannot start
+            if plateau is None:  # a factory's scheduler: built by the Tuner
+                check_evaluation(eval_dataset=eval_dataset, eval_every=eval_every, eval_batch_size=eval_batch_size,
+                                 metrics=metrics, scheduler_metric=scheduler_metric, plateau=tuner.stepper.plateau)
+            self.evaluation = EvaluationPlan(self.tuner.stepper, eval_dataset, eval_every, scheduler_metric)
+            self.evaluator = Evaluator(self.core, batch_size=eval_batch_size or batch_size, collate_fn=collate_fn,
+                                       metrics=metrics, journal=self.journal)
+            self.metrics: dict[str, float] = {}  # the last evaluation's
+            # A background checkpoint copies the state into host memory: the room under the host's
+            # tightest limit (the memory cap too, training on CPU).
+            self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=keep_checkpoints,
+                                             every=checkpoint_every, interval=checkpoint_interval, ranks=self.ranks, journal=self.journal,
+                                             room_bytes=functools.partial(room_bytes, self.knobs.host_cap_bytes))
+            self._stop_request = StopRequest(ranks, device, self.callbacks)
+            # Named in the note of an error, and checkpointed before it propagates where that loses nothing.
+            self._in_hand = BatchInHand(self.input.describe_batch, ranks=ranks, folder=self.checkpointer.folder,
+                                        find_bad=self.input.find_bad_sample,
+                                        preempted=functools.partial(self.checkpointer.preempted,
+                                                                    progress=self.counters),
+                                        stop_pending=self._stop.pending)
+            self._stall_watch = StallWatch(self._in_hand, self.input.batch_indices, self.journal, ranks=ranks,
+                                           seconds=data_stall_seconds)  # a loader that never answers is named
+            self._stop.interrupts = self._stall_watch.interrupts  # a stop signal during a wait unwinds it
+        except BaseException:
+            # The run folder let go of and left as it was found (the Tuner's close removes what it made there
+            # that is still empty), so that this process, or another, can build a trainer there at once.
+            self.input.close()
+            if "tuner" in vars(self):
+                self.tuner.close()
+            raise
         self._closed = False
 
     step, epoch, position, batches_done, ooms, samples_seen = map(
@@ -167,6 +185,9 @@ class AutoTrainer:
         run killed and resumed ends with the same weights and `samples_seen` as one that was not."""
         check_int("", "epochs", epochs, 1)
         check_int("", "max_steps", max_steps, 1, optional=True)
+        if not isinstance(resume, (bool, str, os.PathLike)):
+            raise TypeError(f"resume={resume!r}: pass True (the newest checkpoint in run_dir), False (a new run) "
+                            "or the path of a checkpoint")
         if self._closed:
             raise RuntimeError("this AutoTrainer was closed: build a new one to train again")
         self.checkpointer.begin(resume, self.load_state_dict, self.counters, self.device,  # or refuse another run's

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import datetime
 import functools
+import os
+import shutil
 import time
 import weakref
 from pathlib import Path
@@ -62,7 +64,7 @@ from autotune.ranks.process import Process
 from autotune.run_folder import checkpoint_format
 from autotune.run_folder.checkpoint import Checkpointer, RankFailed
 from autotune.run_folder.rng import rng_state, set_rng_state
-from autotune.run_folder.run_lock import hold_run_dir
+from autotune.run_folder.run_lock import LOCK_NAME, hold_run_dir
 from autotune.run_folder.same_run import FRESH_TUNER, new_run_id, reliefs_checked
 from autotune.step.core import LossFn, StepCore, StepFn
 from autotune.step.optimizer_step import OptimizerStep
@@ -85,6 +87,45 @@ from autotune.tuning.reactions import Reactions
 from autotune.tuning.recovery import OOMRecovery, read_at_failure
 from autotune.tuning.relief_ladder import ReliefLadder
 from autotune.tuning.run import Lent, Run
+
+
+# What a Tuner's construction makes in its run folder (the lock, the run log's files, TensorBoard's default folder).
+MADE = (LOCK_NAME, "events.jsonl", "steps.jsonl", "tb")
+
+
+def _entries(run_dir: Path) -> tuple[frozenset[str], int] | None:
+    """The names in `run_dir`, and the size of its journal (None: there is no such folder)."""
+    try:
+        names = frozenset(os.listdir(run_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return names, _size(run_dir / "events.jsonl")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _leave_as_found(run_dir: Path, found: tuple[frozenset[str], int] | None) -> None:
+    """Where this Tuner journaled nothing (its constructor failed, or it was closed before a run began):
+    what it made in `run_dir` (`MADE`, absent from `found`, what the folder held before; None: no folder)
+    removed, and the folder too where it made it and nothing else is in it. Anything else stays."""
+    before, journal_size = found or (frozenset(), 0)
+    if not run_dir.is_dir() or _size(run_dir / "events.jsonl") != journal_size:
+        return  # a run's record: kept, with the lock file that goes with it
+    for name in MADE:
+        path = run_dir / name
+        if name in before or path.is_symlink() or not path.exists():
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if found is None and not os.listdir(run_dir):
+        run_dir.rmdir()
 
 
 def default_run_dir(ranks: Process) -> Path:
@@ -129,45 +170,53 @@ class Tuner:
         self.history = AllocationHistory.asked(options.memory_snapshot, self.device)
         self.keep_effective_batch, self.is_main = keep_effective_batch, self.ranks.is_main
         self.run_dir = Path(options.run_dir) if options.run_dir is not None else default_run_dir(self.ranks)
-        self._lock = hold_run_dir(self.run_dir, self.ranks)  # one writer: another process's run here is refused
-        self.run_id = self.ranks.broadcast_object(new_run_id())  # rank 0's; a resume takes the checkpoint's
-        self.log = RunLog(self.run_dir, writes=self.is_main, tensorboard=options.tensorboard, progress=options.progress)
-        self.journal = self.log.journal  # rank 0 writes
-        self.counters = counters if counters is not None else Progress()
-        self.counters.on_ranks(self.ranks.world, epoch_too=True)
-        self.stepper = OptimizerStep(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
-                                     device=self.device, ranks=self.ranks, counters=self.counters, options=options.step)
-        self.core = StepCore(self.model, self.stepper, loss_fn=loss_fn, step_fn=step_fn, device=self.device,
-                             ranks=self.ranks, options=options.step, backward_fn=_wiring.backward_fn)
-        # Sizes are known once batches are: the first one sets them unless given here.
-        self.knobs = Knobs.given(options.batch_size, options.micro_batch_size, self.device,
-                                 resolve_memory_cap(options.memory_cap, self.device))
-        run = Run(self.model, self.device, self.ranks, self.knobs, self.counters, self.journal, self.run_dir,
-                  keep_effective_batch, Lent(self))  # what the rooms below share
-        self.dispatcher = Dispatcher(resolve_policies(options.policies), self.knobs, self.journal)
-        self.ladder = ReliefLadder(run, self.core, self.stepper)
-        self.monitor_link = MonitorLink(self.run_dir, self.device, enabled=options.monitor and self.is_main,
-                                        interval=options.monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
-                                        journal=self.journal)
-        self.demand = StepDemand(self.device, self.knobs.memory_cap_bytes)
-        self.cadence = MeasureCadence()
-        self.recovery = OOMRecovery(run, self.stepper, self.demand, self.history, dispatcher=self.dispatcher,
-                                    cadence=self.cadence, reliefs_allowed=options.reliefs)
-        self.batches = BatchRunner(run, self.core, self.stepper, self.cadence, self.demand, self.recovery)
-        self.evaluator = Evaluator(self.core, batch_size=None, collate_fn=None, metrics=None, journal=self.journal)
-        self._host = weakref.ref(host) if host is not None else None
-        self.reactions = Reactions(run, self.dispatcher, self.ladder, self.monitor_link, self.demand, self.cadence,
-                                   self.batches, log=self.log, stepper=self.stepper, host=self._host,
-                                   reliefs_allowed=options.reliefs)
-        # A host writes its own checkpoints; alone, the Tuner writes state_dict() into run_dir/checkpoints.
-        self._checkpointer = None if host is not None else Checkpointer(
-            self.run_dir / "checkpoints", keep=3, every=None, interval=None, ranks=self.ranks, journal=self.journal)
-        # The demand's and the history's, not ours: no reference cycle
-        self.core.on_failure = functools.partial(read_at_failure, self.demand, self.history, self.model, self.device)
-        self._memory_fraction_set = options.memory_cap is not None and self.device.type == "cuda"
+        policies = resolve_policies(options.policies)  # a preset read and checked before the folder is taken
         self._started = self._closed = False  # started: between begin() and end() (fit_start ... fit_end)
-        self._loaded = False  # a state loaded (load_state_dict): not a fresh run
-        self._last_step_end: float | None = None  # a step's end: the next one's time runs from it
+        cap_bytes = resolve_memory_cap(options.memory_cap, self.device)  # sets CUDA's fraction: given back at close
+        self._memory_fraction_set = options.memory_cap is not None and self.device.type == "cuda"
+        # What the folder held before: a failed construction, or a Tuner closed before it journaled anything,
+        # removes what it made there and nothing else (`_leave_as_found`).
+        self._found = _entries(self.run_dir) if self.is_main else None
+        try:
+            self._lock = hold_run_dir(self.run_dir, self.ranks)  # one writer: another process's run here is refused
+            self.run_id = self.ranks.broadcast_object(new_run_id())  # rank 0's; a resume takes the checkpoint's
+            self.log = RunLog(self.run_dir, writes=self.is_main, tensorboard=options.tensorboard, progress=options.progress)
+            self.journal = self.log.journal  # rank 0 writes
+            self.counters = counters if counters is not None else Progress()
+            self.counters.on_ranks(self.ranks.world, epoch_too=True)
+            self.stepper = OptimizerStep(self.model, optimizer, make_scheduler(scheduler, optimizer) if optimizer else None,
+                                         device=self.device, ranks=self.ranks, counters=self.counters, options=options.step)
+            self.core = StepCore(self.model, self.stepper, loss_fn=loss_fn, step_fn=step_fn, device=self.device,
+                                 ranks=self.ranks, options=options.step, backward_fn=_wiring.backward_fn)
+            # Sizes are known once batches are: the first one sets them unless given here.
+            self.knobs = Knobs.given(options.batch_size, options.micro_batch_size, self.device, cap_bytes)
+            run = Run(self.model, self.device, self.ranks, self.knobs, self.counters, self.journal, self.run_dir,
+                      keep_effective_batch, Lent(self))  # what the rooms below share
+            self.dispatcher = Dispatcher(policies, self.knobs, self.journal)
+            self.ladder = ReliefLadder(run, self.core, self.stepper)
+            self.monitor_link = MonitorLink(self.run_dir, self.device, enabled=options.monitor and self.is_main,
+                                            interval=options.monitor_interval, cap_bytes=self.knobs.memory_cap_bytes,
+                                            journal=self.journal)
+            self.demand = StepDemand(self.device, self.knobs.memory_cap_bytes)
+            self.cadence = MeasureCadence()
+            self.recovery = OOMRecovery(run, self.stepper, self.demand, self.history, dispatcher=self.dispatcher,
+                                        cadence=self.cadence, reliefs_allowed=options.reliefs)
+            self.batches = BatchRunner(run, self.core, self.stepper, self.cadence, self.demand, self.recovery)
+            self.evaluator = Evaluator(self.core, batch_size=None, collate_fn=None, metrics=None, journal=self.journal)
+            self._host = weakref.ref(host) if host is not None else None
+            self.reactions = Reactions(run, self.dispatcher, self.ladder, self.monitor_link, self.demand, self.cadence,
+                                       self.batches, log=self.log, stepper=self.stepper, host=self._host,
+                                       reliefs_allowed=options.reliefs)
+            # A host writes its own checkpoints; alone, the Tuner writes state_dict() into run_dir/checkpoints.
+            self._checkpointer = None if host is not None else Checkpointer(
+                self.run_dir / "checkpoints", keep=3, every=None, interval=None, ranks=self.ranks, journal=self.journal)
+            # The demand's and the history's, not ours: no reference cycle
+            self.core.on_failure = functools.partial(read_at_failure, self.demand, self.history, self.model, self.device)
+            self._loaded = False  # a state loaded (load_state_dict): not a fresh run
+            self._last_step_end: float | None = None  # a step's end: the next one's time runs from it
+        except BaseException:
+            self._give_back()  # the folder let go of, as found: this process or another may take it at once
+            raise
 
     step_count = property(lambda self: self.counters.step, doc="optimizer steps taken")
     ooms = property(lambda self: self.counters.ooms, doc="out-of-memory errors survived")
@@ -388,15 +437,27 @@ class Tuner:
             return
         self.end()
         self._closed = True
-        self.ladder.close()
-        self.monitor_link.stop()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """What close() gives back, of what was built: all of it, or as far as a constructor that failed got."""
+        built = vars(self)
+        if "ladder" in built:
+            self.ladder.close()
+        if "monitor_link" in built:
+            self.monitor_link.stop()
         if self.history is not None:
             self.history.stop()
         if self._memory_fraction_set:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
-        self.log.close()
-        self.demand.peak.close()
-        self._lock.release()
+        if "log" in built:
+            self.log.close()
+        if "demand" in built:
+            self.demand.peak.close()
+        if "_lock" in built:
+            if self.is_main:  # rank 0's folder; while it is still held, so no other run's files are touched
+                _leave_as_found(self.run_dir, self._found)
+            self._lock.release()
 
     def __enter__(self) -> "Tuner":
         return self

@@ -21,6 +21,7 @@ Touches: the job's collectives (a stop agreed by every rank), the journal.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Sequence
 
 import torch
@@ -49,6 +50,9 @@ class Callbacks:
     """The trainer's callbacks, in the order given."""
 
     def __init__(self, callbacks: Sequence[Any] | None):
+        if callbacks is not None and (isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable)):
+            raise TypeError(f"callbacks={callbacks!r}: pass a list of callback objects (each with one of the hooks "
+                            f"{', '.join(HOOKS)}), or None")
         self.items = list(callbacks or [])
         for i, callback in enumerate(self.items):
             if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):

@@ -11,8 +11,9 @@ Owns: the rules for arguments. Touches: the CUDA allocator fraction (above), not
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Iterable
 
 import psutil
@@ -21,7 +22,7 @@ from torch import nn
 
 from autotune.common.options import build
 from autotune.common.units import format_bytes, parse_bytes
-from autotune.common.validate import check_int, check_positive, check_range, is_number
+from autotune.common.validate import check_bool, check_int, check_positive, check_range, is_bool, is_number
 from autotune.memory.figures import with_cuda_index
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL
 from autotune.step.core import PRECISIONS
@@ -167,12 +168,25 @@ def check_run_limits(*, checkpoint_every: Any, checkpoint_interval: Any, keep_ch
     check_positive("", "checkpoint_interval", checkpoint_interval, optional=True)
     check_positive("", "data_stall_seconds", data_stall_seconds, optional=True)
     check_int("", "keep_checkpoints", keep_checkpoints, 1)
-    check_int("", "seed", seed, None)  # any integer: torch takes negative seeds too
+    check_seed(seed)
+    check_bool("", "monitor", monitor)
     if monitor:
         check_range("", "monitor_interval", monitor_interval, MIN_INTERVAL, MAX_INTERVAL, " s")
 
 
 NONFINITE = ("skip", "stop")
+# What torch.Generator.manual_seed takes is a 64-bit integer; any one, negative too, seeds it.
+SEED_RANGE = (-2 ** 63, 2 ** 63 - 1)
+
+
+def check_seed(seed: Any) -> None:
+    """`seed`: an integer torch's generators take (64 bits), checked before a generator is seeded with it."""
+    check_int("", "seed", seed, SEED_RANGE[0], maximum=SEED_RANGE[1])
+
+
+def compile_keywords() -> frozenset[str]:
+    """The keywords `torch.compile(model, **compile)` takes besides the model."""
+    return frozenset(inspect.signature(torch.compile).parameters) - {"model"}
 
 
 def tuner_options(given: Mapping[str, Any]) -> TunerOptions:
@@ -180,8 +194,15 @@ def tuner_options(given: Mapping[str, Any]) -> TunerOptions:
     `inject_oom` resolved to the rate (the AUTOTUNE_INJECT_OOM environment variable read here, once)."""
     options = build(TunerOptions, given)
     check_tuner_options(options)
-    return dataclasses.replace(options, step=dataclasses.replace(options.step,
-                                                                  inject_oom=injection_rate(options.step.inject_oom)))
+    return _python_bools(dataclasses.replace(options, step=_python_bools(dataclasses.replace(
+        options.step, inject_oom=injection_rate(options.step.inject_oom)))))
+
+
+def _python_bools(options: Any) -> Any:
+    """`options` with numpy's bools as Python's: the parts ask `tensorboard is True`, `compile is not False`."""
+    bools = {f.name: bool(value) for f in dataclasses.fields(options)
+             if is_bool(value := getattr(options, f.name)) and not isinstance(value, bool)}
+    return dataclasses.replace(options, **bools) if bools else options
 
 
 def check_step_options(options: StepOptions) -> None:
@@ -189,8 +210,15 @@ def check_step_options(options: StepOptions) -> None:
     if options.on_nonfinite not in NONFINITE:
         raise ValueError(f"on_nonfinite={options.on_nonfinite!r}: pass one of {', '.join(map(repr, NONFINITE))}")
     check_int("", "max_nonfinite_steps", options.max_nonfinite_steps, 0, optional=True)
-    if not isinstance(options.compile, (bool, dict)):
+    if not (is_bool(options.compile) or isinstance(options.compile, dict)):
         raise TypeError(f"compile={options.compile!r}: pass True/False or a dict of torch.compile options")
+    if isinstance(options.compile, dict):
+        unknown = sorted(map(str, set(options.compile) - compile_keywords()))
+        if unknown:
+            raise ValueError(f"compile={options.compile!r}: torch.compile takes no {', '.join(map(repr, unknown))}; "
+                             f"its keywords are {', '.join(sorted(compile_keywords()))}")
+    check_bool("", "keep_effective_batch", options.keep_effective_batch)
+    check_seed(options.seed)
     if options.precision not in PRECISIONS:
         raise ValueError(f"precision={options.precision!r}: pass one of {', '.join(map(repr, PRECISIONS))}")
     check_positive("", "clip_grad_norm", options.clip_grad_norm, optional=True)
@@ -204,8 +232,17 @@ def check_tuner_options(options: TunerOptions) -> None:
     micro_batch_size, batch_size = options.micro_batch_size, options.batch_size
     check_int("", "micro_batch_size", micro_batch_size, 1, optional=True)
     check_int("", "batch_size", batch_size, 1, optional=True)
-    if not isinstance(options.memory_snapshot, bool):
+    if not is_bool(options.memory_snapshot):
         check_int("", "memory_snapshot", options.memory_snapshot, 1)
+    for name in ("monitor", "progress", "shard", "reliefs"):
+        check_bool("", name, getattr(options, name))
+    tensorboard = options.tensorboard
+    if not (is_bool(tensorboard) or isinstance(tensorboard, (str, os.PathLike))):
+        raise TypeError(f"tensorboard must be True/False or a folder (a str or a Path), got {tensorboard!r}")
+    policies = options.policies
+    if not (policies is None or isinstance(policies, (str, os.PathLike, Sequence))):
+        raise TypeError(f"policies={policies!r}: pass a preset name, a path to a TOML preset, a list of policy "
+                        "objects, or None")
     if micro_batch_size is not None and batch_size is not None and micro_batch_size > batch_size:
         raise ValueError(f"micro_batch_size ({micro_batch_size}) cannot exceed batch_size ({batch_size})")
     check_step_options(options.step)
@@ -220,8 +257,9 @@ def check_what_is_trained(*, model: Any, loss_fn: Any, step_fn: Any) -> None:
 
 
 def check_evaluation(*, eval_dataset: Any, eval_every: Any, eval_batch_size: Any, metrics: Any,
-                     scheduler_metric: Any, plateau: bool) -> None:
-    """The evaluation arguments, and the metric a ReduceLROnPlateau watches."""
+                     scheduler_metric: Any, plateau: bool | None) -> None:
+    """The evaluation arguments, and the metric a ReduceLROnPlateau watches (`plateau`: whether the scheduler
+    is one; None: not known yet, a factory's scheduler, asked again once it is built)."""
     if eval_every is not None and eval_every != "epoch":
         check_int("", "eval_every", eval_every, 1)
     if eval_dataset is None and eval_every is not None:
@@ -237,5 +275,5 @@ def check_evaluation(*, eval_dataset: Any, eval_every: Any, eval_batch_size: Any
     names = {"train_loss", *({"loss", *(metrics or {})} if eval_dataset is not None else ())}
     if scheduler_metric is not None and scheduler_metric not in names:
         raise ValueError(f"scheduler_metric={scheduler_metric!r} is not one of {sorted(names)}")
-    if scheduler_metric is not None and not plateau:
+    if scheduler_metric is not None and plateau is False:
         raise ValueError("scheduler_metric= is for a ReduceLROnPlateau scheduler, which steps on a metric")
