@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 # the package itself accepts any torch >= 2.3.
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install demo test docs docs-serve wheel-check bench gpu-check gpu-wheels clean
+.PHONY: install demo test test-quick docs docs-serve wheel-check bench gpu-check gpu-wheels clean
 
 $(VENV)/.installed: pyproject.toml examples/custom_policy/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,17 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/autotune demo
 
+# The suite in JOBS pytest-xdist workers (one core each: tests/conftest.py), a file's tests on one worker,
+# the files with slow tests handed out first. `make test JOBS=0` runs it in this process, one test at a time.
+JOBS ?= 2
+XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
+
+# The tests not marked slow: no torchrun jobs, no subprocesses under RLIMIT_AS (about a minute and a half).
+test-quick: install
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 # The documentation site (docs/, mkdocs.yml), built into site/; the tests build it too.
 docs: install

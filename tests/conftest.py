@@ -15,34 +15,61 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 # Every journal record's fields checked against autotune/observe/records.py, here and in every process the
 # tests start (set before autotune.observe.journal is imported).
 os.environ["AUTOTUNE_STRICT_JOURNAL"] = "1"
 
+# `make test` runs the suite in two pytest-xdist workers on two cores: one core each, for the worker and
+# for every process its tests start (set before torch is imported: OpenMP reads it once). Two OpenMP threads
+# a process, four or more processes on two cores, spin in libgomp's barriers waiting for each other.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
+
+if WORKER:
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _warnings_on_stderr():
-    """Each test starts as a library user's process does: warnings on stderr once, loguru off. An in-process
-    `autotune` command (cli.main) routes the warnings through its loguru sink and enables it for the rest of
-    the process: a later test's capsys would miss them, or see them twice."""
+    """Each test starts as a library user's process does: warnings on stderr once, loguru's lines from the
+    library off. An in-process `autotune` command (cli.main) routes the warnings through its loguru sink and
+    enables the library's lines for the rest of the process: a later test's capsys missed them, or (its sink
+    still there, the command's routing undone) saw each twice."""
     from loguru import logger
 
     from autotune.common import notices
 
     yield
+    if notices._through_loguru:
+        # loguru's sinks as `import autotune` leaves them: its default sink on stderr (as it is at each
+        # write: each test's capture).
+        logger.remove()
+        logger.add(lambda message: sys.stderr.write(message))
     notices._through_loguru = False
     logger.disable("autotune")
 
 
 def pytest_collection_modifyitems(config, items):
+    if WORKER:
+        _files_with_slow_tests_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _files_with_slow_tests_first(items: list[pytest.Item]) -> None:
+    """The files that hold a `slow` test before the others, each file's tests in their order: xdist
+    (`--dist loadfile`: a file's tests on one worker, its module fixtures made once) hands out the files in
+    this order as its workers free up, so the long ones start first and the short ones fill in at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # a stable sort: the order within kept
 
 
 def run_python(script: str, tmp_path: Path, timeout: float = 120,
@@ -159,11 +186,14 @@ def _run_job(commands: list[list[str]], env: dict[str, str], timeout: float) -> 
             codes = [job.wait(timeout=max(deadline - time.monotonic(), 0.1)) for job in jobs]
         except subprocess.TimeoutExpired:
             codes = None
-            # torchrun starts each rank in a session of its own: the ranks are killed one by one,
-            # or they would stay waiting in their collective.
+        finally:
+            # Hung (past `timeout`), or the wait cut short (the test's own time limit, pytest-timeout's
+            # SIGALRM, or ^C): torchrun starts each rank in a session of its own, so the ranks are killed
+            # one by one, or they would stay waiting in their collective, beside the tests after this one.
             for job in jobs:
-                _kill_tree(job.pid)
-                job.wait()
+                if job.poll() is None:
+                    _kill_tree(job.pid)
+                    job.wait()
         for out, err in logs:
             out.seek(0), err.seek(0)
         stdout, stderr = ("".join(log[i].read() for log in logs) for i in (0, 1))

@@ -197,21 +197,51 @@ def test_the_report_never_imports_torch(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def _long_journal(path: Path, mib: float) -> int:
+    """A journal of about `mib` MiB, a long run's mix (60% policy actions, 20% OOMs, 20% checkpoints, an
+    epoch end every 1,000 steps, one fit); returns its number of records."""
+    target, written, records = mib * 2**20, 0, 0
+    with open(path, "w") as f:
+        def put(record: dict) -> None:
+            nonlocal written, records
+            line = json.dumps(record) + "\n"
+            f.write(line)
+            written, records = written + len(line), records + 1
+
+        put({"kind": "fit_start", "time": 0.0, "step": 0, "epoch": 0, "device": "cpu", "world": 1,
+             "micro_batch_size": 32, "batch_size": 32})
+        step = 0
+        while written < target:
+            step += 1
+            t, epoch, kind = step / 100, step // 1000, ("checkpoint", "oom", "action", "action", "action")[step % 5]
+            if kind == "checkpoint":
+                put({"kind": kind, "time": t, "step": step, "epoch": epoch, "reason": "every",
+                     "path": f"/runs/x/checkpoints/step-{step:09d}.pt", "seconds": 0.1})
+            elif kind == "oom":
+                put({"kind": kind, "time": t, "step": step, "epoch": epoch, "micro_batch_size": 32,
+                     "message": "DefaultCPUAllocator: can't allocate memory", "lost_seconds": 0.01})
+            else:
+                put({"kind": kind, "time": t, "step": step, "epoch": epoch, "policy": "halve_on_oom",
+                     "action": "set_micro_batch", "params": {"size": 16}, "applied": True,
+                     "reason": "an OOM at micro-batch 32", "note": ""})
+            if step % 1000 == 0:
+                put({"kind": "epoch_end", "time": t, "step": step, "epoch": epoch - 1, "samples_seen": step * 32,
+                     "loss": 0.5, "micro_batch_size": 16})
+    return records
+
+
 def test_the_reports_memory_does_not_grow_with_the_journal(tmp_path):
     # A long run's journal is hundreds of MB of actions and OOMs: the report streams it, keeping counts, sums
     # and the newest KEEP records of each kind. (Its speed on 200 MB: benchmarks/report_size.py.) On the old
     # code, which held every record, the peak grew ~7x the journal's size.
-    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-    try:
-        from report_size import run_once, write_journal
-    finally:
-        sys.path.pop(0)
     peaks, records = [], []
     for mib in (1, 24):
         run_dir = tmp_path / f"journal-{mib}"
         run_dir.mkdir()
-        records.append(write_journal(run_dir / "events.jsonl", mib))
-        peaks.append(run_once(run_dir, Path(__file__).parents[2])[1])
+        records.append(_long_journal(run_dir / "events.jsonl", mib))
+        done, peak = _report_in_a_child(run_dir)
+        assert done.returncode == 0, done.stderr[-2000:]
+        peaks.append(peak)
     assert peaks[1] - peaks[0] < 12, peaks  # MiB, for 23 MiB more journal
     summary = summarize(tmp_path / "journal-24")
     assert len(summary["actions"]["halve_on_oom"]) == KEEP and len(summary["checkpoints"]) == KEEP
