@@ -22,9 +22,10 @@ demo: install
 	$(VENV)/bin/autotune demo
 
 # The suite in JOBS pytest-xdist workers (one core each: tests/conftest.py), a file's tests on one worker,
-# the files with slow tests handed out first. `make test JOBS=0` runs it in this process, one test at a time.
+# the files with slow tests handed out first (in tests/conftest.py's order: xdist's own, most tests first,
+# left the files of one or two long tests to the end, one worker busy and the other idle). `make test JOBS=0` runs it in this process, one test at a time.
 JOBS ?= 2
-XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
+XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
 test: install
 	$(PY) -m pytest -q $(XDIST)

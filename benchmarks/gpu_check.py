@@ -15,7 +15,8 @@ the GPU), so a check cut short keeps what ran. DIR: $OUT where set (the lent mac
 that comes back), else benchmarks/results. Packages the machine lacks are installed from the
 wheels with `--no-index` into a private folder; one still missing stops the check at once,
 named. Without a CUDA device it stops at once and says so; `--dry-run` runs every step's imports
-and argument parsing instead (no CUDA needed: the test suite's CPU dry-run).
+and argument parsing instead, one step after the other in this interpreter (no CUDA needed: the test
+suite's CPU dry-run, which pays for torch's import once, not once a step).
 
 Steps (benchmarks/gpu_steps/, each a docstring of what it asserts):
   a  NVML against torch's allocator; another process's memory; the monitor without a CUDA context
@@ -33,19 +34,22 @@ Steps (benchmarks/gpu_steps/, each a docstring of what it asserts):
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import importlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,13 +164,11 @@ def machine() -> dict:
     return info
 
 
-def run_step(step: Step, limit_s: float, dry_run: bool) -> dict:
+def run_step(step: Step, limit_s: float) -> dict:
     """One step in its own interpreter (its own process group: torchrun's ranks go with it)."""
     with tempfile.TemporaryDirectory() as folder:
         result_path = Path(folder) / "result.json"
-        command = (step.dry if dry_run and step.dry else
-                   [*step.command, "--dry-run"] if dry_run else step.command)
-        argv = [sys.executable, *(arg.replace("{result}", str(result_path)) for arg in command)]
+        argv = [sys.executable, *(arg.replace("{result}", str(result_path)) for arg in step.command)]
         started = time.monotonic()
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                 env=child_env(step.env), start_new_session=True)
@@ -177,15 +179,49 @@ def run_step(step: Step, limit_s: float, dry_run: bool) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
             status = "timed out"
-        record = {"key": step.key, "title": step.title, "status": status, "returncode": proc.returncode,
-                  "seconds": round(time.monotonic() - started, 1), "limit_s": round(limit_s),
-                  "command": " ".join(argv[1:]), "env": step.env, "checks": [], "figures": {},
-                  "output_tail": output[-3000:]}
-        if result_path.exists():
-            saved = json.loads(result_path.read_text())
-            record["checks"], record["figures"] = saved["checks"], saved["figures"]
-        if status == "passed" and any(not c["ok"] for c in record["checks"]):
-            record["status"] = "failed"
+        return step_record(step, status, proc.returncode, started, argv[1:], output, result_path, limit_s)
+
+
+def dry_run_here(step: Step) -> dict:
+    """A step's dry run (its `dry` command, or its command with --dry-run) in this interpreter, as
+    `__main__`: its imports and its argument parsing, nothing on a device."""
+    with tempfile.TemporaryDirectory() as folder:
+        result_path = Path(folder) / "result.json"
+        command = [arg.replace("{result}", str(result_path)) for arg in (step.dry or [*step.command, "--dry-run"])]
+        started, output, code = time.monotonic(), io.StringIO(), 0
+        saved_argv, saved_path = sys.argv[:], sys.path[:]
+        try:
+            with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+                if command[0] == "-m":
+                    sys.argv = [command[1], *command[2:]]
+                    runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+                else:
+                    sys.argv = command
+                    sys.path[:0] = [str(Path(command[0]).parent), str(ROOT)]  # as `python script.py` has it
+                    runpy.run_path(command[0], run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except Exception:  # the step's import or parsing failed: its traceback is the record's output
+            traceback.print_exc(file=output)
+            code = 1
+        finally:
+            sys.argv, sys.path[:] = saved_argv, saved_path
+        return step_record(step, "passed" if code == 0 else "failed", code, started, command, output.getvalue(),
+                           result_path, step.limit_s)
+
+
+def step_record(step: Step, status: str, returncode: int | None, started: float, command: list[str], output: str,
+                result_path: Path, limit_s: float) -> dict:
+    """What the report says of a step that ran: its status, its checks and figures (its result file), its output."""
+    record = {"key": step.key, "title": step.title, "status": status, "returncode": returncode,
+              "seconds": round(time.monotonic() - started, 1), "limit_s": round(limit_s),
+              "command": " ".join(command), "env": step.env, "checks": [], "figures": {},
+              "output_tail": output[-3000:]}
+    if result_path.exists():
+        saved = json.loads(result_path.read_text())
+        record["checks"], record["figures"] = saved["checks"], saved["figures"]
+    if status == "passed" and any(not c["ok"] for c in record["checks"]):
+        record["status"] = "failed"
     print(f"== {step.key} {step.title}: {record['status']} ({record['seconds']} s)\n{output[-1500:]}", flush=True)
     return record
 
@@ -255,9 +291,8 @@ def main() -> int:
         parser.error(f"--only: no step {', '.join(sorted(unknown))}; steps: {', '.join(s.key for s in STEPS)}")
     records: list[dict] = []
     chosen = [step for step in STEPS if not only or step.key in only]
-    if args.dry_run:  # imports only, nothing on a device: side by side
-        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            records = list(pool.map(lambda step: run_step(step, step.limit_s, True), chosen))
+    if args.dry_run:  # imports only, nothing on a device: one interpreter imports torch once for all
+        records = [dry_run_here(step) for step in chosen]
         write_report(args.out, info, records, "dry run: imports and arguments only, no CUDA")
         chosen = []
     for step in chosen:
@@ -266,7 +301,7 @@ def main() -> int:
             records.append({"key": step.key, "title": step.title, "status": "not run (budget spent)", "seconds": 0,
                             "command": "", "env": step.env, "checks": [], "figures": {}, "output_tail": ""})
         else:
-            records.append(run_step(step, min(step.limit_s, left), args.dry_run))
+            records.append(run_step(step, min(step.limit_s, left)))
         write_report(args.out, info, records)
     failed = [r["key"] for r in records if r["status"] != "passed"]
     print(f"gpu-check: {len(records) - len(failed)} of {len(records)} steps passed"

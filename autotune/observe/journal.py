@@ -240,9 +240,7 @@ class RunLog:
     Owns those files and the bar; touches no training state."""
 
     def __init__(self, run_dir: Path, *, writes: bool, tensorboard: bool | str | Path, progress: bool):
-        if not isinstance(tensorboard, (bool, str, Path)):
-            raise TypeError(f"tensorboard must be True/False or a folder, got {tensorboard!r}")
-        if writes:
+        if writes:  # `tensorboard` checked with the other options (tuning/config.py)
             run_dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(run_dir / "events.jsonl" if writes else None)
         self.steps = StepLog(run_dir / "steps.jsonl" if writes else None)

@@ -62,7 +62,7 @@ def test_off_by_default_and_a_folder_may_be_given(tmp_path):
 
 
 def test_bad_values_and_a_missing_package_say_what_to_do(tmp_path, monkeypatch):
-    with pytest.raises(TypeError, match="tensorboard must be True/False or a folder, got 3"):
+    with pytest.raises(TypeError, match=r"tensorboard must be True/False or a folder \(a str or a Path\), got 3"):
         _trainer(tmp_path / "run", tensorboard=3)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     with pytest.raises(ImportError, match=r"pip install 'autotune\[tensorboard\]'"):
