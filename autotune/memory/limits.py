@@ -125,12 +125,21 @@ def runs_under(headroom_bytes: int, probe: Callable[[], Any]) -> bool:
         free_cpu_caches()  # the failed attempt's leftovers (and oneDNN's JIT error) go now
 
 
-def least_headroom(probe: Callable[[], Any], high_bytes: int = 2**30, resolution_bytes: int = 2 * MiB) -> int | None:
+def least_headroom(probe: Callable[[], Any], high_bytes: int = 2**30, resolution_bytes: int = 2 * MiB, *,
+                   near: int | None = None) -> int | None:
     """The least headroom under which `probe()` runs (bisection, about 9 probes); None when it
-    does not even under `high_bytes`."""
+    does not even under `high_bytes`. `near`: a need measured before, checked first with two probes
+    (it runs there, and not `resolution_bytes` below: the answer), the bisection's bounds where not."""
     if not runs_under(high_bytes, probe):
         return None
     low, high = 0, high_bytes
+    if near is not None and resolution_bytes < near < high_bytes:
+        if runs_under(near, probe):
+            if not runs_under(near - resolution_bytes, probe):
+                return near
+            high = near - resolution_bytes
+        else:
+            low = near
     while high - low > resolution_bytes:
         middle = (low + high) // 2
         if runs_under(middle, probe):
@@ -171,7 +180,7 @@ def calibrate_headroom(probe: Callable[[int], Any], fits: int, fails: int, *, ma
                 # (a failed probe leaves the heap otherwise: the demo's 128 then needed 24 MiB more).
                 # Two bisections of the same need end a step of their grid apart (2 MiB): a quick
                 # path that asked for no growth at all fell through to the slow one half the time.
-                need_fits = least_headroom(lambda: probe(fits), above)
+                need_fits = least_headroom(lambda: probe(fits), above, near=first)
                 if need_fits is not None and need_fits <= first + margin_bytes:
                     need_fits += extra_bytes
                     headroom = need_fits + 2 * margin_bytes

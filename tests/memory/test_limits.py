@@ -43,3 +43,12 @@ def test_the_quick_calibration_bisects_both_where_the_quarter_grew_by_more_than_
     result = quick_calibration(tmp_path, grown=30)
     assert result["calls"].count(128) > 1 and "does not run under" not in result["reason"], result
     assert result["fits"] < result["headroom"] < result["fails"], result
+
+
+def test_the_quarter_measured_again_as_it_was_takes_three_probes_not_a_bisection(tmp_path):
+    # Its need unchanged after the failure: checked where it was (it runs there, not 2 MiB below) after the
+    # run under the ceiling, where a bisection of that ceiling took seven more (14 s of the demo's ResNet-18).
+    result = quick_calibration(tmp_path, grown=0)
+    after = result["calls"][result["calls"].index(128) + 1:]
+    assert after == [32, 32, 32], result
+    assert "does not run under" in result["reason"] and result["headroom"] == result["fits"] + 24 * MiB, result
