@@ -22,15 +22,16 @@ demo: install
 	$(VENV)/bin/autotune demo
 
 # The suite in JOBS pytest-xdist workers (one core each: tests/conftest.py), a file's tests on one worker,
-# the files with slow tests handed out first (in tests/conftest.py's order: xdist's own, most tests first,
-# left the files of one or two long tests to the end, one worker busy and the other idle). `make test JOBS=0` runs it in this process, one test at a time.
+# the files with slow tests handed out first, in the order tests/conftest.py puts them. xdist's own order
+# (the files with the most tests first) left files of one or two long tests to the end: one worker busy,
+# the other idle. `make test JOBS=0` runs it in this process, one test at a time.
 JOBS ?= 2
 XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
 test: install
 	$(PY) -m pytest -q $(XDIST)
 
-# The tests not marked slow: no torchrun jobs, no subprocesses under RLIMIT_AS (about a minute and a half).
+# The tests not marked slow: no torchrun jobs, no subprocesses under RLIMIT_AS (about 80 s).
 test-quick: install
 	$(PY) -m pytest -q $(XDIST) -m "not slow"
 

@@ -133,3 +133,20 @@ def test_the_documented_forms_that_are_not_bools_are_kept(tmp_path):
     t.close()
     with pytest.raises(ValueError, match="memory_snapshot=True needs a CUDA device"):
         _trainer(tmp_path / "run", memory_snapshot=5)
+
+
+@pytest.mark.parametrize("value", ["x", None, 0, -1, 1e9])
+def test_monitor_interval_is_checked_with_the_monitor_off_too(tmp_path, value):
+    # It failed at step 2 with a TypeError from deep inside (a string), or was taken silently (0, 1e9).
+    with pytest.raises(ValueError, match=f"monitor_interval must be between 0.05 and 10.0 s, got {value!r}"):
+        _trainer(tmp_path / "run", monitor_interval=value)
+    with pytest.raises(ValueError, match="monitor_interval must be between"):
+        Tuner(nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, device="cpu", run_dir=tmp_path / "tuner",
+              monitor=False, monitor_interval=value)
+
+
+@pytest.mark.parametrize("name", ["clip_grad_norm", "clip_grad_value", "checkpoint_interval", "data_stall_seconds"])
+def test_an_integer_no_float_holds_is_refused_naming_the_argument(tmp_path, name):
+    # math.isfinite(10**400) raised a bare OverflowError; torch would have failed converting it mid-run.
+    with pytest.raises(ValueError, match=f"{name} must be a finite positive number or None"):
+        _trainer(tmp_path / "run", **{name: 10 ** 400})

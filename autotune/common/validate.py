@@ -41,9 +41,17 @@ def check_positive(owner: str, name: str, value: Any, *, optional: bool = False)
     where None means "never" or "none", inf would only be a second spelling of it)."""
     if optional and value is None:
         return
-    if not is_number(value) or not (value > 0 and math.isfinite(value)):  # NaN: not > 0
+    if not is_number(value) or not (value > 0 and _fits_a_float(value)):  # NaN: not > 0
         raise ValueError(f"{_where(owner, name)} must be a finite positive number{' or None' if optional else ''}, "
                          f"got {value!r}")
+
+
+def _fits_a_float(value: float) -> bool:
+    """Finite as the float torch and the clock will make of it (10**400 is an int no float holds)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def is_bool(value: Any) -> bool:

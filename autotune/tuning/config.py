@@ -170,8 +170,8 @@ def check_run_limits(*, checkpoint_every: Any, checkpoint_interval: Any, keep_ch
     check_int("", "keep_checkpoints", keep_checkpoints, 1)
     check_seed(seed)
     check_bool("", "monitor", monitor)
-    if monitor:
-        check_range("", "monitor_interval", monitor_interval, MIN_INTERVAL, MAX_INTERVAL, " s")
+    # Checked with the monitor off too: the run's own memory readings keep its pace (a string failed at step 2).
+    check_range("", "monitor_interval", monitor_interval, MIN_INTERVAL, MAX_INTERVAL, " s")
 
 
 NONFINITE = ("skip", "stop")
@@ -236,6 +236,7 @@ def check_tuner_options(options: TunerOptions) -> None:
         check_int("", "memory_snapshot", options.memory_snapshot, 1)
     for name in ("monitor", "progress", "shard", "reliefs"):
         check_bool("", name, getattr(options, name))
+    check_range("", "monitor_interval", options.monitor_interval, MIN_INTERVAL, MAX_INTERVAL, " s")
     tensorboard = options.tensorboard
     if not (is_bool(tensorboard) or isinstance(tensorboard, (str, os.PathLike))):
         raise TypeError(f"tensorboard must be True/False or a folder (a str or a Path), got {tensorboard!r}")
