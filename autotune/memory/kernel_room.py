@@ -47,7 +47,7 @@ from loguru import logger
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.common.units import format_bytes
-from autotune.memory.onednn import runs_on_onednn, under_an_address_space_cap
+from autotune.memory.onednn import runs_on_onednn
 
 RESERVE_BYTES = 4 * 2**20  # twice the most a matmul of a new shape kept here (2.0 MiB, its transposed backward)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -60,7 +60,7 @@ _PRODUCTS = {_aten.mm: (0, 1), _aten.bmm: (0, 1), _aten.addmm: (1, 2), _aten._ad
 _OTHERS = {_aten.linear, _aten.convolution, _aten.convolution_backward,
            _aten._scaled_dot_product_flash_attention_for_cpu,
            _aten._scaled_dot_product_flash_attention_for_cpu_backward}
-_NOTHING = contextlib.nullcontext()
+NOTHING = contextlib.nullcontext()  # the context of a step with nothing to check
 _said = False
 
 
@@ -83,22 +83,33 @@ def warm() -> None:
         torch.zeros(1).add_(1)
 
 
-def guard(device: torch.device, dtypes: Iterable[torch.dtype],
+def address_space_cap(device: torch.device) -> int | None:
+    """The soft RLIMIT_AS a step on `device` runs under: None on another device or without one. One
+    system call, which a steady step pays once (StepCore reads it at each attempt's start): in this
+    project's VM each cost a ~1 ms step about 8 us, twice what Python's call itself takes."""
+    if device.type != "cpu":
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def guard(dtypes: Iterable[torch.dtype], cap: int | None,
           noted: set[torch.dtype] | None = None) -> contextlib.AbstractContextManager[Any]:
-    """`KernelRoom` where a step on `device` with `dtypes` (its autocast's, its parameters', or every
-    low-precision one while it is not known) would have oneDNN build kernels under RLIMIT_AS; a
-    context that does nothing elsewhere. `noted`: where the mode adds the dtypes it checks products in."""
+    """`KernelRoom` where a step with `dtypes` (its autocast's, its parameters', or every low-precision
+    one while it is not known) would have oneDNN build kernels under the address-space cap `cap`
+    (`address_space_cap`'s); a context that does nothing elsewhere. `noted`: where the mode adds the
+    dtypes it checks products in."""
     global _said
-    if device.type != "cpu" or not under_an_address_space_cap():
-        return _NOTHING
+    if cap is None:
+        return NOTHING
     guarded = frozenset(d for d in dtypes if d in LOW_PRECISION and runs_on_onednn(d))
     if not guarded:
-        return _NOTHING
+        return NOTHING
     if not _said:
         _said = True
         logger.debug(f"kernel room: {', '.join(str(d) for d in sorted(guarded, key=str))} on oneDNN under RLIMIT_AS: "
                      f"each product checked for its output and {format_bytes(RESERVE_BYTES)} of room first")
-    return KernelRoom(guarded, resource.getrlimit(resource.RLIMIT_AS)[0], noted)
+    return KernelRoom(guarded, cap, noted)
 
 
 class KernelRoom(TorchDispatchMode):

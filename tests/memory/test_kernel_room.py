@@ -66,7 +66,7 @@ from autotune.memory.limits import cap_address_space, lift_address_space_cap
 kernel_room.warm()  # what the step core does when it is made
 cap_address_space(0)  # not a page more
 try:
-    with kernel_room.guard(torch.device("cpu"), {torch.bfloat16}):
+    with kernel_room.guard({torch.bfloat16}, kernel_room.address_space_cap(torch.device("cpu"))):
         torch.ones(64, 64, dtype=torch.bfloat16) @ torch.ones(64, 64, dtype=torch.bfloat16)
     said = "ran"
 except Exception as exc:
@@ -89,21 +89,40 @@ def test_the_first_check_under_a_tight_cap_is_an_oom_not_a_failed_import(tmp_pat
 
 def capped_on_onednn(monkeypatch):
     # The condition where the check is made, simulated: a cap, and torch sending bf16 to oneDNN.
-    monkeypatch.setattr(kernel_room, "under_an_address_space_cap", lambda: True)
+    monkeypatch.setattr(kernel_room, "address_space_cap", lambda device: 1 << 40 if device.type == "cpu" else None)
     monkeypatch.setattr(kernel_room, "runs_on_onednn", lambda dtype: dtype is torch.bfloat16)
 
 
 def test_the_check_is_made_only_where_a_cap_a_low_precision_dtype_and_onednn_meet(monkeypatch):
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(kernel_room, "under_an_address_space_cap", lambda: False)
     monkeypatch.setattr(kernel_room, "runs_on_onednn", lambda dtype: True)
-    assert kernel_room.guard(cpu, {torch.bfloat16}) is kernel_room._NOTHING  # no cap
+    assert kernel_room.guard({torch.bfloat16}, None) is kernel_room.NOTHING  # no cap
     capped_on_onednn(monkeypatch)
-    room = kernel_room.guard(cpu, {torch.float32, torch.bfloat16})
-    assert isinstance(room, kernel_room.KernelRoom) and room.dtypes == {torch.bfloat16}
-    assert kernel_room.guard(cpu, {torch.float32}) is kernel_room._NOTHING  # fp32 goes to MKL
-    assert kernel_room.guard(cpu, {torch.float16}) is kernel_room._NOTHING  # this "CPU" keeps fp16 off oneDNN
-    assert kernel_room.guard(torch.device("meta"), {torch.bfloat16}) is kernel_room._NOTHING
+    room = kernel_room.guard({torch.float32, torch.bfloat16}, 1 << 40)
+    assert isinstance(room, kernel_room.KernelRoom) and room.dtypes == {torch.bfloat16} and room.cap == 1 << 40
+    assert kernel_room.guard({torch.float32}, 1 << 40) is kernel_room.NOTHING  # fp32 goes to MKL
+    assert kernel_room.guard({torch.float16}, 1 << 40) is kernel_room.NOTHING  # this "CPU" keeps fp16 off oneDNN
+
+
+def test_the_cap_is_read_once_an_attempt_and_only_on_cpu(tmp_path, monkeypatch):
+    # A system call costs a ~1 ms step about 8 us in this VM: a steady step reads the cap once, at its
+    # attempt's start, for every micro-batch's forward and backward (it read it twice a micro-batch).
+    from autotune import Tuner
+
+    read = []
+    real = kernel_room.address_space_cap
+    monkeypatch.setattr(kernel_room, "address_space_cap", lambda device: read.append(device.type) or real(device))
+    model = nn.Linear(8, 2)
+    batch = (torch.randn(8, 8), torch.randint(0, 2, (8,)))
+    with Tuner(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy,
+               device="cpu", monitor=False, run_dir=tmp_path / "run", micro_batch_size=2) as tuner:
+        tuner.step(batch)
+        read.clear()
+        tuner.step(batch)  # four micro-batches
+        assert read == ["cpu"]
+        read.clear()
+        tuner.core.kernel_room()  # outside an attempt (evaluation, a relief): read where it is used
+        assert read == ["cpu"]
+    assert real(torch.device("meta")) is None
 
 
 def test_an_op_without_its_room_is_an_oom_that_names_it_and_the_rest_run(monkeypatch):
@@ -227,4 +246,4 @@ def test_a_step_that_autocasts_on_its_own_is_checked_and_an_fp32_one_only_until_
         assert first > 0 and len(asked) == 2 * first  # every product of both steps
         assert isinstance(entered, kernel_room.KernelRoom) and entered.dtypes == {torch.bfloat16}
     else:
-        assert asked == [] and entered is kernel_room._NOTHING
+        assert asked == [] and entered is kernel_room.NOTHING
