@@ -33,7 +33,7 @@ from autotune.common.notices import warn
 from autotune.common.oom import OutOfMemory
 from autotune.common.progress import FitResult, Progress
 from autotune.common.snapshot import InputState, StepTiming
-from autotune.common.validate import check_bool, check_int
+from autotune.common.validate import check_bool, check_callable, check_int
 from autotune.data.pipeline import InputPipeline, changed_input
 from autotune.decisions.policy import Policy
 from autotune.memory.figures import gc_frozen, memory_text
@@ -59,6 +59,7 @@ from autotune.tuning.config import (
     check_evaluation,
     check_run_limits,
     check_sample_layout,
+    check_what_is_trained,
     resolve_device,
     resolve_micro_batch,
 )
@@ -104,6 +105,8 @@ class AutoTrainer:
                          data_stall_seconds=data_stall_seconds)
         for name in ("keep_effective_batch", "shuffle", "progress", "shard"):  # the Tuner's too: before the data's
             check_bool("", name, given[name])
+        check_callable("", "collate_fn", collate_fn, "collate_fn(samples) -> batch")
+        check_what_is_trained(model=model, loss_fn=loss_fn, step_fn=step_fn)  # before the data's first sample
         # All that can be checked before the Tuner takes the run folder (a factory's scheduler is built there).
         plateau = (isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
                    if scheduler is None or hasattr(scheduler, "state_dict") else None)

@@ -150,3 +150,17 @@ def test_an_integer_no_float_holds_is_refused_naming_the_argument(tmp_path, name
     # math.isfinite(10**400) raised a bare OverflowError; torch would have failed converting it mid-run.
     with pytest.raises(ValueError, match=f"{name} must be a finite positive number or None"):
         _trainer(tmp_path / "run", **{name: 10 ** 400})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"loss_fn": 5}, "loss_fn must be a function loss_fn\\(outputs, targets\\) or None, got 5"),
+    ({"collate_fn": 5}, "collate_fn must be a function collate_fn\\(samples\\) -> batch or None, got 5"),
+    ({"split_fn": 5}, "split_fn must be a function split_fn\\(batch, size\\) -> micro-batches or None, got 5"),
+    ({"eval_dataset": 5}, "eval_dataset must be a dataset .*, got 5"),
+])
+def test_what_is_called_or_iterated_later_is_checked_now(tmp_path, kwargs, match):
+    # Each was taken, then failed mid-fit ("'int' object is not callable", "object of type 'int' has no len()")
+    # after a checkpoint; refused now before the run folder is taken.
+    with pytest.raises(TypeError, match=match):
+        _trainer(tmp_path / "run", **kwargs)
+    assert not (tmp_path / "run").exists()

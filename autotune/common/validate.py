@@ -67,6 +67,12 @@ def check_bool(owner: str, name: str, value: Any, *, also: str = "") -> None:
         raise TypeError(f"{_where(owner, name)} must be True or False{also}, got {value!r}")
 
 
+def check_callable(owner: str, name: str, value: Any, what: str) -> None:
+    """Raise TypeError unless `value` is None or callable; `what` says what it is called with."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{_where(owner, name)} must be a function {what} or None, got {value!r}")
+
+
 def check_range(owner: str, name: str, value: Any, low: float, high: float, unit: str = "") -> None:
     """Raise ValueError unless `value` is a number (not a bool) in [low, high]."""
     if not is_number(value) or not low <= value <= high:

@@ -22,7 +22,15 @@ from torch import nn
 
 from autotune.common.options import build
 from autotune.common.units import format_bytes, parse_bytes
-from autotune.common.validate import check_bool, check_int, check_positive, check_range, is_bool, is_number
+from autotune.common.validate import (
+    check_bool,
+    check_callable,
+    check_int,
+    check_positive,
+    check_range,
+    is_bool,
+    is_number,
+)
 from autotune.memory.figures import with_cuda_index
 from autotune.monitor.process import MAX_INTERVAL, MIN_INTERVAL
 from autotune.step.core import PRECISIONS
@@ -246,6 +254,7 @@ def check_tuner_options(options: TunerOptions) -> None:
                         "objects, or None")
     if micro_batch_size is not None and batch_size is not None and micro_batch_size > batch_size:
         raise ValueError(f"micro_batch_size ({micro_batch_size}) cannot exceed batch_size ({batch_size})")
+    check_callable("", "split_fn", options.step.split_fn, "split_fn(batch, size) -> micro-batches")
     check_step_options(options.step)
 
 
@@ -255,6 +264,8 @@ def check_what_is_trained(*, model: Any, loss_fn: Any, step_fn: Any) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if loss_fn is not None and step_fn is not None:
         raise ValueError("pass one of loss_fn(outputs, targets) or step_fn(model, micro_batch), not both")
+    check_callable("", "loss_fn", loss_fn, "loss_fn(outputs, targets)")
+    check_callable("", "step_fn", step_fn, "step_fn(model, micro_batch)")
 
 
 def check_evaluation(*, eval_dataset: Any, eval_every: Any, eval_batch_size: Any, metrics: Any,
@@ -263,6 +274,8 @@ def check_evaluation(*, eval_dataset: Any, eval_every: Any, eval_batch_size: Any
     is one; None: not known yet, a factory's scheduler, asked again once it is built)."""
     if eval_every is not None and eval_every != "epoch":
         check_int("", "eval_every", eval_every, 1)
+    if eval_dataset is not None and not (hasattr(eval_dataset, "__getitem__") or hasattr(eval_dataset, "__iter__")):
+        raise TypeError(f"eval_dataset must be a dataset (a torch Dataset, an iterable of batches), got {eval_dataset!r}")
     if eval_dataset is None and eval_every is not None:
         raise ValueError(f"eval_every={eval_every!r} needs eval_dataset=")
     check_int("", "eval_batch_size", eval_batch_size, 1, optional=True)
