@@ -57,7 +57,7 @@ from autotune.memory.cadence import MeasureCadence
 from autotune.memory.demand import StepDemand
 from autotune.memory.figures import one_arena_under_an_address_space_cap, warm_up_oom_path
 from autotune.memory.history import AllocationHistory
-from autotune.observe.journal import RunLog
+from autotune.observe.journal import JOURNAL_NAME, STEPS_NAME, TENSORBOARD_NAME, RunLog
 from autotune.observe.records import Kind
 from autotune.ranks.distributed import from_environment
 from autotune.ranks.process import Process
@@ -89,8 +89,8 @@ from autotune.tuning.relief_ladder import ReliefLadder
 from autotune.tuning.run import Lent, Run
 
 
-# What a Tuner's construction makes in its run folder (the lock, the run log's files, TensorBoard's default folder).
-MADE = (LOCK_NAME, "events.jsonl", "steps.jsonl", "tb")
+# What a Tuner's construction makes in its run folder: the lock and the run log's files.
+MADE = (LOCK_NAME, JOURNAL_NAME, STEPS_NAME, TENSORBOARD_NAME)
 
 
 def _entries(run_dir: Path) -> tuple[frozenset[str], int] | None:
@@ -99,7 +99,7 @@ def _entries(run_dir: Path) -> tuple[frozenset[str], int] | None:
         names = frozenset(os.listdir(run_dir))
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return names, _size(run_dir / "events.jsonl")
+    return names, _size(run_dir / JOURNAL_NAME)
 
 
 def _size(path: Path) -> int:
@@ -114,7 +114,7 @@ def _leave_as_found(run_dir: Path, found: tuple[frozenset[str], int] | None) -> 
     what it made in `run_dir` (`MADE`, absent from `found`, what the folder held before; None: no folder)
     removed, and the folder too where it made it and nothing else is in it. Anything else stays."""
     before, journal_size = found or (frozenset(), 0)
-    if not run_dir.is_dir() or _size(run_dir / "events.jsonl") != journal_size:
+    if not run_dir.is_dir() or _size(run_dir / JOURNAL_NAME) != journal_size:
         return  # a run's record: kept, with the lock file that goes with it
     for name in MADE:
         path = run_dir / name

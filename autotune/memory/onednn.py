@@ -138,9 +138,9 @@ def runs_on_onednn(dtype: Any) -> bool:
 
 def under_an_address_space_cap() -> bool:
     """Whether RLIMIT_AS caps this process (its soft limit: what refuses a mapping)."""
-    import resource
+    from autotune.monitor.host import rlimit_as_bytes
 
-    return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+    return rlimit_as_bytes() is not None
 
 
 def builds_bf16_kernels_under_a_hard_cap(cpu_flags: set[str] | None = None) -> str | None:

@@ -234,6 +234,10 @@ class _ProgressBar(tqdm):
     monitor_interval = 0
 
 
+# What a RunLog makes in the run folder: the journal, the steps log, TensorBoard's default folder.
+JOURNAL_NAME, STEPS_NAME, TENSORBOARD_NAME = "events.jsonl", "steps.jsonl", "tb"
+
+
 class RunLog:
     """Everything a run writes about itself: the journal (events.jsonl), the steps log
     (steps.jsonl), TensorBoard and the progress bar. On ranks other than 0 it writes nothing.
@@ -242,13 +246,13 @@ class RunLog:
     def __init__(self, run_dir: Path, *, writes: bool, tensorboard: bool | str | Path, progress: bool):
         if writes:  # `tensorboard` checked with the other options (tuning/config.py)
             run_dir.mkdir(parents=True, exist_ok=True)
-        self.journal = Journal(run_dir / "events.jsonl" if writes else None)
-        self.steps = StepLog(run_dir / "steps.jsonl" if writes else None)
+        self.journal = Journal(run_dir / JOURNAL_NAME if writes else None)
+        self.steps = StepLog(run_dir / STEPS_NAME if writes else None)
         self.tensorboard = None
         if tensorboard is not False and writes:
             from autotune.observe.tensorboard_log import TensorBoardLog
 
-            self.tensorboard = TensorBoardLog(run_dir / "tb" if tensorboard is True else tensorboard)
+            self.tensorboard = TensorBoardLog(run_dir / TENSORBOARD_NAME if tensorboard is True else tensorboard)
             self.journal.listeners.append(self.tensorboard.record)
         self.show_progress = progress and writes
         self.bar: tqdm | None = None

@@ -130,6 +130,7 @@ class Attempt:
 
 _UNREAD = object()  # StepCore._cap outside an attempt
 
+
 class StepCore:
     """Forward/backward over micro-batches (see the module docstring)."""
 
