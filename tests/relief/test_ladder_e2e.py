@@ -62,13 +62,19 @@ def test_the_ladder_is_climbed_in_order_and_the_run_ends_below_the_mark(tmp_path
     reliefs = result["reliefs"]
     assert reliefs[:3] == ["autocast", "checkpointing", "pruning"], reliefs
     assert set(reliefs[3:]) <= {"pruning"}
-    assert result["demand"] < 0.9, result  # below the high-water mark at the end
     assert result["samples"] == 20 * 2048 and result["loss"] == result["loss"]  # all trained, finite loss
     records = journal(run_dir)
     applied = [r for r in records if r["kind"] == "relief"]
     assert [r["relief"] for r in applied] == reliefs
     assert all(r["demand_before"] >= 0.9 for r in applied)
     effects = {r["applied_at_step"]: r["demand_after"] for r in records if r["kind"] == "relief_effect"}
+    # Below the high-water mark once the ladder has acted: the last relief measured took the demand
+    # under it. The end of the run too, unless its last step crossed the mark again and was answered
+    # (with 16 MiB of room, the heap's drift after a pruning, 1-2 MiB over a dozen steps under a
+    # second suite's load, once took it from 0.86 to 0.93 at step 20: a second pruning, with no
+    # step after it to measure).
+    assert effects[max(effects)] < 0.9, effects
+    assert result["demand"] < 0.9 or applied[-1]["step"] == result["samples"] // 2048, (result, applied[-1])
     first = applied[0]
     assert effects[first["step"]] < first["demand_before"]  # autocast lowered the demand
     pruned = [r for r in applied if r["relief"] == "pruning"]
