@@ -37,9 +37,11 @@ Owns: that check, and when it is made. Touches nothing: it raises before an op o
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import resource
+import time
 from typing import Any, Iterable
 
 import torch
@@ -47,6 +49,7 @@ from loguru import logger
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.common.units import format_bytes
+from autotune.memory import limits
 from autotune.memory.onednn import runs_on_onednn
 from autotune.monitor.host import rlimit_as_bytes
 
@@ -86,16 +89,41 @@ def warm() -> None:
 
 def address_space_cap(device: torch.device) -> int | None:
     """The soft RLIMIT_AS a step on `device` runs under: None on another device or without one. A
-    system call, which a steady step pays once (StepCore reads it at each attempt's start): in this
-    project's VM one cost a ~1 ms step about 10 us, where it takes 0.3 us in a loop of its own."""
+    system call: in this project's VM one cost a ~1 ms step about 10 us, where it takes 0.3 us in a
+    loop of its own. A step reads it through `CapReader`."""
     return rlimit_as_bytes() if device.type == "cpu" else None
+
+
+REREAD_SECONDS = 1.0  # how old a step's figure of a cap set by a bare resource.setrlimit may be
+
+
+class CapReader:
+    """`address_space_cap` for the step core: read again once `REREAD_SECONDS` have passed, and at
+    once after autotune's own `cap_address_space` or `lift_address_space_cap` (memory/limits.py),
+    never more than once a second otherwise. A cap rarely changes during a run and a steady step
+    cannot afford the system call (once an attempt it was ~1% of a ~1 ms step: 1.107-1.115 of a plain
+    step against 1.091-1.095 before the check, benchmarks/results/steady_step_issue57.md); the clock
+    read instead is the vDSO's, no system call. A cap the user's own code sets with
+    resource.setrlimit between steps is seen by the steps that start a second later."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._cap: int | None = None
+        self._read_at = -math.inf
+        self._changes = -1  # limits.cap_changes when it was read
+
+    def cap(self) -> int | None:
+        now = time.monotonic()
+        if now - self._read_at >= REREAD_SECONDS or self._changes != limits.cap_changes:
+            self._cap, self._read_at, self._changes = address_space_cap(self.device), now, limits.cap_changes
+        return self._cap
 
 
 def guard(dtypes: Iterable[torch.dtype], cap: int | None,
           noted: set[torch.dtype] | None = None) -> contextlib.AbstractContextManager[Any]:
     """`KernelRoom` where a step with `dtypes` (its autocast's, its parameters', or every low-precision
     one while it is not known) would have oneDNN build kernels under the address-space cap `cap`
-    (`address_space_cap`'s); a context that does nothing elsewhere. `noted`: where the mode adds the
+    (`CapReader`'s); a context that does nothing elsewhere. `noted`: where the mode adds the
     dtypes it checks products in."""
     global _said
     if cap is None:

@@ -55,6 +55,9 @@ def fix_mmap_threshold(threshold: int = 128 * 1024) -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
+cap_changes = 0  # caps set or lifted here: a step's CapReader reads the cap again at once (kernel_room.py)
+
+
 def cap_address_space(headroom_bytes: int) -> int:
     """Set the soft RLIMIT_AS to the current virtual size plus `headroom_bytes`; return the cap.
 
@@ -70,13 +73,20 @@ def cap_address_space(headroom_bytes: int) -> int:
     if hard != resource.RLIM_INFINITY and cap > hard:
         cap = hard
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    _changed()
     return cap
+
+
+def _changed() -> None:
+    global cap_changes
+    cap_changes += 1
 
 
 def lift_address_space_cap() -> None:
     """Raise the soft RLIMIT_AS back to the hard limit."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+    _changed()
 
 
 def cap_cuda_memory(device: torch.device, cap_bytes: int) -> float:

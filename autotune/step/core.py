@@ -128,9 +128,6 @@ class Attempt:
             self.discard()
 
 
-_UNREAD = object()  # StepCore._cap outside an attempt
-
-
 class StepCore:
     """Forward/backward over micro-batches (see the module docstring)."""
 
@@ -167,7 +164,7 @@ class StepCore:
         self._noted: set[torch.dtype] = set()  # low-precision dtypes the step's products were seen in, checked
         self._watching = True  # until an attempt has run under the check, every low-precision product is checked
         self._checked = False  # this attempt ran under the check
-        self._cap: int | None | object = _UNREAD  # the address-space cap, read at an attempt's start (`kernel_room`)
+        self._cap = kernel_room.CapReader(device)  # the address-space cap, read again once a second (`kernel_room`)
         if device.type == "cpu":
             kernel_room.warm()  # torch's answers, asked now: not first under a cap, inside a step
         self.rewind = Rewind(model, device)  # the random streams and buffers an attempt changes, kept before it
@@ -188,7 +185,6 @@ class StepCore:
             return result  # this rank cannot go on: it only joins the agreement that says so
         self.rewind.keep()  # what a failed attempt must not leave behind (rewind.py)
         self._checked = False
-        self._cap = kernel_room.address_space_cap(self.device)  # once: every micro-batch's forward and backward
         seen = done
         # The whole batch in one piece (most steps): as it came, no split
         pieces = (((batch, n),) if done == 0 and size >= n and self.split_fn is None
@@ -238,7 +234,6 @@ class StepCore:
                 self.rewind.attempted(whole=result.failed_micro_batch is None and not result.peer_failed)
             if self._watching and self._checked and result.failed_micro_batch is None and not result.peer_failed:
                 self._watching = False  # what the step's products run in is known now (`_noted`)
-            self._cap = _UNREAD  # outside an attempt (evaluation, a relief, a probe), read at each use
         return result
 
     def _accumulate(self, result: Attempt, loss: torch.Tensor, items: Any, m: int, n: int) -> None:
@@ -312,7 +307,7 @@ class StepCore:
         """Where oneDNN would build this step's low-precision kernels under an address-space cap
         (the autocast's dtype or the parameters'), the check that turns a refusal it does not
         survive into an OOM (kernel_room.py); elsewhere a context that does nothing."""
-        cap = self._cap if self._cap is not _UNREAD else kernel_room.address_space_cap(self.device)
+        cap = self._cap.cap()
         if cap is None:
             return kernel_room.NOTHING  # most steps: no cap, nothing to check
         if self._dtypes is None:

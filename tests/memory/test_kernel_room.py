@@ -4,6 +4,7 @@ does not check (autotune/memory/kernel_room.py). A real cap in a subprocess wher
 oneDNN; the condition simulated elsewhere, as the autocast relief's skip is."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -103,26 +104,38 @@ def test_the_check_is_made_only_where_a_cap_a_low_precision_dtype_and_onednn_mee
     assert kernel_room.guard({torch.float16}, 1 << 40) is kernel_room.NOTHING  # this "CPU" keeps fp16 off oneDNN
 
 
-def test_the_cap_is_read_once_an_attempt_and_only_on_cpu(tmp_path, monkeypatch):
-    # A system call costs a ~1 ms step about 8 us in this VM: a steady step reads the cap once, at its
-    # attempt's start, for every micro-batch's forward and backward (it read it twice a micro-batch).
+def test_the_cap_is_read_once_a_second_at_once_after_autotune_sets_one_and_only_on_cpu(tmp_path, monkeypatch):
+    # A system call costs a ~1 ms step about 10 us in this VM (1%): a steady step reads the cap once a
+    # second, on the clock (the vDSO's, no system call), and at once after autotune's own cap_address_space.
     from autotune import Tuner
+    from autotune.memory.limits import cap_address_space, lift_address_space_cap
 
-    read = []
+    read, clock = [], [1000.0]
     real = kernel_room.address_space_cap
     monkeypatch.setattr(kernel_room, "address_space_cap", lambda device: read.append(device.type) or real(device))
+    monkeypatch.setattr(kernel_room, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     model = nn.Linear(8, 2)
     batch = (torch.randn(8, 8), torch.randint(0, 2, (8,)))
     with Tuner(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.functional.cross_entropy,
                device="cpu", monitor=False, run_dir=tmp_path / "run", micro_batch_size=2) as tuner:
         tuner.step(batch)
+        assert read == ["cpu"]  # the first step's first forward
         read.clear()
-        tuner.step(batch)  # four micro-batches
-        assert read == ["cpu"]
-        read.clear()
-        tuner.core.kernel_room()  # outside an attempt (evaluation, a relief): read where it is used
-        assert read == ["cpu"]
-    assert real(torch.device("meta")) is None
+        tuner.step(batch)  # four micro-batches, each a forward and a backward
+        tuner.core.kernel_room()  # outside an attempt (evaluation, a relief)
+        clock[0] += kernel_room.REREAD_SECONDS * 0.99
+        tuner.step(batch)
+        assert read == []
+        clock[0] += kernel_room.REREAD_SECONDS * 0.01
+        tuner.step(batch)
+        assert read == ["cpu"]  # a second on
+        try:
+            cap = cap_address_space(2**40)
+            assert tuner.core._cap.cap() == cap  # at once
+        finally:
+            lift_address_space_cap()
+        assert tuner.core._cap.cap() is None and len(read) == 3
+    assert real(torch.device("meta")) is None and kernel_room.CapReader(torch.device("meta")).cap() is None
 
 
 def test_an_op_without_its_room_is_an_oom_that_names_it_and_the_rest_run(monkeypatch):
