@@ -165,6 +165,7 @@ class StepCore:
         self._watching = True  # until an attempt has run under the check, every low-precision product is checked
         self._checked = False  # this attempt ran under the check
         self._cap = kernel_room.CapReader(device)  # the address-space cap, read again once a second (`kernel_room`)
+        self._room: Any = None  # an attempt's `kernel_room`, for each of its forwards and backwards; None outside one
         if device.type == "cpu":
             kernel_room.warm()  # torch's answers, asked now: not first under a cap, inside a step
         self.rewind = Rewind(model, device)  # the random streams and buffers an attempt changes, kept before it
@@ -185,6 +186,7 @@ class StepCore:
             return result  # this rank cannot go on: it only joins the agreement that says so
         self.rewind.keep()  # what a failed attempt must not leave behind (rewind.py)
         self._checked = False
+        self._room = self.kernel_room()  # once an attempt: no dtype or cap it depends on changes within one
         seen = done
         # The whole batch in one piece (most steps): as it came, no split
         pieces = (((batch, n),) if done == 0 and size >= n and self.split_fn is None
@@ -234,6 +236,7 @@ class StepCore:
                 self.rewind.attempted(whole=result.failed_micro_batch is None and not result.peer_failed)
             if self._watching and self._checked and result.failed_micro_batch is None and not result.peer_failed:
                 self._watching = False  # what the step's products run in is known now (`_noted`)
+            self._room = None  # outside an attempt (evaluation, a relief): asked where it is used
         return result
 
     def _accumulate(self, result: Attempt, loss: torch.Tensor, items: Any, m: int, n: int) -> None:
@@ -297,7 +300,10 @@ class StepCore:
     def loss(self, micro: Any, module: nn.Module | None = None) -> Any:
         """The user's step on one micro-batch (already on the device), under the autocast in
         use: a loss or (loss, n_items). `module`: what to call (default: the training wrapper)."""
-        with self.kernel_room():
+        room = self._room or self.kernel_room()
+        if room is kernel_room.NOTHING and self.autocast is None:
+            return self._forward(micro, module)  # most steps: nothing to enter (a `with` costs a steady step)
+        with room:
             if self.autocast is not None:
                 with self.autocast.context():
                     return self._forward(micro, module)
@@ -346,12 +352,19 @@ class StepCore:
             self.model.zero_grad(set_to_none=True)
 
     def _backward(self, loss: torch.Tensor) -> None:
-        with self.kernel_room():  # backward builds kernels of its own (the gradients' products)
-            if self.backward_fn is not None:
-                self.backward_fn(loss)
-                return
-            scaler = self.stepper.scaler
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+        room = self._room or self.kernel_room()
+        if room is kernel_room.NOTHING:  # most steps
+            self._backward_through(loss)
+        else:
+            with room:  # backward builds kernels of its own (the gradients' products)
+                self._backward_through(loss)
+
+    def _backward_through(self, loss: torch.Tensor) -> None:
+        if self.backward_fn is not None:
+            self.backward_fn(loss)
+            return
+        scaler = self.stepper.scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
 
     def use(self, step_fn: StepFn | None, loss_fn: LossFn | None) -> None:
         """Train with `step_fn` or `loss_fn` from now on (`Tuner.step`'s); neither: the ones given before."""
