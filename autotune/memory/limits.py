@@ -140,16 +140,18 @@ def least_headroom(probe: Callable[[], Any], high_bytes: int = 2**30, resolution
     """The least headroom under which `probe()` runs (bisection, about 9 probes); None when it
     does not even under `high_bytes`. `near`: a need measured before, checked first with two probes
     (it runs there, and not `resolution_bytes` below: the answer), the bisection's bounds where not."""
-    if not runs_under(high_bytes, probe):
-        return None
     low, high = 0, high_bytes
     if near is not None and resolution_bytes < near < high_bytes:
-        if runs_under(near, probe):
+        if runs_under(near, probe):  # then under `high_bytes` too: no probe there (seconds, for the demo's)
             if not runs_under(near - resolution_bytes, probe):
                 return near
             high = near - resolution_bytes
         else:
             low = near
+            if not runs_under(high_bytes, probe):
+                return None
+    elif not runs_under(high_bytes, probe):
+        return None
     while high - low > resolution_bytes:
         middle = (low + high) // 2
         if runs_under(middle, probe):
