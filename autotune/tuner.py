@@ -142,7 +142,7 @@ class Tuner:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, *,
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None, scheduler: Any = None,
                  micro_batch_size: int | None = None, batch_size: int | None = None,
-                 keep_effective_batch: bool = True, device: str | torch.device | None = None,
+                 max_micro_batch_size: int | None = None, keep_effective_batch: bool = True, device: str | torch.device | None = None,
                  policies: str | Path | Sequence[Policy] | None = "default", memory_cap: float | int | str | None = None,
                  precision: str = "fp32", clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
                  scheduler_interval: str = "step", split_fn: SplitFn | None = None, run_dir: str | Path | None = None,
@@ -189,7 +189,8 @@ class Tuner:
             self.core = StepCore(self.model, self.stepper, loss_fn=loss_fn, step_fn=step_fn, device=self.device,
                                  ranks=self.ranks, options=options.step, backward_fn=_wiring.backward_fn)
             # Sizes are known once batches are: the first one sets them unless given here.
-            self.knobs = Knobs.given(options.batch_size, options.micro_batch_size, self.device, cap_bytes)
+            self.knobs = Knobs.given(options.batch_size, options.micro_batch_size, self.device, cap_bytes,
+                                     ceiling=options.max_micro_batch_size)
             run = Run(self.model, self.device, self.ranks, self.knobs, self.counters, self.journal, self.run_dir,
                       keep_effective_batch, Lent(self))  # what the rooms below share
             self.dispatcher = Dispatcher(policies, self.knobs, self.journal)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -32,8 +33,12 @@ from autotune.common.actions import (
     action_kind,
     action_params,
 )
+from autotune.common.notices import warn
 from autotune.common.units import format_bytes
 from autotune.memory.figures import device_sample, free_cpu_caches, free_memory
+
+
+_RUNS = itertools.count()  # each Knobs' own number: what it says once is said again by another run's
 
 
 @dataclasses.dataclass
@@ -46,6 +51,10 @@ class Knobs:
     memory_cap_bytes: int | None = None
     sized: bool = True  # the sizes are known (given, or the first batch seen): False until then
     batch_size_fixed: bool = False  # the batch size was given: a larger batch does not raise it
+    micro_batch_given: int | None = None  # the user's: growing past it is said once (`_set_micro_batch`)
+    micro_batch_ceiling: int | None = None  # max_micro_batch_size: the policies never grow the micro-batch past it
+    said_grown: bool = False  # said once a run (these knobs): the notice's key is `run`
+    run: int = dataclasses.field(default_factory=lambda: next(_RUNS), repr=False)
     num_workers: int = 0  # DataLoader worker processes
     workers_ceiling: int | None = None  # the most that can start here (none where /dev/shm is full); None: no limit
     sample_cache: CacheSamples | None = None  # the cache asked for, once asked
@@ -104,7 +113,7 @@ class Knobs:
         """The sizes a checkpoint saved (`batch_size`: the largest batch a Tuner had seen, kept
         where larger, unless the batch size was given); True if the loader workers changed (it
         must be rebuilt)."""
-        self.micro_batch_size, self.sized = micro_batch_size, True
+        self.micro_batch_size, self.sized = min(micro_batch_size, self.micro_batch_ceiling or micro_batch_size), True
         if batch_size and not self.batch_size_fixed:
             self.batch_size = max(self.batch_size, batch_size)
         if num_workers is None or num_workers == self.num_workers:
@@ -114,18 +123,22 @@ class Knobs:
 
     @classmethod
     def given(cls, batch_size: int | None, micro_batch_size: int | None, device: torch.device,
-              memory_cap_bytes: int | None) -> "Knobs":
+              memory_cap_bytes: int | None, ceiling: int | None = None) -> "Knobs":
         """The knobs of a run given these sizes (either, both or none: the first batch sets what is
-        missing, `size_for`); a micro-batch alone is the batch too until a larger batch comes."""
-        return cls(batch_size=batch_size or micro_batch_size or 1, micro_batch_size=micro_batch_size or batch_size or 1,
+        missing, `size_for`); a micro-batch alone is the batch too until a larger batch comes.
+        `ceiling`: the largest micro-batch the policies may set (max_micro_batch_size)."""
+        micro = micro_batch_size or batch_size or 1
+        return cls(batch_size=batch_size or micro_batch_size or 1, micro_batch_size=min(micro, ceiling or micro),
                    device=device, memory_cap_bytes=memory_cap_bytes, batch_size_fixed=batch_size is not None,
-                   sized=batch_size is not None or micro_batch_size is not None)
+                   sized=batch_size is not None or micro_batch_size is not None, micro_batch_given=micro_batch_size,
+                   micro_batch_ceiling=ceiling)
 
     def size_for(self, n: int) -> None:
         """A batch of `n`: the first one sizes the run (it starts in one piece); one larger than
         any before is the batch the micro-batch may grow up to, unless the batch size was given."""
         if not self.sized:
-            self.batch_size = self.micro_batch_size = n
+            self.batch_size = n
+            self.micro_batch_size = min(n, self.micro_batch_ceiling or n)
             self.sized = True
         elif n > self.batch_size and not self.batch_size_fixed:
             self.batch_size = n
@@ -187,12 +200,19 @@ def apply(action: object, knobs: Knobs) -> Outcome:
 
 @apply.register
 def _set_micro_batch(action: SetMicroBatch, knobs: Knobs) -> Outcome:
-    size = min(max(1, int(action.size)), knobs.batch_size)
+    size = min(max(1, int(action.size)), knobs.batch_size, knobs.micro_batch_ceiling or knobs.batch_size)
     if size == knobs.micro_batch_size:
         return Outcome(False, f"micro-batch is already {size}")
     old, knobs.micro_batch_size = knobs.micro_batch_size, size
     if knobs.device.type == "cpu":
         free_cpu_caches()  # MKL's buffers sized for the old micro-batch would stay mapped beside the new ones
+    given = knobs.micro_batch_given
+    if given is not None and size > given and not knobs.said_grown:
+        # Growing is the point where memory is left unused; doing it silently is not (more memory, other numerics).
+        knobs.said_grown = True
+        why = f" ({action.reason})" if action.reason else ""
+        warn(f"micro-batch {old} -> {size}, past the {given} you gave{why}. Pass max_micro_batch_size={given} "
+             "to keep yours", key=f"micro-batch grown, run {knobs.run}")
     return Outcome(True, f"micro-batch {old} -> {size}")
 
 

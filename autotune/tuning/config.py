@@ -240,6 +240,7 @@ def check_tuner_options(options: TunerOptions) -> None:
     micro_batch_size, batch_size = options.micro_batch_size, options.batch_size
     check_int("", "micro_batch_size", micro_batch_size, 1, optional=True)
     check_int("", "batch_size", batch_size, 1, optional=True)
+    check_int("", "max_micro_batch_size", options.max_micro_batch_size, 1, optional=True)
     if not is_bool(options.memory_snapshot):
         check_int("", "memory_snapshot", options.memory_snapshot, 1)
     for name in ("monitor", "progress", "shard", "reliefs"):

@@ -34,6 +34,9 @@ class TunerOptions:
         "auto" starts at `batch_size` and lets the policies find the largest that fits.""")
     batch_size: int | None = option(None, """the largest batch you will pass (default: the largest seen so far);
         the micro-batch never grows past it.""", trainer="samples per optimizer step.")
+    max_micro_batch_size: int | None = option(None, """the largest micro-batch the policies may grow to (default:
+        the batch; a `micro_batch_size` above it starts at it). A micro-batch grown past the one you gave is said
+        once on stderr; this keeps yours.""")
     device: str | torch.device | None = option(None, """"cpu", "cuda", "cuda:1" or a `torch.device`; default CUDA
         when available.""")
     policies: str | Path | Sequence[Policy] | None = option("default", """a preset name ("default",
