@@ -76,6 +76,17 @@ class Knobs:
         background checkpoint's copy and the sample cache must fit under beside the host's limits."""
         return self.memory_cap_bytes if self.device.type == "cpu" else None
 
+    def say_past_given(self, move: str, why: str) -> None:
+        """The micro-batch went past the one the user gave (`move`: from what to what): said once a run.
+        Growing is the point where memory is left unused; doing it silently is not (more memory in use,
+        other numerics with BatchNorm)."""
+        if self.said_grown:
+            return
+        self.said_grown = True
+        given = self.micro_batch_given
+        warn(f"micro-batch {move}, past the {given} you gave{why}. Pass max_micro_batch_size={given} to keep yours",
+             key=f"micro-batch grown, run {self.run}")
+
     def follow(self, micro_batch_size: int) -> None:
         """Use `micro_batch_size` from now on: rank 0's, agreed by every rank under torchrun."""
         if micro_batch_size != self.micro_batch_size:
@@ -113,7 +124,10 @@ class Knobs:
         """The sizes a checkpoint saved (`batch_size`: the largest batch a Tuner had seen, kept
         where larger, unless the batch size was given); True if the loader workers changed (it
         must be rebuilt)."""
+        given, before = self.micro_batch_given, self.micro_batch_size
         self.micro_batch_size, self.sized = min(micro_batch_size, self.micro_batch_ceiling or micro_batch_size), True
+        if given is not None and before <= given < self.micro_batch_size:
+            self.say_past_given(f"{before} -> {self.micro_batch_size}", " (the checkpoint's, as the run had tuned it)")
         if batch_size and not self.batch_size_fixed:
             self.batch_size = max(self.batch_size, batch_size)
         if num_workers is None or num_workers == self.num_workers:
@@ -206,13 +220,8 @@ def _set_micro_batch(action: SetMicroBatch, knobs: Knobs) -> Outcome:
     old, knobs.micro_batch_size = knobs.micro_batch_size, size
     if knobs.device.type == "cpu":
         free_cpu_caches()  # MKL's buffers sized for the old micro-batch would stay mapped beside the new ones
-    given = knobs.micro_batch_given
-    if given is not None and size > given and not knobs.said_grown:
-        # Growing is the point where memory is left unused; doing it silently is not (more memory, other numerics).
-        knobs.said_grown = True
-        why = f" ({action.reason})" if action.reason else ""
-        warn(f"micro-batch {old} -> {size}, past the {given} you gave{why}. Pass max_micro_batch_size={given} "
-             "to keep yours", key=f"micro-batch grown, run {knobs.run}")
+    if knobs.micro_batch_given is not None and old <= knobs.micro_batch_given < size:
+        knobs.say_past_given(f"{old} -> {size}", f" ({action.reason})" if action.reason else "")
     return Outcome(True, f"micro-batch {old} -> {size}")
 
 

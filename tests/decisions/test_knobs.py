@@ -22,6 +22,17 @@ def test_growing_past_the_size_given_is_said_once_with_the_way_to_keep_it(capsys
     assert knobs.micro_batch_size == 32
 
 
+def test_a_checkpoints_size_past_yours_is_said_and_a_shrink_from_there_is_not(capsys):
+    knobs = Knobs.given(64, 2, CPU, None)
+    knobs.restore(16)  # a resume of a run that had tuned itself to 16
+    assert capsys.readouterr().err == ("autotune: micro-batch 2 -> 16, past the 2 you gave (the checkpoint's, as "
+                                       "the run had tuned it). Pass max_micro_batch_size=2 to keep yours\n")
+    other = Knobs.given(64, 2, CPU, None)
+    other.micro_batch_size = 16  # above yours already, however it got there
+    assert apply(SetMicroBatch(8, "halving to 8"), other).applied and capsys.readouterr().err == ""  # a move down
+    assert apply(SetMicroBatch(32), other).applied and capsys.readouterr().err == ""  # it did not cross yours
+
+
 def test_a_size_the_tuner_chose_itself_is_not_said(capsys):
     knobs = Knobs.given(None, None, CPU, None)
     knobs.size_for(64)
