@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +27,12 @@ os.environ["AUTOTUNE_STRICT_JOURNAL"] = "1"
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
+
+# A shell without job control starts a background command (`make test &`, CI steps in some runners) with
+# SIGINT ignored, and every process it starts inherits that: the tests of what Ctrl-C does then see their
+# scripts ignore it (empty stderr, stops that never come). The tests start from Python's own handler.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import torch  # noqa: E402
 
