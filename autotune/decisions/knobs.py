@@ -51,10 +51,9 @@ class Knobs:
     memory_cap_bytes: int | None = None
     sized: bool = True  # the sizes are known (given, or the first batch seen): False until then
     batch_size_fixed: bool = False  # the batch size was given: a larger batch does not raise it
-    micro_batch_given: int | None = None  # the user's: growing past it is said once (`_set_micro_batch`)
+    micro_batch_given: int | None = None  # the user's: growing past it is said once (`_moved_past_given`)
     micro_batch_ceiling: int | None = None  # max_micro_batch_size: the policies never grow the micro-batch past it
-    said_grown: bool = False  # said once a run (these knobs): the notice's key is `run`
-    run: int = dataclasses.field(default_factory=lambda: next(_RUNS), repr=False)
+    run: int = dataclasses.field(default_factory=lambda: next(_RUNS), repr=False)  # the notice's key: once a run
     num_workers: int = 0  # DataLoader worker processes
     workers_ceiling: int | None = None  # the most that can start here (none where /dev/shm is full); None: no limit
     sample_cache: CacheSamples | None = None  # the cache asked for, once asked
@@ -76,16 +75,18 @@ class Knobs:
         background checkpoint's copy and the sample cache must fit under beside the host's limits."""
         return self.memory_cap_bytes if self.device.type == "cpu" else None
 
-    def say_past_given(self, move: str, why: str) -> None:
-        """The micro-batch went past the one the user gave (`move`: from what to what): said once a run.
-        Growing is the point where memory is left unused; doing it silently is not (more memory in use,
-        other numerics with BatchNorm)."""
-        if self.said_grown:
-            return
-        self.said_grown = True
-        given = self.micro_batch_given
-        warn(f"micro-batch {move}, past the {given} you gave{why}. Pass max_micro_batch_size={given} to keep yours",
-             key=f"micro-batch grown, run {self.run}")
+    def under_ceiling(self, size: int) -> int:
+        """`size`, no larger than max_micro_batch_size."""
+        return min(size, self.micro_batch_ceiling or size)
+
+    def _moved_past_given(self, old: int, why: str) -> None:
+        """The micro-batch moved from `old` to its size now: where that crossed the one the user gave
+        (from at or below it to above), said once a run. Growing is the point where memory is left
+        unused; doing it silently is not (more memory in use, other numerics with BatchNorm)."""
+        given, size = self.micro_batch_given, self.micro_batch_size
+        if given is not None and old <= given < size:
+            warn(f"micro-batch {old} -> {size}, past the {given} you gave{why}. Pass max_micro_batch_size={given} "
+                 "to keep yours", key=f"micro-batch grown, run {self.run}")
 
     def follow(self, micro_batch_size: int) -> None:
         """Use `micro_batch_size` from now on: rank 0's, agreed by every rank under torchrun."""
@@ -124,10 +125,9 @@ class Knobs:
         """The sizes a checkpoint saved (`batch_size`: the largest batch a Tuner had seen, kept
         where larger, unless the batch size was given); True if the loader workers changed (it
         must be rebuilt)."""
-        given, before = self.micro_batch_given, self.micro_batch_size
-        self.micro_batch_size, self.sized = min(micro_batch_size, self.micro_batch_ceiling or micro_batch_size), True
-        if given is not None and before <= given < self.micro_batch_size:
-            self.say_past_given(f"{before} -> {self.micro_batch_size}", " (the checkpoint's, as the run had tuned it)")
+        before = self.micro_batch_size
+        self.micro_batch_size, self.sized = self.under_ceiling(micro_batch_size), True
+        self._moved_past_given(before, " (the checkpoint's, as the run had tuned it)")
         if batch_size and not self.batch_size_fixed:
             self.batch_size = max(self.batch_size, batch_size)
         if num_workers is None or num_workers == self.num_workers:
@@ -141,18 +141,19 @@ class Knobs:
         """The knobs of a run given these sizes (either, both or none: the first batch sets what is
         missing, `size_for`); a micro-batch alone is the batch too until a larger batch comes.
         `ceiling`: the largest micro-batch the policies may set (max_micro_batch_size)."""
-        micro = micro_batch_size or batch_size or 1
-        return cls(batch_size=batch_size or micro_batch_size or 1, micro_batch_size=min(micro, ceiling or micro),
-                   device=device, memory_cap_bytes=memory_cap_bytes, batch_size_fixed=batch_size is not None,
-                   sized=batch_size is not None or micro_batch_size is not None, micro_batch_given=micro_batch_size,
-                   micro_batch_ceiling=ceiling)
+        knobs = cls(batch_size=batch_size or micro_batch_size or 1, micro_batch_size=micro_batch_size or batch_size or 1,
+                    device=device, memory_cap_bytes=memory_cap_bytes, batch_size_fixed=batch_size is not None,
+                    sized=batch_size is not None or micro_batch_size is not None, micro_batch_given=micro_batch_size,
+                    micro_batch_ceiling=ceiling)
+        knobs.micro_batch_size = knobs.under_ceiling(knobs.micro_batch_size)
+        return knobs
 
     def size_for(self, n: int) -> None:
         """A batch of `n`: the first one sizes the run (it starts in one piece); one larger than
         any before is the batch the micro-batch may grow up to, unless the batch size was given."""
         if not self.sized:
             self.batch_size = n
-            self.micro_batch_size = min(n, self.micro_batch_ceiling or n)
+            self.micro_batch_size = self.under_ceiling(n)
             self.sized = True
         elif n > self.batch_size and not self.batch_size_fixed:
             self.batch_size = n
@@ -214,14 +215,13 @@ def apply(action: object, knobs: Knobs) -> Outcome:
 
 @apply.register
 def _set_micro_batch(action: SetMicroBatch, knobs: Knobs) -> Outcome:
-    size = min(max(1, int(action.size)), knobs.batch_size, knobs.micro_batch_ceiling or knobs.batch_size)
+    size = knobs.under_ceiling(min(max(1, int(action.size)), knobs.batch_size))
     if size == knobs.micro_batch_size:
         return Outcome(False, f"micro-batch is already {size}")
     old, knobs.micro_batch_size = knobs.micro_batch_size, size
     if knobs.device.type == "cpu":
         free_cpu_caches()  # MKL's buffers sized for the old micro-batch would stay mapped beside the new ones
-    if knobs.micro_batch_given is not None and old <= knobs.micro_batch_given < size:
-        knobs.say_past_given(f"{old} -> {size}", f" ({action.reason})" if action.reason else "")
+    knobs._moved_past_given(old, f" ({action.reason})" if action.reason else "")
     return Outcome(True, f"micro-batch {old} -> {size}")
 
 

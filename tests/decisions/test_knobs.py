@@ -19,7 +19,9 @@ def test_growing_past_the_size_given_is_said_once_with_the_way_to_keep_it(capsys
     assert capsys.readouterr().err == ("autotune: micro-batch 8 -> 16, past the 8 you gave (room for 16). "
                                        "Pass max_micro_batch_size=8 to keep yours\n")
     assert apply(SetMicroBatch(32), knobs).applied and capsys.readouterr().err == ""  # once a run
-    assert knobs.micro_batch_size == 32
+    assert apply(SetMicroBatch(4), knobs).applied and apply(SetMicroBatch(16), knobs).applied
+    assert capsys.readouterr().err == ""  # crossing yours again: still once a run
+    assert knobs.micro_batch_size == 16
 
 
 def test_a_checkpoints_size_past_yours_is_said_and_a_shrink_from_there_is_not(capsys):
