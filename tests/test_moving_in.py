@@ -89,7 +89,8 @@ def _result(moved, name):
 
 def test_torchvisions_classification_reference_survives_the_cap_its_loop_dies_under(moved):
     out, folder = _result(moved, "classification")
-    assert out["ooms"] >= 1 and out["micro_batch"] < 64, out
+    # At most two OOMs (issue 58): the whole batch, then at most one more (it crept 64, 16, 26, 21, 18: four).
+    assert 1 <= out["ooms"] <= 2 and out["micro_batch"] < 64, out
     assert out["steps"] == 8  # 2 epochs of 4 batches: nothing skipped
     # The EMA once per optimizer step (reset through the warm-up epoch, as the reference does): the 4 of epoch 2.
     assert out["ema_updates"] == 4

@@ -23,9 +23,17 @@ prediction said the failed size would fit, the line is raised to agree with the 
 fixed part was more than it looked), so the next move is below it. A failure at or below a size
 measured to fit says nothing about the line (something else took the room): halve_on_oom answers.
 With nothing measured yet, a quarter of the failed size (halving, from 8x above, would take three
-OOMs to get there). A size
-that failed is not tried again for `forget_failure_steps` steps (memory needs change over a
-run): between the largest size that worked and the failure, binary search the last stretch.
+OOMs to get there).
+
+Each OOM after the first measured step widens the margin kept below the room: 5% of it, then
+10%, 20%, 40% (a need that drifts up over a run, an allocator's heap, an EMA copy, shows as
+failures at sizes that fitted; each one asks for more slack). While a failure is recent (for
+`forget_failure_steps` steps) a move up is also bounded by what the sizes measured say for
+certain: from the size that ran, the slack it left (the room less its need) over the cost of a
+sample, the line's slope where two sizes are far enough apart and, with one, the whole of the
+largest need a size showed over that size (a step after an OOM's clean-up regrows the heap, so
+it shows what the batch costs from a trimmed heap). torchvision's classification reference
+under its cap went 64, 16, 26, 21, 18 (four OOMs) on the prediction alone; bounded, one OOM.
 Where a step's need cannot be measured it does nothing (grow_back doubles blind).
 
 Parameters:
@@ -68,6 +76,10 @@ class FitMicroBatch:
     failed_step: int | None = dataclasses.field(default=None, init=False, repr=False)
     first: int | None = dataclasses.field(default=None, init=False, repr=False)  # the run's first measured size
     first_kept: int = dataclasses.field(default=0, init=False, repr=False)  # the heap that step kept
+    whole_needs: dict[int, int] = dataclasses.field(default_factory=dict, init=False, repr=False)  # kept counted
+    slack: dict[int, int] = dataclasses.field(default_factory=dict, init=False, repr=False)  # room - need, last step
+    full_room: int = dataclasses.field(default=0, init=False, repr=False)  # the most room a step started with
+    widened: int = dataclasses.field(default=0, init=False, repr=False)  # OOMs since the first measured step
 
     def __post_init__(self) -> None:
         check_fraction(self.name, "headroom", self.headroom)
@@ -118,7 +130,7 @@ class FitMicroBatch:
         """The largest size predicted to need at most `headroom` of `room`; None before any size was measured."""
         if not self.needs:
             return None
-        budget = self.headroom * room - self.raise_by - self.new_size_cost
+        budget = self.share() * room - self.raise_by - self.new_size_cost
         line = self._line()
         if line is None:
             points = self._points()
@@ -126,6 +138,28 @@ class FitMicroBatch:
             return int(measured * budget / points[measured]) if points[measured] > 0 else None
         fixed, per_sample = line
         return int((budget - fixed) / per_sample)
+
+    def share(self) -> float:
+        """The share of the room a step may be predicted to need: `headroom`, less twice as much
+        margin for each OOM since the first size was measured (at least half the room)."""
+        return max(0.5, 1 - (1 - self.headroom) * 2 ** self.widened)
+
+    def below_failure(self, size: int, failed: int) -> int:
+        """The largest size above `size` (measured: its last step's slack, the room less the need)
+        below `failed` that what was measured says fits within `share()` of the room: the slack
+        over the cost of a sample. With two sizes far enough apart that cost is the line's slope;
+        with one, the whole of its largest need over it, and four times the margin (resnet18 on
+        CPU, 128 measured after an OOM at 512: 0.84 MiB a sample measured, 223 with 5% kept did
+        not fit; the larger sizes' kernels ask for more). The move measures a second size, so
+        the line is there for the next one."""
+        line = self._line()
+        whole = self.whole_needs or self.needs  # a checkpoint from before whole needs were kept: the lower ones
+        per_sample = line[1] if line is not None else max(need / m for m, need in whole.items())
+        margin = (1 - self.share()) * (1 if line is not None else 4) * self.full_room
+        slack = self.slack.get(size, 0) - margin
+        if per_sample <= 0 or slack <= 0:
+            return size
+        return max(size, min(failed - 1, size + int(slack / per_sample)))
 
     # ------------------------------------------------------------------ decisions
     def _recent_failure(self, step: int) -> int | None:
@@ -136,6 +170,8 @@ class FitMicroBatch:
     def decide(self, event: Event, snap: Snapshot) -> Sequence[Action]:
         if snap.reliefs != self.reliefs:  # the model changed: what it needed before says little now
             self.needs.clear()
+            self.whole_needs.clear()
+            self.slack.clear()
             self.raise_by, self.reliefs, self.first = 0, snap.reliefs, None
         if event is Event.OOM:
             return self._after_oom(snap)
@@ -155,15 +191,21 @@ class FitMicroBatch:
             # move shorter (resnet18 at 64x64: 44, not 47, from 15).
             self.new_size_cost = 0 if micro == self.first else kept
         self.needs[micro] = max(self.needs.get(micro, 0), memory.need_bytes - kept)
+        self.whole_needs[micro] = max(self.whole_needs.get(micro, 0), memory.need_bytes)
+        self.slack[micro] = memory.room_bytes - memory.need_bytes
+        self.full_room = max(self.full_room, memory.room_bytes)
         self.room = memory.room_bytes - kept  # the room the next step starts with
         target = min(snap.batch_size, self.largest_fitting(self.room) or micro)
         failed = self._recent_failure(snap.step)
-        searching = failed is not None and target >= failed
-        if searching:  # the prediction says the failed size fits: the last stretch is searched, not predicted
-            target = (micro + failed) // 2
+        if failed is not None and self.widened:
+            return []  # an OOM since sizes were measured: no move up until it is forgotten (at most two OOMs)
+        bounded = failed is not None and target > micro and self.below_failure(micro, failed) < target
+        if bounded:
+            target = self.below_failure(micro, failed)
         if target <= micro + max(1, int(self.margin * micro)):
-            return []  # within the margin of the prediction (or of the failure): stay
-        why = (f"{micro} works, {failed} failed at step {self.failed_step}; trying {target}" if searching else
+            return []  # within the margin of the prediction (or of what the failure allows): stay
+        why = (f"{micro} works, {failed} failed at step {self.failed_step}: {target} is what the room {micro} left "
+               "free allows" if bounded else
                f"needed {format_bytes(memory.need_bytes)} of {format_bytes(memory.room_bytes)} room at {micro}; "
                f"predicted to fit {target}")
         return [SetMicroBatch(target, reason=why)]
@@ -177,23 +219,31 @@ class FitMicroBatch:
             target = max(1, size // 4)
             return [SetMicroBatch(target, reason=f"out of memory at {size} with nothing measured yet; "
                                                  f"a quarter, {target}, to measure from")] if target < size else []
-        if size <= max(self.needs):
-            return []  # it (or a larger size) was measured to fit: something else took the room (halve_on_oom answers)
-        predicted = self.predict_need(size)
-        if predicted is not None and predicted <= self.room:
-            # It was predicted to fit and did not: the fixed part is larger than it looked.
-            self.raise_by += self.room - predicted + 1
-        target = max(1, min(size - 1, self.largest_fitting(self.room) or 1))
+        self.widened += 1  # every OOM once sizes are measured: more slack from now on
+        # The largest size whose last step left the (now wider) margin free: measured, not predicted.
+        margin = (1 - self.share()) * self.full_room
+        safe = [m for m, slack in self.slack.items() if m < size and slack >= margin]
+        if size <= max(self.needs) and not safe:
+            return []  # it (or a larger size) was measured to fit, and none left the margin: halve_on_oom answers
+        if size > max(self.needs):
+            predicted = self.predict_need(size)
+            if predicted is not None and predicted <= self.room:
+                # It was predicted to fit and did not: the fixed part is larger than it looked.
+                self.raise_by += self.room - predicted + 1
+        target = max(safe) if safe else max(1, min(size - 1, self.largest_fitting(self.room) or 1))
         good = snap.last_good_micro_batch
-        if good is not None and target < good < size:
+        if not safe and good is not None and target < good < size:
             target = good  # measured to fit: better than a prediction that says otherwise
-        return [SetMicroBatch(target, reason=f"out of memory at {size}; predicted to fit {target}")]
+        why = (f"{target} left {format_bytes(self.slack[target])} of the room free" if safe else f"predicted to fit {target}")
+        return [SetMicroBatch(target, reason=f"out of memory at {size}; {why} ({1 - self.share():.0%} of the room kept "
+                                             "from now on)")]
 
     def state_dict(self) -> dict[str, Any]:
         return {"needs": dict(self.needs), "raise_by": self.raise_by, "room": self.room,
                 "new_size_cost": self.new_size_cost,
                 "reliefs": list(self.reliefs), "failed": self.failed, "failed_step": self.failed_step,
-                "first": self.first, "first_kept": self.first_kept}
+                "first": self.first, "first_kept": self.first_kept, "whole_needs": dict(self.whole_needs),
+                "slack": dict(self.slack), "full_room": self.full_room, "widened": self.widened}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.needs = {int(k): int(v) for k, v in state.get("needs", {}).items()}
@@ -202,3 +252,6 @@ class FitMicroBatch:
         self.reliefs = tuple(state.get("reliefs", ()))
         self.failed, self.failed_step = state.get("failed"), state.get("failed_step")
         self.first, self.first_kept = state.get("first"), state.get("first_kept", 0)
+        self.whole_needs = {int(k): int(v) for k, v in state.get("whole_needs", {}).items()}
+        self.slack = {int(k): int(v) for k, v in state.get("slack", {}).items()}
+        self.full_room, self.widened = int(state.get("full_room", 0)), int(state.get("widened", 0))

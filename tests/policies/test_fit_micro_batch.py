@@ -175,3 +175,41 @@ def test_on_cpu_a_first_step_that_reads_true_costs_a_step_not_an_oom():
     sizes, ooms, best = cpu_resnet18_run(16, one_off=0)
     assert sizes[2] <= best and ooms == 0, (sizes, best)
     assert all(0.9 * best <= size <= best for size in sizes[3:]), (sizes, best)
+
+
+def measured(step, micro, need, room, kept=0, failed=None):
+    memory = StepMemory(micro, need, room, kept_bytes=kept, kept_is_heap=True)
+    return Snapshot(step=step, epoch=0, batch_size=4096, micro_batch_size=micro, device="cpu",
+                    last_good_micro_batch=micro, step_memory=memory, failed_micro_batch=failed)
+
+
+def test_after_an_oom_from_above_one_measured_size_does_not_send_the_run_past_the_edge():
+    """torchvision's classification reference on CPU under its cap (tests/test_moving_in.py): 64 fails,
+    16 is measured from a heap the OOM's clean-up trimmed (needed 133 of 161 MiB, 90 of it kept as
+    heap the next steps reuse); 24 is the largest that fits (81 MiB + 3.25 MiB a sample). Lowered by
+    what it kept, the proportional prediction went to 26: an OOM, then 21, 18, one OOM each."""
+    fit = FitMicroBatch()
+    (first,) = fit.decide(Event.OOM, Snapshot(step=0, epoch=0, batch_size=64, micro_batch_size=64, device="cpu",
+                                              failed_micro_batch=64))
+    assert first.size == 16
+    moves = fit.decide(Event.BATCH_MEASURED, measured(1, 16, need=133 * MiB, room=161 * MiB, kept=90 * MiB))
+    assert all(16 < move.size <= 24 for move in moves), moves
+
+
+def test_an_oom_after_sizes_were_measured_goes_to_the_largest_that_left_the_wider_margin_and_stays():
+    """Each OOM once sizes are measured widens the margin (5% of the room, then 10%, 20%) and
+    the run goes to the largest size whose last step left that margin free, not a sample or two
+    below the failure; while the failure is recent it does not grow again (two OOMs at most)."""
+    fit = FitMicroBatch(forget_failure_steps=10)
+    fit.decide(Event.BATCH_MEASURED, measured(0, 100, need=300 * MiB, room=1000 * MiB))
+    fit.decide(Event.BATCH_MEASURED, measured(1, 200, need=400 * MiB, room=1000 * MiB))  # 1 MiB a sample
+    fit.decide(Event.BATCH_MEASURED, measured(2, 800, need=920 * MiB, room=1000 * MiB))  # fits, 8% free
+    (back,) = fit.decide(Event.OOM, measured(3, 850, need=920 * MiB, room=1000 * MiB, failed=850))
+    assert back.size == 200 and fit.share() == pytest.approx(0.90)  # 800 left 8% free: under the 10% now
+    assert fit.decide(Event.BATCH_MEASURED, measured(4, 200, need=400 * MiB, room=1000 * MiB)) == []
+    later = fit.decide(Event.BATCH_MEASURED, measured(14, 200, need=400 * MiB, room=1000 * MiB))
+    assert [move.size for move in later] == [fit.largest_fitting(1000 * MiB)]  # forgotten: the line again
+    assert 200 < later[0].size < 800  # 10% kept, and the line raised to agree with the failure
+    restored = FitMicroBatch()
+    restored.load_state_dict(fit.state_dict())
+    assert (restored.widened, restored.slack, restored.full_room) == (1, fit.slack, fit.full_room)
