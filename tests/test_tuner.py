@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import json
+import re
 
 import pytest
 import torch
@@ -274,6 +275,23 @@ def test_the_tuners_run_is_on_the_record(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
     with pytest.raises(RuntimeError, match="closed"):
         tuner.step(next(iter(DataLoader(data, batch_size=32))))
+
+
+def test_an_oom_says_once_the_size_the_batch_is_retried_at(tmp_path, capsys):
+    """Each OOM's line on stderr names the size that failed and the one the same batch goes on at (the
+    journal's next step ran at it), once per pair; "a smaller micro-batch" named none."""
+    model, data = _problem()
+    with _tuner(model, tmp_path, "run", inject_oom=0.5, seed=2) as tuner:
+        for batch in DataLoader(data, batch_size=32):
+            tuner.step(batch)
+    said = re.findall(r"out of memory at micro-batch (\d+) on cpu; retrying the same batch at micro-batch (\d+) ",
+                      capsys.readouterr().err)
+    ooms = [r["micro_batch_size"] for r in journal(tmp_path / "run") if r["kind"] == "oom"]
+    assert said and len(said) == len(set(said)) and len(said) <= len(ooms), (said, ooms)
+    assert all(int(retry) < int(failed) and int(failed) in ooms for failed, retry in said), (said, ooms)
+    # the size named is where the batch went on: a later OOM's size, or the size a step completed at
+    completed = {json.loads(line)["micro_batch_size"] for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()}
+    assert all(int(retry) in completed or int(retry) in ooms for _, retry in said), (said, ooms, completed)
 
 
 def test_bad_tuner_arguments_name_the_problem(tmp_path):

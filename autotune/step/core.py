@@ -265,8 +265,10 @@ class StepCore:
             return  # said already, or no run to say it in
         journal, run_dir = self._notice_to
         self._notice_to = None
-        change = (f"BatchNorm ({modules} modules) normalises each micro-batch of {attempt.size} over "
-                  f"its own samples, not the batch of {attempt.n}; its running statistics are the whole batch's")
+        # Said once, at the first batch split: the micro-batch named is this one's ("now"); the sizes
+        # after it are said by their own lines (an OOM's retry, a growth past the size given).
+        change = (f"BatchNorm ({modules} modules) normalises each micro-batch over its own samples (micro-batch "
+                  f"{attempt.size} now), not the batch of {attempt.n}; its running statistics are the whole batch's")
         counters = self.stepper.counters
         journal.write(Kind.NUMERICS, counters.step, counters.epoch, change=change, micro_batch_size=attempt.size,
                       batch_size=attempt.n, modules=modules)

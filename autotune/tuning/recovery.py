@@ -73,12 +73,13 @@ class OOMRecovery:
         `last_good_micro_batch`: the size the last batch completed at (every rank's alike)."""
         same_size = (self.retries_same_size and len(tried) == 1 and not attempt.injected
                      and last_good_micro_batch == failed_micro_batch)
-        self.clean_up(failed_micro_batch, attempt, holding, same_size)
+        self.clean_up(failed_micro_batch, attempt, holding)
         self.cadence.changed()
         if same_size:
             self.same_size_retries += 1
             self.journal.write(Kind.OOM_RETRY, self.counters.step, self.counters.epoch,
                                micro_batch_size=failed_micro_batch, retries=self.same_size_retries)
+            self._say_oom(failed_micro_batch, "the same micro-batch once, the cache emptied")
             return
         self.lent.fire(Event.OOM, failed_micro_batch=failed_micro_batch, force=True)
         # Every rank's next move is rank 0's: the size to retry at, and any relief first.
@@ -87,6 +88,7 @@ class OOMRecovery:
         self.knobs.follow(micro)
         self.settle_relief(relief)
         if self.knobs.micro_batch_size < failed_micro_batch:
+            self._say_oom(failed_micro_batch, f"micro-batch {self.knobs.micro_batch_size}")
             dropped = self.knobs.drop_relief()  # a smaller micro-batch first: reliefs are the last resort
             if dropped is not None:
                 self.dispatcher.relief_dropped(dropped, f"a smaller micro-batch ({self.knobs.micro_batch_size}) is "
@@ -112,10 +114,9 @@ class OOMRecovery:
             self.dispatcher.relief_dropped(mine, "rank 0's policies decide the reliefs", self.counters.step,
                                            self.counters.epoch)
 
-    def clean_up(self, failed_micro_batch: int, attempt: Attempt, holding: bool, same_size: bool = False) -> None:
+    def clean_up(self, failed_micro_batch: int, attempt: Attempt, holding: bool) -> None:
         """Free what the failed attempt held and record it (`oom`). `holding`: gradients of
-        earlier batches are set aside, so only the attempt's are on the parameters. `same_size`:
-        the batch is tried again at the same size (said so)."""
+        earlier batches are set aside, so only the attempt's are on the parameters."""
         self.ranks.job.reset_after_failure()  # sharded: FSDP2's state as before the attempt
         # Partial gradients of the failed batch must not leak into the retry.
         if holding:
@@ -138,10 +139,12 @@ class OOMRecovery:
                            device=str(self.device), message=attempt.message, injected=attempt.injected,
                            lost_seconds=round(lost, 4), ooms=self.counters.ooms, breakdown=self.last_breakdown,
                            **({"memory_snapshot": self.last_snapshot} if self.last_snapshot else {}))
-        # One line per size that failed (the journal has every OOM): a user sees it was survived.
+
+    def _say_oom(self, failed_micro_batch: int, retry_at: str) -> None:
+        # One line per size that failed and size retried at (the journal has every OOM): a user sees
+        # it was survived and what the run goes on with.
         warn(f"out of memory at micro-batch {failed_micro_batch} on {self.device}; retrying the same batch at "
-             f"{'the same micro-batch once, the cache emptied' if same_size else 'a smaller micro-batch'} (every OOM "
-             "is in the run's journal)", key=f"oom {failed_micro_batch} {same_size} {self.run_dir}")
+             f"{retry_at} (every OOM is in the run's journal)", key=f"oom {failed_micro_batch} {retry_at} {self.run_dir}")
 
     def give_up(self, failed_micro_batch: int, tried: list[int], attempt: Attempt) -> NoReturn:
         """Nothing is left to try at the smallest size: record it, checkpoint the progress so far, raise."""

@@ -57,7 +57,7 @@ def test_running_statistics_at_micro_batch_16_of_64_are_a_whole_batch_loops(tmp_
     (said,) = [r for r in map(json.loads, (tmp_path / "run" / "events.jsonl").read_text().splitlines())
                if r["kind"] == "numerics"]
     assert (said["micro_batch_size"], said["batch_size"], said["modules"]) == (16, 64, 2)
-    assert capfd.readouterr().err.count("normalises each micro-batch of 16") == 1
+    assert capfd.readouterr().err.count("normalises each micro-batch over its own samples (micro-batch 16 now)") == 1
 
 
 def test_a_batch_in_one_piece_is_left_to_batchnorm_itself(tmp_path):
