@@ -45,6 +45,11 @@ class _Stderr(logging.StreamHandler):
         pass
 
     def emit(self, record: logging.LogRecord) -> None:
+        stream = self.stream
+        if stream is None or getattr(stream, "closed", False):
+            # Nowhere to say it (a daemon that closed its stderr, pythonw's None): the run goes on, and
+            # the journal has the record. logging's handleError would raise writing to a closed stream.
+            return
         # Through tqdm: a progress bar on the same stream is cleared, the line written, the bar drawn again
         # below it (written plainly, the line was glued onto the bar's).
         try:

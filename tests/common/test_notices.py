@@ -76,3 +76,12 @@ def test_a_warning_under_a_progress_bar_starts_a_line_of_its_own():
     line_start = max(before.rfind("\r"), before.rfind("\n"))
     assert before[line_start + 1:] == "", repr(proc.stderr)
     assert after.startswith("\n") and "4/10" in after  # the bar drawn again below
+
+
+@pytest.mark.parametrize("gone", ["sys.stderr.close()", "sys.stderr = None"])
+def test_a_closed_or_absent_stderr_loses_the_line_not_the_run(gone):
+    """A daemon that closed its stderr, pythonw's None: a warning is not said, and the caller goes on
+    (logging's handleError raised ValueError writing to the closed stream, out of the training step)."""
+    script = f"import sys\nfrom autotune.common.notices import warn\n{gone}\nwarn('an OOM survived', key='k')\nprint('went on')"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "went on\n", (proc.stdout, proc.stderr)
