@@ -139,7 +139,9 @@ def least_headroom(probe: Callable[[], Any], high_bytes: int = 2**30, resolution
                    near: int | None = None) -> int | None:
     """The least headroom under which `probe()` runs (bisection, about 9 probes); None when it
     does not even under `high_bytes`. `near`: a need measured before, checked first with two probes
-    (it runs there, and not `resolution_bytes` below: the answer), the bisection's bounds where not."""
+    (it runs there, and not `resolution_bytes` below: the answer), the bisection's bounds where not:
+    where it does not run there, steps up from it that double (a need grown by a few MiB is found in
+    two or three probes, where bisecting up to `high_bytes` took seven for the demo's)."""
     low, high = 0, high_bytes
     if near is not None and resolution_bytes < near < high_bytes:
         if runs_under(near, probe):  # then under `high_bytes` too: no probe there (seconds, for the demo's)
@@ -147,8 +149,12 @@ def least_headroom(probe: Callable[[], Any], high_bytes: int = 2**30, resolution
                 return near
             high = near - resolution_bytes
         else:
-            low = near
-            if not runs_under(high_bytes, probe):
+            low, step = near, resolution_bytes
+            while low + step < high_bytes and not runs_under(low + step, probe):
+                low, step = low + step, 2 * step
+            if low + step < high_bytes:
+                high = low + step
+            elif not runs_under(high_bytes, probe):
                 return None
     elif not runs_under(high_bytes, probe):
         return None

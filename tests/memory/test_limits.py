@@ -53,3 +53,12 @@ def test_the_quarter_measured_again_as_it_was_takes_two_probes_not_a_bisection(t
     after = result["calls"][result["calls"].index(128) + 1:]
     assert after == [32, 32], result
     assert "does not run under" in result["reason"] and result["headroom"] == result["fits"] + 24 * MiB, result
+
+
+def test_a_quarter_grown_by_a_few_mib_is_found_in_steps_up_from_where_it_was(tmp_path):
+    # 5 MiB more after the failure: steps up from the need measured before (2, 4, 8 MiB) bracket it in
+    # three probes, one more bisects the bracket; bisecting up to four margins above took seven.
+    result = quick_calibration(tmp_path, grown=5)
+    after = result["calls"][result["calls"].index(128) + 1:]
+    assert after == [32] * len(after) and len(after) <= 4, result
+    assert 37 * MiB <= result["fits"] <= 40 * MiB and result["headroom"] == result["fits"] + 24 * MiB, result
