@@ -260,6 +260,10 @@ class RunLog:
         self._last_shown = 0.0
 
     def open_bar(self, total: int | None) -> None:
+        self.bar = None
+        self._on_bar(self._make_bar, total)
+
+    def _make_bar(self, total: int | None) -> None:
         self.bar = _ProgressBar(total=total, disable=not self.show_progress, unit="batch", dynamic_ncols=True)
         self.moves_bar = self.show_progress  # a bar is shown that moves every step (`advance`)
 
@@ -271,7 +275,19 @@ class RunLog:
     def advance(self) -> None:
         """The bar one step on."""
         if self.bar is not None:
-            self.bar.update(1)
+            self._on_bar(self.bar.update, 1)
+
+    def _on_bar(self, action: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        # The bar writes to stderr: where that is gone (its descriptor closed, a pipe whose reader left:
+        # `... 2>&1 | head`), the bar stops and the run goes on (the journal and steps.jsonl have it all).
+        try:
+            action(*args, **kwargs)
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, ValueError) and "closed file" not in str(exc):
+                raise
+            bar, self.bar, self.moves_bar, self.show_progress = self.bar, None, False, False
+            if bar is not None:
+                bar.disable = True  # its close() then writes nothing
 
     def step(self, step: int, epoch: int, *, samples: int, samples_seen: int, micro_batch_size: int,
              step_seconds: float, data_wait_fraction: float, demand: float | None, allocated_bytes: int | None,
@@ -305,7 +321,7 @@ class RunLog:
         if not self.show_due(now):
             return
         self._last_shown = now
-        self.bar.set_postfix(**{k: v() if callable(v) else v for k, v in figures.items()}, refresh=False)
+        self._on_bar(self.bar.set_postfix, **{k: v() if callable(v) else v for k, v in figures.items()}, refresh=False)
 
     def flush(self) -> None:
         if self.tensorboard is not None:
@@ -322,6 +338,6 @@ class RunLog:
 
     def close_bar(self) -> None:
         if self.bar is not None:
-            self.bar.close()
+            self._on_bar(self.bar.close)
             self.bar = None
             self.moves_bar = False

@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from autotune.observe.journal import Journal, read_journal
@@ -79,3 +84,30 @@ def test_a_child_the_run_forks_writes_nothing_into_its_journal_or_checkpoints(tm
     result = json.loads(proc.stdout.splitlines()[-1])
     assert "fit_failed" not in result["kinds"] and result["kinds"].count("fit_end") == 1, result
     assert result["checkpoints"] == ["step-000000008.pt", "step-000000008.pt.sha256"], result
+
+
+@pytest.mark.slow  # two interpreters
+def test_a_progress_bar_whose_stderr_is_gone_stops_and_the_run_goes_on(tmp_path):
+    """`python train.py 2>&1 | head`, a closed descriptor 2: the bar's write fails (a broken pipe, a bad
+    descriptor) and the run went down with it, checkpointed; the bar stops, the run ends."""
+    script = textwrap.dedent(f"""
+        import os, torch
+        from torch import nn
+        from torch.utils.data import TensorDataset
+        from autotune import AutoTrainer
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(256, 8), torch.randint(0, 2, (256,)))
+        trainer = AutoTrainer(nn.Linear(8, 2), data, loss_fn=nn.functional.cross_entropy, batch_size=16, device="cpu",
+                              run_dir={str(tmp_path)!r} + "/" + os.environ["GONE"], monitor=False, inject_oom=0.3,
+                              seed=1)
+        if os.environ["GONE"] == "descriptor":
+            os.close(2)
+        result = trainer.fit(epochs=2)
+        print("trained", result.samples_seen, flush=True)
+    """)
+    for gone in ("pipe", "descriptor"):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "GONE": gone})
+        proc.stderr.close()  # the reader left: every write to stderr is a broken pipe
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and out.endswith("trained 512\n"), (gone, proc.returncode, out)
