@@ -140,8 +140,12 @@ def least_headroom(probe: Callable[[], Any], high_bytes: int = 2**30, resolution
     """The least headroom under which `probe()` runs (bisection, about 9 probes); None when it
     does not even under `high_bytes`. `near`: a need measured before, checked first with two probes
     (it runs there, and not `resolution_bytes` below: the answer), the bisection's bounds where not:
-    where it does not run there, steps up from it that double (a need grown by a few MiB is found in
-    two or three probes, where bisecting up to `high_bytes` took seven for the demo's)."""
+    where it does not run there, three steps up from it that double (a need grown by a few MiB is
+    found in two to four probes, where bisecting up to `high_bytes` took seven for the demo's), then
+    `high_bytes` and the bisection."""
+    if not (isinstance(resolution_bytes, int) and 0 < resolution_bytes <= high_bytes):
+        raise ValueError(f"least_headroom: resolution_bytes must be an integer between 1 and high_bytes "
+                         f"({high_bytes}), got {resolution_bytes!r}")
     low, high = 0, high_bytes
     if near is not None and resolution_bytes < near < high_bytes:
         if runs_under(near, probe):  # then under `high_bytes` too: no probe there (seconds, for the demo's)
@@ -149,11 +153,16 @@ def least_headroom(probe: Callable[[], Any], high_bytes: int = 2**30, resolution
                 return near
             high = near - resolution_bytes
         else:
-            low, step = near, resolution_bytes
-            while low + step < high_bytes and not runs_under(low + step, probe):
+            low, step, ran_at = near, resolution_bytes, None
+            for _ in range(3):  # grown by a few steps of the grid: found here; by more, bisected
+                if low + step >= high_bytes:
+                    break
+                if runs_under(low + step, probe):
+                    ran_at = low + step
+                    break
                 low, step = low + step, 2 * step
-            if low + step < high_bytes:
-                high = low + step
+            if ran_at is not None:
+                high = ran_at
             elif not runs_under(high_bytes, probe):
                 return None
     elif not runs_under(high_bytes, probe):
