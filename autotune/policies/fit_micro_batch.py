@@ -25,21 +25,29 @@ measured to fit says nothing about the line (something else took the room): halv
 With nothing measured yet, a quarter of the failed size (halving, from 8x above, would take three
 OOMs to get there).
 
-Each OOM after the first measured step widens the margin kept below the room: 5% of it, then
-10%, 20%, 40% (a need that drifts up over a run, an allocator's heap, an EMA copy, shows as
-failures at sizes that fitted; each one asks for more slack). While a failure is recent (for
-`forget_failure_steps` steps) a move up is also bounded by what the sizes measured say for
-certain: from the size that ran, the slack it left (the room less its need) over the cost of a
-sample, the line's slope where two sizes are far enough apart and, with one, the whole of the
-largest need a size showed over that size (a step after an OOM's clean-up regrows the heap, so
-it shows what the batch costs from a trimmed heap). torchvision's classification reference
-under its cap went 64, 16, 26, 21, 18 (four OOMs) on the prediction alone; bounded, one OOM.
+Each OOM after the first measured step widens the margin kept below the room: 5% of it at first,
+10% after one such OOM, then 20%, 40% (a need that drifts up over a run, an allocator's heap, an
+EMA copy, shows as failures at sizes that fitted; each one asks for more slack). On such an OOM
+it proposes the largest size whose last step left that margin free (halve_on_oom proposes too:
+the smaller of the two is taken), and for `calm_steps` steps after it does not move up; each
+`calm_steps` steps without an OOM narrow the margin a notch again (a spike that passed). While
+a failure is remembered (`forget_failure_steps`) a move up is bounded by what the sizes measured
+say for certain: from the size that ran, the slack it left (the room less its need) over the
+cost of a sample, the line's slope where two sizes are far enough apart and, with one, the whole
+of the largest need a size showed over that size, with four times the margin (a step after an
+OOM's clean-up regrows the heap, so it shows what the batch costs from a trimmed heap).
+torchvision's classification reference under its cap went 64, 16, 26, 21, 18 (four OOMs) on the
+prediction alone; so bounded, two at most (tests/test_moving_in.py). The margin shapes the sizes
+chosen after an OOM; it does not shrink a run before one (a need that creeps up while the size
+stays is answered at its OOM).
 Where a step's need cannot be measured it does nothing (grow_back doubles blind).
 
 Parameters:
     headroom: the share of the room a step may be predicted to need (default 0.95).
     margin: stay when the prediction is within this fraction of the size (default 0.05).
     forget_failure_steps: steps after which a failed size may be tried again (default 2000).
+    calm_steps: steps after an OOM without a move up, and without an OOM per notch the margin narrows
+        back (default 50).
 
 Owns: this policy's state (saved in checkpoints). Touches nothing: it reads a Snapshot and returns actions.
 """
@@ -66,6 +74,7 @@ class FitMicroBatch:
     headroom: float = 0.95
     margin: float = 0.05
     forget_failure_steps: int = 2000
+    calm_steps: int = 50
 
     needs: dict[int, int] = dataclasses.field(default_factory=dict, init=False, repr=False)  # size -> bytes
     raise_by: int = dataclasses.field(default=0, init=False, repr=False)  # bytes the failures added
@@ -80,10 +89,12 @@ class FitMicroBatch:
     slack: dict[int, int] = dataclasses.field(default_factory=dict, init=False, repr=False)  # room - need, last step
     full_room: int = dataclasses.field(default=0, init=False, repr=False)  # the most room a step started with
     widened: int = dataclasses.field(default=0, init=False, repr=False)  # OOMs since the first measured step
+    narrowed_step: int = dataclasses.field(default=0, init=False, repr=False)  # the margin's last notch back
 
     def __post_init__(self) -> None:
         check_fraction(self.name, "headroom", self.headroom)
         check_int(self.name, "forget_failure_steps", self.forget_failure_steps, 1)
+        check_int(self.name, "calm_steps", self.calm_steps, 1)
         if not 0 <= self.margin < 1:
             raise ValueError(f"{self.name}: margin must be in [0, 1), got {self.margin!r}")
 
@@ -195,10 +206,13 @@ class FitMicroBatch:
         self.slack[micro] = memory.room_bytes - memory.need_bytes
         self.full_room = max(self.full_room, memory.room_bytes)
         self.room = memory.room_bytes - kept  # the room the next step starts with
+        if (self.widened and self.failed_step is not None
+                and snap.step - max(self.failed_step, self.narrowed_step) >= self.calm_steps):
+            self.widened, self.narrowed_step = self.widened - 1, snap.step  # calm: the margin a notch back
         target = min(snap.batch_size, self.largest_fitting(self.room) or micro)
         failed = self._recent_failure(snap.step)
-        if failed is not None and self.widened:
-            return []  # an OOM since sizes were measured: no move up until it is forgotten (at most two OOMs)
+        if self.widened and self.failed_step is not None and snap.step - self.failed_step < self.calm_steps:
+            return []  # an OOM since sizes were measured: no move up for a while (two OOMs at most)
         bounded = failed is not None and target > micro and self.below_failure(micro, failed) < target
         if bounded:
             target = self.below_failure(micro, failed)
@@ -243,7 +257,8 @@ class FitMicroBatch:
                 "new_size_cost": self.new_size_cost,
                 "reliefs": list(self.reliefs), "failed": self.failed, "failed_step": self.failed_step,
                 "first": self.first, "first_kept": self.first_kept, "whole_needs": dict(self.whole_needs),
-                "slack": dict(self.slack), "full_room": self.full_room, "widened": self.widened}
+                "slack": dict(self.slack), "full_room": self.full_room, "widened": self.widened,
+                "narrowed_step": self.narrowed_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.needs = {int(k): int(v) for k, v in state.get("needs", {}).items()}
@@ -255,3 +270,4 @@ class FitMicroBatch:
         self.whole_needs = {int(k): int(v) for k, v in state.get("whole_needs", {}).items()}
         self.slack = {int(k): int(v) for k, v in state.get("slack", {}).items()}
         self.full_room, self.widened = int(state.get("full_room", 0)), int(state.get("widened", 0))
+        self.narrowed_step = int(state.get("narrowed_step", 0))

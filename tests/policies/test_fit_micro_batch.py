@@ -200,7 +200,7 @@ def test_an_oom_after_sizes_were_measured_goes_to_the_largest_that_left_the_wide
     """Each OOM once sizes are measured widens the margin (5% of the room, then 10%, 20%) and
     the run goes to the largest size whose last step left that margin free, not a sample or two
     below the failure; while the failure is recent it does not grow again (two OOMs at most)."""
-    fit = FitMicroBatch(forget_failure_steps=10)
+    fit = FitMicroBatch(forget_failure_steps=10, calm_steps=10)
     fit.decide(Event.BATCH_MEASURED, measured(0, 100, need=300 * MiB, room=1000 * MiB))
     fit.decide(Event.BATCH_MEASURED, measured(1, 200, need=400 * MiB, room=1000 * MiB))  # 1 MiB a sample
     fit.decide(Event.BATCH_MEASURED, measured(2, 800, need=920 * MiB, room=1000 * MiB))  # fits, 8% free
@@ -212,4 +212,20 @@ def test_an_oom_after_sizes_were_measured_goes_to_the_largest_that_left_the_wide
     assert 200 < later[0].size < 800  # 10% kept, and the line raised to agree with the failure
     restored = FitMicroBatch()
     restored.load_state_dict(fit.state_dict())
-    assert (restored.widened, restored.slack, restored.full_room) == (1, fit.slack, fit.full_room)
+    assert (restored.widened, restored.narrowed_step, restored.slack) == (0, 14, fit.slack)  # calm: narrowed back
+
+
+def test_after_calm_steps_the_run_grows_again_below_the_failure_and_the_margin_narrows_back():
+    """A spike that passed (the hostile review: 20 MiB held for four steps, then the run sat at 32 of
+    69 for the rest of it): `calm_steps` after the OOM the run moves up again, bounded below the size
+    that failed, and each `calm_steps` without an OOM take a notch off the margin."""
+    fit = FitMicroBatch(calm_steps=5)
+    fit.decide(Event.BATCH_MEASURED, measured(0, 100, need=300 * MiB, room=1000 * MiB))
+    fit.decide(Event.BATCH_MEASURED, measured(1, 200, need=400 * MiB, room=1000 * MiB))  # 1 MiB a sample
+    (back,) = fit.decide(Event.OOM, measured(2, 600, need=400 * MiB, room=1000 * MiB, failed=600))
+    assert back.size < 600 and fit.widened == 1
+    quiet = [fit.decide(Event.BATCH_MEASURED, measured(step, back.size, need=(200 + back.size) * MiB,
+                                                       room=1000 * MiB)) for step in range(3, 7)]
+    assert quiet == [[]] * 4
+    (up,) = fit.decide(Event.BATCH_MEASURED, measured(7, back.size, need=(200 + back.size) * MiB, room=1000 * MiB))
+    assert back.size < up.size < 600 and fit.widened == 0 and fit.share() == pytest.approx(0.95)
