@@ -223,7 +223,10 @@ def _reads_as_fields(part: list | tuple, n: int) -> bool:
 def micro_batches(batch: Any, size: int, start: int = 0, split_fn: SplitFn | None = None,
                   total: int | None = None) -> Iterator[tuple[Any, int]]:
     """Yield `(micro_batch, n_samples)` covering samples `start:` of `batch` (`total` samples:
-    counted if not given), `size` at a time. With `split_fn`, the user's function splits the
+    counted if not given), `size` at a time, except that no micro-batch is left with one sample
+    where three or more were asked for: the last `size + 1` are split in two (65 at 32: 32, 17, 16).
+    BatchNorm in training refuses a batch of one sample ("Expected more than 1 value per channel"),
+    where the plain loop's batch of 65 ran. With `split_fn`, the user's function splits the
     remaining samples instead.
     """
     if size < 1:
@@ -242,9 +245,13 @@ def micro_batches(batch: Any, size: int, start: int = 0, split_fn: SplitFn | Non
     if start == 0 and size >= total:
         yield batch, total  # the whole batch: as it came, nothing rebuilt
         return
-    for lo in range(start, total, size):
+    lo = start
+    while lo < total:
         hi = min(lo + size, total)
+        if size > 2 and total - hi == 1:  # the next one would be a single sample (at 2, an odd batch must have one)
+            hi = lo + (total - lo + 1) // 2
         yield _slice(batch, lo, hi, total), hi - lo
+        lo = hi
 
 
 def check_splittable(batch: Any, split_fn: SplitFn | None = None) -> int:

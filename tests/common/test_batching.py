@@ -42,7 +42,7 @@ def test_strings_and_ints_are_split_as_lists():
 
 def test_numpy_arrays_are_split():
     parts = [m for m, _ in micro_batches(np.arange(7), 3)]
-    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
 
 
 def test_start_skips_samples_already_done():
@@ -123,8 +123,8 @@ def test_detection_collate_is_split_by_sample():
     batch = (images, targets)
     assert batch_len(batch) == 4
     parts = [m for m, _ in micro_batches(batch, 3)]
-    assert [len(p[0]) for p in parts] == [3, 1] and isinstance(parts[0], tuple)
-    assert parts[1][0][0] is images[3] and parts[1][1][0] is targets[3]
+    assert [len(p[0]) for p in parts] == [2, 2] and isinstance(parts[0], tuple)  # 3 and 1: two of two
+    assert parts[1][0][1] is images[3] and parts[1][1][1] is targets[3]
     # same-size images, a box each: reads as fields; PerSample says what it is
     same = (tuple(torch.rand(3, 8, 8) for _ in range(3)), tuple({"boxes": torch.rand(1, 4)} for _ in range(3)))
     marked = tuple(PerSample(part) for part in same)
@@ -146,3 +146,20 @@ def test_parts_that_read_no_way_are_an_error_naming_them():
         batch_len({"x": torch.zeros(4), "y": torch.zeros(5)})
     with pytest.raises(ValueError, match="disagree"):
         batch_len((torch.zeros(4, 2), torch.zeros(5, dtype=torch.int64)))
+
+
+def test_no_micro_batch_is_left_with_one_sample_where_more_were_asked_for():
+    """BatchNorm in training refuses one sample: a batch of 65 at 32 ran 32, 32, 1 and died
+    ("Expected more than 1 value per channel"), where the plain loop's 65 ran. At 2, an odd batch
+    cannot be split without one."""
+    assert sizes(torch.zeros(65), 32) == [32, 17, 16]
+    assert sizes(torch.zeros(9), 4, start=4) == [3, 2]
+    assert sizes(torch.zeros(5), 1) == [1] * 5 and sizes(torch.zeros(1), 4) == [1]
+    for n in range(1, 40):
+        for size in range(1, 12):
+            parts = sizes(torch.zeros(n), size)
+            assert sum(parts) == n and max(parts) <= size and len(parts) == -(-n // size), (n, size, parts)
+            assert 1 not in parts or size <= 2 or n == 1, (n, size, parts)  # at 2, an odd batch has one
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    for micro, _ in micro_batches(torch.randn(65, 4), 32):
+        model(micro)
