@@ -213,9 +213,9 @@ class FitMicroBatch:
         failed = self._recent_failure(snap.step)
         if self.widened and self.failed_step is not None and snap.step - self.failed_step < self.calm_steps:
             return []  # an OOM since sizes were measured: no move up for a while (two OOMs at most)
-        bounded = failed is not None and target > micro and self.below_failure(micro, failed) < target
-        if bounded:
-            target = self.below_failure(micro, failed)
+        allowed = self.below_failure(micro, failed) if failed is not None and target > micro else target
+        bounded = allowed < target
+        target = min(target, allowed)
         if target <= micro + max(1, int(self.margin * micro)):
             return []  # within the margin of the prediction (or of what the failure allows): stay
         why = (f"{micro} works, {failed} failed at step {self.failed_step}: {target} is what the room {micro} left "
