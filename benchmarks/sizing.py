@@ -23,14 +23,22 @@ the same way; and the scenario a new user tried: torchvision's resnet18 at 64x64
 SGD with momentum, the cap the warm virtual size + 320 MiB set before the trainer is built.
 
     python benchmarks/sizing.py [--steps 12] [--only resnet18]
+
+Issue 58's matrix (`--matrix ROUNDS`, its own results file): the default preset from 8x below, from the
+whole batch and through a jump in memory mid-run, on a CNN with BatchNorm, the LM and the LM with an EMA
+copy, against the plain loop's largest, with the settled size's throughput beside the plain loop's.
+
+    python benchmarks/sizing.py --matrix 3 --steps 8
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
@@ -45,7 +53,7 @@ MODEL_SETUP = SETUP[:SETUP.index("from autotune import AutoTrainer")]  # the mod
 BATCHES = """
 import copy
 def batch_at(i):  # the batches AutoTrainer trains (shuffle=False): consecutive slices
-    if MODEL == "cnn":
+    if IMAGES:
         return data.tensors[0][i * BATCH:(i + 1) * BATCH], data.tensors[1][i * BATCH:(i + 1) * BATCH]
     return data[i * BATCH:(i + 1) * BATCH]
 def slice_of(batch, a, b):
@@ -82,7 +90,7 @@ import lightning as L
 from lightning.pytorch.tuner import Tuner as LightningTuner
 from torch.utils.data import DataLoader
 logging.getLogger("lightning").setLevel(logging.ERROR)
-samples = data if MODEL == "cnn" else data[:BATCH * STEPS]
+samples = data if IMAGES else data[:BATCH * STEPS]
 class Lit(L.LightningModule):
     def __init__(self):
         super().__init__()
@@ -116,14 +124,19 @@ save({"micro": found, "ooms": ooms, "trials": trials, "seconds": time.perf_count
 PLAIN = MODEL_SETUP + BATCHES + """
 from autotune.memory.limits import cap_address_space
 cap_address_space(ROOM)
+if JUMP_BYTES and not JUMP_AT:  # what a jump takes, from the start: the largest size after it
+    hog.append(torch.ones(JUMP_BYTES, dtype=torch.uint8))
 try:
+    seconds = []
     for step in range(STEPS):
-        batch = tuple(t.clone() for t in batch_at(step)) if MODEL == "cnn" else batch_at(step).clone()  # made under the cap
+        began = time.perf_counter()
+        batch = tuple(t.clone() for t in batch_at(step)) if IMAGES else batch_at(step).clone()  # made under the cap
         for a in range(0, BATCH, START):
             b = min(a + START, BATCH)
             (step_fn(model, slice_of(batch, a, b)) * ((b - a) / BATCH)).backward()
-        optimizer.step(); optimizer.zero_grad(set_to_none=True)
-    save({"fits": True})
+        optimizer.step(); optimizer.zero_grad(set_to_none=True); after_step(step + 1)
+        seconds.append(time.perf_counter() - began)
+    save({"fits": True, "step_seconds": seconds})
 except Exception as exc:
     # oneDNN reports an allocation it could not make as "could not create a primitive"
     if not any(m in str(exc) for m in ("can't allocate memory", "could not create a primitive")) and \
@@ -179,19 +192,31 @@ except Exception as exc:
 RESNET18_BATCH, RESNET18_STEPS = 512, 5
 
 
-def plain_fits(tmp: Path, model: str, size: int, batch: int, steps: int) -> bool:
-    """Whether the plain loop trains `steps` steps at micro-batch `size` in a fresh process under the cap."""
+def head(tmp: Path, model: str, start: int, batch: int, steps: int, jump_bytes: int = 0, **more: object) -> str:
+    """The variables the scripts of this file and of tests/memory/test_sizing_e2e.py read."""
+    names = dict(MODEL=model, START=start, BATCH=batch, STEPS=steps, ROOM=room(tmp, model), JUMP_AT=0,
+                 JUMP_BYTES=jump_bytes, **more)
+    return "".join(f"{name}={value!r}\n" for name, value in names.items())
+
+
+def plain_run(tmp: Path, model: str, size: int, batch: int, steps: int, jump_bytes: int = 0) -> dict:
+    """The plain loop's `steps` steps at micro-batch `size` in a fresh process under the cap (`jump_bytes`
+    taken before the first): {"fits": bool} and, where it fits, each step's seconds."""
     if model == "resnet18":
-        head = f"MODE='plain'\nSTART={size}\nBATCH={batch}\nSTEPS={steps}\n"
-        proc, result = run_python(head + RESNET18, tmp, timeout=600, env={"OMP_NUM_THREADS": "1"})
+        script = f"MODE='plain'\nSTART={size}\nBATCH={batch}\nSTEPS={steps}\n"
+        proc, result = run_python(script + RESNET18, tmp, timeout=600, env={"OMP_NUM_THREADS": "1"})
     else:
-        head = f"MODEL={model!r}\nSTART={size}\nBATCH={batch}\nSTEPS={steps}\nROOM={room(tmp, model)}\n"
-        proc, result = run_python(head + PLAIN, tmp, timeout=600,
+        proc, result = run_python(head(tmp, model, size, batch, steps, jump_bytes) + PLAIN, tmp, timeout=600,
                                   env={"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "OMP_NUM_THREADS": "1"})
     if result is None:  # oneDNN may die of a signal where an allocation fails (see tests/memory/test_sizing_e2e.py)
         assert proc.returncode < 0, proc.stderr[-2000:]
-        return False
-    return result["fits"]
+        return {"fits": False}
+    return result
+
+
+def plain_fits(tmp: Path, model: str, size: int, batch: int, steps: int, jump_bytes: int = 0) -> bool:
+    """Whether the plain loop trains `steps` steps at micro-batch `size` in a fresh process under the cap."""
+    return plain_run(tmp, model, size, batch, steps, jump_bytes)["fits"]
 
 
 def bisect_largest(fits, lo: int, hi: int) -> int:
@@ -203,9 +228,9 @@ def bisect_largest(fits, lo: int, hi: int) -> int:
     return lo
 
 
-def largest_plain(tmp: Path, model: str, batch: int, steps: int, lo: int, hi: int) -> int:
+def largest_plain(tmp: Path, model: str, batch: int, steps: int, lo: int, hi: int, jump_bytes: int = 0) -> int:
     """The plain loop's largest fitting micro-batch: what a user's own loop fits under the same cap."""
-    return bisect_largest(lambda size: plain_fits(fresh(tmp), model, size, batch, steps), lo, hi)
+    return bisect_largest(lambda size: plain_fits(fresh(tmp), model, size, batch, steps, jump_bytes), lo, hi)
 
 
 def resnet18_rows(tmp: Path) -> list[str]:
@@ -215,8 +240,8 @@ def resnet18_rows(tmp: Path) -> list[str]:
     rows = []
     for direction, start in ((f"8x below ({plain // 8})", plain // 8), (f"the whole batch ({batch})", batch)):
         run_dir = fresh(tmp)
-        head = f"MODE='auto'\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nRUN_DIR={str(run_dir / 'run')!r}\n"
-        proc, result = run_python(head + RESNET18, run_dir, timeout=900, env={"OMP_NUM_THREADS": "1"})
+        script = f"MODE='auto'\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nRUN_DIR={str(run_dir / 'run')!r}\n"
+        proc, result = run_python(script + RESNET18, run_dir, timeout=900, env={"OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0 and result is not None, proc.stderr[-3000:]
         sizes = {int(step): size for step, size in result["sizes"].items()}
         at = settled_at(sizes, plain, above_counts=True)
@@ -228,11 +253,58 @@ def resnet18_rows(tmp: Path) -> list[str]:
     return rows
 
 
+MATRIX_MODELS = ("cnn-bn", "lm", "ema")
+JUMP_AFTER = 4  # the step after which a quarter of the room is taken, for the rest of the run
+
+
+def matrix_rows(tmp: Path, steps: int, rounds: int) -> tuple[list[str], int]:
+    """Issue 58's matrix: AutoTrainer's default preset on a CNN with BatchNorm, the LM and the LM with
+    an EMA copy, from 8x below the plain loop's largest, from the whole batch, and through a jump (a
+    quarter of the room taken after step JUMP_AFTER, from 8x below), `rounds` times; a row a run,
+    and how many rows met the bar (within 10% by the third step with at most 2 OOMs)."""
+    rows, met = [], 0
+    plains = {}
+    for model in MATRIX_MODELS:
+        batch, jump_bytes = ABOUT[model] * 8, room(tmp, model) // 4
+        before = largest_plain(tmp, model, batch, steps, ABOUT[model] // 4, ABOUT[model] * 2)
+        after = largest_plain(tmp, model, batch, steps, ABOUT[model] // 8, ABOUT[model] * 2, jump_bytes)
+        plains[model] = [(size, median(plain_run(fresh(tmp), model, size, batch, steps, jump)["step_seconds"]))
+                         for size, jump in ((before, 0), (after, jump_bytes))]
+        print(f"{model}: plain loop's largest {before}, {after} after the jump", file=sys.stderr)
+    for round_ in range(1, rounds + 1):
+        for model in MATRIX_MODELS:
+            batch, jump_bytes = ABOUT[model] * 8, room(tmp, model) // 4
+            (before, before_seconds), (after, after_seconds) = plains[model]
+            for name, start, jump_at in ((f"8x below ({before // 8})", before // 8, 0),
+                                         (f"the whole batch ({batch})", batch, 0),
+                                         (f"jump after step {JUMP_AFTER}", before // 8, JUMP_AFTER)):
+                folder = fresh(tmp)
+                result, records, sizes = run(folder, model, start=start, batch=batch, steps=steps,
+                                             jump_at=jump_at, jump_bytes=jump_bytes if jump_at else 0)
+                plain, plain_seconds = (after, after_seconds) if jump_at else (before, before_seconds)
+                counted = {step: size for step, size in sizes.items() if step > jump_at}
+                at = settled_at(counted, plain, above_counts=True)
+                ooms = sum(1 for r in records if r["kind"] == "oom" and r["step"] >= jump_at and
+                           (at is None or r["step"] < at))
+                seconds = [r["step_seconds"] for r in map(json.loads, (folder / f"{model}-{start}-default" / "run" /
+                                                                       "steps.jsonl").read_text().splitlines())
+                           if at is not None and r["step"] >= at]
+                by = at - jump_at if at is not None else None
+                ok = by is not None and by <= 3 and ooms <= 2
+                met += ok
+                rows.append(f"| {round_} | {model} | {name} | {plain} | {' '.join(str(sizes[s]) for s in sorted(sizes))} | "
+                            f"{by if by is not None else 'never'} | {ooms} | {result['ooms']} | "
+                            f"{result['micro'] / plain:.2f} | "
+                            f"{plain_seconds / median(seconds) if seconds else float('nan'):.2f} | "
+                            f"{'yes' if ok else 'no'} |")
+                print(rows[-1], file=sys.stderr)
+    return rows, met
+
+
 def peer(tmp: Path, script: str, model: str, start: int, batch: int, steps: int, mode: str = "") -> dict:
     """One peer's run under the same cap (ACCELERATE or LIGHTNING); what it saved, or why it stopped."""
-    head = (f"MODEL={model!r}\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nROOM={room(tmp, model)}\n"
-            f"RUN_DIR={str(tmp / 'run')!r}\nMODE={mode!r}\n")
-    proc, result = run_python(head + script, tmp, timeout=600,
+    variables = head(tmp, model, start, batch, steps, RUN_DIR=str(tmp / "run"), MODE=mode)
+    proc, result = run_python(variables + script, tmp, timeout=600,
                               env={"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0 or result is None:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -263,12 +335,41 @@ def settled_at(sizes: dict[int, int], best: int, above_counts: bool = False) -> 
     return None
 
 
+def write_matrix(tmp: Path, steps: int, rounds: int) -> None:
+    rows, met = matrix_rows(tmp, steps, rounds)
+    lines = [f"AutoTrainer with its default preset (fit_micro_batch), {steps} optimizer steps a run, batch 8x the "
+             "model's ABOUT size, one thread, oneDNN's primitive cache off, the caps of tests/memory/test_sizing_e2e.py "
+             "(measured on this machine so that about ABOUT samples fit): a CNN with BatchNorm (three convs at 64x64, "
+             "ABOUT 128), the 2-layer transformer LM (128 tokens, ABOUT 64), and the same LM with an EMA copy of its "
+             "weights (torch.optim.swa_utils.AveragedModel, updated after every optimizer step in a callback; the "
+             "plain loop updates it after its own step). Starts: 8x below the plain loop's largest, the whole batch, "
+             f"and a jump: from 8x below, a quarter of the room taken after step {JUMP_AFTER} and kept.", "",
+             f"Bar: within 10% of the plain loop's largest by the third step (after the jump: the third step after "
+             f"it), at most 2 OOMs until then. Met: {met} of {len(rows)}.", "",
+             "| round | model | start | plain loop's largest | micro-batch of each step | settled by step | "
+             "OOMs until then | OOMs in all | final / plain loop's | throughput / plain loop's at its largest | "
+             "met |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+             "'Plain loop's largest': a hand-written loop under the same cap that does what AutoTrainer does (the "
+             "step's batch made under the cap, micro-batches accumulated into one optimizer step, the EMA updated), "
+             "bisected in fresh processes to within 2%; for the jump, with the quarter taken from its start. "
+             "'Settled by step': the first step (counted from the jump, for the jump) from which every step's "
+             "micro-batch is at least 90% of the plain loop's largest (more is not a shortfall). Throughput: the "
+             "plain loop's median step time at its largest over AutoTrainer's median over its settled steps (the "
+             "same batch a step): above 1, AutoTrainer trains faster."]
+    write_results("sizing-matrix", "Sizing from three starts on three models vs the plain loop's largest (CPU)", lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", choices=("cnn", "lm", "resnet18"), help="one scenario (the results file then has its rows only)")
+    parser.add_argument("--matrix", type=int, metavar="ROUNDS",
+                        help="issue 58's matrix instead, ROUNDS times (results in sizing-matrix.md)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="sizing-"))
+    if args.matrix:
+        write_matrix(tmp, args.steps, args.matrix)
+        return
     preset = tmp / "grow_back.toml"
     preset.write_text(GROW_BACK)
     rows = []

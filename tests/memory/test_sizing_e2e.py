@@ -24,10 +24,14 @@ from autotune.memory.limits import cap_address_space, fix_mmap_threshold, single
 single_malloc_arena(); fix_mmap_threshold()  # before the warm-up: what it frees leaves the address space
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)
-if MODEL == "cnn":
+CALLBACKS = []  # the user's own code after each optimizer step (benchmarks/sizing.py's EMA and memory jump)
+IMAGES = MODEL in ("cnn", "cnn-bn")
+if IMAGES:
     # Few channels at 64x64: much memory a sample for little compute, so sizes that fill the room run fast
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
-                          nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
+    def conv(channels_in, channels_out, stride=1):
+        norm = [nn.BatchNorm2d(channels_out)] if MODEL == "cnn-bn" else []
+        return [nn.Conv2d(channels_in, channels_out, 3, stride=stride, padding=1), *norm, nn.ReLU()]
+    model = nn.Sequential(*conv(3, 8), *conv(8, 8), *conv(8, 16, stride=2),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
     # Decoded images, as uint8: a batch 8x the largest micro-batch must not fill the room by itself
     images = torch.randint(0, 256, (BATCH * STEPS, 3, 64, 64), generator=g, dtype=torch.uint8)
@@ -49,11 +53,24 @@ else:
     def step_fn(model, tokens):
         return nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-step_fn(model, data[:2]).backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)  # warm up, then cap
+if MODEL == "ema":  # the LM with an EMA copy of its weights, updated after every optimizer step
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999), use_buffers=True)
+hog = []  # JUMP_BYTES taken after step JUMP_AT: memory that something else took mid-run
+def after_step(step):
+    if MODEL == "ema":
+        ema.update_parameters(model)
+    if JUMP_AT and step == JUMP_AT:
+        hog.append(torch.ones(JUMP_BYTES, dtype=torch.uint8))
+class AfterStep:
+    def on_step_end(self, trainer):
+        after_step(trainer.step)
+CALLBACKS.append(AfterStep())
+step_fn(model, data[:2]).backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True); after_step(0)  # warm up, then cap
 from autotune import AutoTrainer
 trainer = AutoTrainer(model, data, step_fn=step_fn, optimizer=optimizer, batch_size=BATCH, micro_batch_size=START,
                       device="cpu", run_dir=RUN_DIR, progress=False, monitor=False, checkpoint_interval=None,
-                      policies=POLICIES, shuffle=False)
+                      policies=POLICIES, shuffle=False, callbacks=CALLBACKS)
 if CALIBRATE:  # the room under which about ABOUT samples fit, measured (autotune.memory.limits)
     from autotune.memory.limits import calibrate_headroom
     def probe(size):
@@ -79,7 +96,7 @@ except Exception as exc:  # a probe (no policies): the first OOM, in a step or i
     save({"out_of_memory": True})
 """
 
-ABOUT = {"cnn": 128, "lm": 64}  # the largest micro-batch that fits: the cap is measured to make it about this
+ABOUT = {"cnn": 128, "cnn-bn": 128, "lm": 64, "ema": 64}  # the largest micro-batch that fits: the cap is measured to make it about this
 ROOMS: dict[str, int] = {}  # the cap's headroom per model, measured once on this machine
 
 
@@ -93,12 +110,14 @@ def room(tmp_path, model):
     return ROOMS[model]
 
 
-def run(tmp_path, model, start, batch, steps, policies="default", headroom=None, calibrate=False):
+def run(tmp_path, model, start, batch, steps, policies="default", headroom=None, calibrate=False, jump_at=0,
+        jump_bytes=0):
     run_dir = tmp_path / f"{model}-{start}-{'calibrate' if calibrate else Path(str(policies)).stem}"
     run_dir.mkdir()
     headroom = room(tmp_path, model) if headroom is None else headroom
     head = (f"MODEL={model!r}\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nROOM={headroom}\nABOUT={ABOUT[model]}\n"
-            f"RUN_DIR={str(run_dir / 'run')!r}\nPOLICIES={policies!r}\nCALIBRATE={calibrate}\n")
+            f"RUN_DIR={str(run_dir / 'run')!r}\nPOLICIES={policies!r}\nCALIBRATE={calibrate}\n"
+            f"JUMP_AT={jump_at}\nJUMP_BYTES={jump_bytes}\n")
     proc, result = run_python(head + SETUP, run_dir, timeout=240, env={"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "OMP_NUM_THREADS": "1"})
     if calibrate:
         assert proc.returncode == 0 and result is not None, proc.stderr[-3000:]
