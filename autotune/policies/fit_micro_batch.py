@@ -29,8 +29,13 @@ Each OOM after the first measured step widens the margin kept below the room: 5%
 10% after one such OOM, then 20%, 40% (a need that drifts up over a run, an allocator's heap, an
 EMA copy, shows as failures at sizes that fitted; each one asks for more slack). On such an OOM
 it proposes the largest size whose last step left that margin free (halve_on_oom proposes too:
-the smaller of the two is taken), and for `calm_steps` steps after it does not move up; each
-`calm_steps` steps without an OOM narrow the margin a notch again (a spike that passed). While
+the smaller of the two is taken): where the failed size was above all that ran (the line
+overshot), at least the largest size that ran scaled in proportion to its need; where a size
+that ran failed, none below half of it (what a size measured long ago left free says nothing
+now). For `calm_steps` steps after it does not move up, unless the next measured step shows the
+room smaller by more than the failed size had spare (something else took memory: a jump): then
+the sizes measured before are charged what was lost and the run refits to the room left at
+once. Each `calm_steps` steps without an OOM narrow the margin a notch again (a spike that passed). While
 a failure is remembered (`forget_failure_steps`) a move up is bounded by what the sizes measured
 say for certain: from the size that ran, the slack it left (the room less its need) over the
 cost of a sample, the line's slope where two sizes are far enough apart and, with one, the whole
@@ -90,6 +95,11 @@ class FitMicroBatch:
     full_room: int = dataclasses.field(default=0, init=False, repr=False)  # the most room a step started with
     widened: int = dataclasses.field(default=0, init=False, repr=False)  # OOMs since the first measured step
     narrowed_step: int = dataclasses.field(default=0, init=False, repr=False)  # the margin's last notch back
+    # An OOM at a size that had fit: the room then and what that size had spare, until the next
+    # measured step tells whether the room shrank by more (something else took it: a jump).
+    room_before_failure: int | None = dataclasses.field(default=None, init=False, repr=False)
+    spare_at_failure: int = dataclasses.field(default=0, init=False, repr=False)
+    room_lost: bool = dataclasses.field(default=False, init=False, repr=False)  # the last OOM was the room's
 
     def __post_init__(self) -> None:
         check_fraction(self.name, "headroom", self.headroom)
@@ -206,12 +216,15 @@ class FitMicroBatch:
         self.slack[micro] = memory.room_bytes - memory.need_bytes
         self.full_room = max(self.full_room, memory.room_bytes)
         self.room = memory.room_bytes - kept  # the room the next step starts with
+        if self.room_before_failure is not None:
+            self._after_failure_measured(micro, memory.room_bytes)
         if (self.widened and self.failed_step is not None
                 and snap.step - max(self.failed_step, self.narrowed_step) >= self.calm_steps):
             self.widened, self.narrowed_step = self.widened - 1, snap.step  # calm: the margin a notch back
         target = min(snap.batch_size, self.largest_fitting(self.room) or micro)
         failed = self._recent_failure(snap.step)
-        if self.widened and self.failed_step is not None and snap.step - self.failed_step < self.calm_steps:
+        if (self.widened and self.failed_step is not None and snap.step - self.failed_step < self.calm_steps
+                and not self.room_lost):
             return []  # an OOM since sizes were measured: no move up for a while (two OOMs at most)
         allowed = self.below_failure(micro, failed) if failed is not None and target > micro else target
         bounded = allowed < target
@@ -224,11 +237,24 @@ class FitMicroBatch:
                f"predicted to fit {target}")
         return [SetMicroBatch(target, reason=why)]
 
+    def _after_failure_measured(self, micro: int, room: int) -> None:
+        # The first measured step after an OOM at a size that had fit. A room smaller by more than
+        # that size had spare explains the failure (something else took memory: another process,
+        # a cache, an EMA copy made mid-run): what the sizes measured before left free is less by
+        # as much, and the calm after the OOM is not needed: the line, the new room and the wider
+        # margin say where to go now, bounded below the failure.
+        lost = self.room_before_failure - room
+        if lost > self.spare_at_failure:
+            self.slack = {m: (slack if m == micro else slack - lost) for m, slack in self.slack.items()}
+            self.room_lost = True
+        self.room_before_failure = None
+
     def _after_oom(self, snap: Snapshot) -> Sequence[Action]:
         size = snap.failed_micro_batch or snap.micro_batch_size
         known = self._recent_failure(snap.step)
         self.failed = size if known is None else min(known, size)
         self.failed_step = snap.step
+        self.room_lost, self.room_before_failure = False, None
         if not self.needs or self.room is None:
             target = max(1, size // 4)
             return [SetMicroBatch(target, reason=f"out of memory at {size} with nothing measured yet; "
@@ -236,19 +262,35 @@ class FitMicroBatch:
         self.widened += 1  # every OOM once sizes are measured: more slack from now on
         # The largest size whose last step left the (now wider) margin free: measured, not predicted.
         margin = (1 - self.share()) * self.full_room
-        safe = [m for m, slack in self.slack.items() if m < size and slack >= margin]
-        if size <= max(self.needs) and not safe:
-            return []  # it (or a larger size) was measured to fit, and none left the margin: halve_on_oom answers
-        if size > max(self.needs):
+        had_fit = size <= max(self.needs)
+        if had_fit:
+            # It (or a larger size) ran: the room shrank or the need grew since. Sizes measured long
+            # ago may have left much free then and say nothing now: none below what halving gives.
+            self.room_before_failure = self.room
+            self.spare_at_failure = min(slack for m, slack in self.slack.items() if m >= size)
+        safe = [m for m, slack in self.slack.items()
+                if m < size and slack >= margin and (not had_fit or m >= size // 2)]
+        if had_fit and not safe:
+            return []  # none left the margin: halve_on_oom answers, and the next step measures the room
+        target = max(safe) if safe else 1
+        if not had_fit:
             predicted = self.predict_need(size)
             if predicted is not None and predicted <= self.room:
                 # It was predicted to fit and did not: the fixed part is larger than it looked.
                 self.raise_by += self.room - predicted + 1
-        target = max(safe) if safe else max(1, min(size - 1, self.largest_fitting(self.room) or 1))
+            # The line overshot: from the largest size that ran, in proportion to what it needed (a
+            # need through zero grows at least as fast as a line with a fixed part), within the
+            # wider margin. A CNN with BatchNorm at 13 and 51 samples set a line to 141 where 110
+            # was the edge (the small size's need is mostly a fixed part the larger ones absorb).
+            ran = max(self.needs)
+            whole = self.whole_needs.get(ran, self.needs[ran])
+            if whole > 0:
+                target = max(target, min(size - 1, int(ran * self.share() * self.room / whole)))
         good = snap.last_good_micro_batch
-        if not safe and good is not None and target < good < size:
+        if good is not None and target < good < size and not had_fit:
             target = good  # measured to fit: better than a prediction that says otherwise
-        why = (f"{target} left {format_bytes(self.slack[target])} of the room free" if safe else f"predicted to fit {target}")
+        why = (f"{target} left {format_bytes(self.slack[target])} of the room free" if target in safe else
+               f"{target} in proportion to what {max(self.needs)} needed")
         return [SetMicroBatch(target, reason=f"out of memory at {size}; {why} ({1 - self.share():.0%} of the room kept "
                                              "from now on)")]
 
@@ -258,7 +300,8 @@ class FitMicroBatch:
                 "reliefs": list(self.reliefs), "failed": self.failed, "failed_step": self.failed_step,
                 "first": self.first, "first_kept": self.first_kept, "whole_needs": dict(self.whole_needs),
                 "slack": dict(self.slack), "full_room": self.full_room, "widened": self.widened,
-                "narrowed_step": self.narrowed_step}
+                "narrowed_step": self.narrowed_step, "room_before_failure": self.room_before_failure,
+                "spare_at_failure": self.spare_at_failure, "room_lost": self.room_lost}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.needs = {int(k): int(v) for k, v in state.get("needs", {}).items()}
@@ -271,3 +314,6 @@ class FitMicroBatch:
         self.slack = {int(k): int(v) for k, v in state.get("slack", {}).items()}
         self.full_room, self.widened = int(state.get("full_room", 0)), int(state.get("widened", 0))
         self.narrowed_step = int(state.get("narrowed_step", 0))
+        self.room_before_failure = state.get("room_before_failure")
+        self.spare_at_failure = int(state.get("spare_at_failure", 0))
+        self.room_lost = bool(state.get("room_lost", False))

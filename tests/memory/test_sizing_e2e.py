@@ -26,6 +26,10 @@ torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)
 CALLBACKS = []  # the user's own code after each optimizer step (benchmarks/sizing.py's EMA and memory jump)
 IMAGES = MODEL in ("cnn", "cnn-bn")
+if MODEL == "cnn-bn":
+    # Off oneDNN: its convolution's backward crashes the process (SIGSEGV) after some refused allocations
+    # under RLIMIT_AS (seen in calibrate_headroom's probes here); torch's own kernels raise an OOM.
+    torch.backends.mkldnn.enabled = False
 if IMAGES:
     # Few channels at 64x64: much memory a sample for little compute, so sizes that fill the room run fast
     def conv(channels_in, channels_out, stride=1):
