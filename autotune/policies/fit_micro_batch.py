@@ -60,6 +60,7 @@ Owns: this policy's state (saved in checkpoints). Touches nothing: it reads a Sn
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar, Sequence
 
 from autotune.common.actions import Action, SetMicroBatch
@@ -175,9 +176,19 @@ class FitMicroBatch:
         the line is there for the next one."""
         line = self._line()
         whole = self.whole_needs or self.needs  # a checkpoint from before whole needs were kept: the lower ones
-        per_sample = line[1] if line is not None else max(need / m for m, need in whole.items())
-        margin = (1 - self.share()) * (1 if line is not None else 4) * self.full_room
-        slack = self.slack.get(size, 0) - margin
+        spare = self.slack.get(size, 0)
+        if line is not None:
+            per_sample, times = line[1], 1
+        else:
+            # Between two bounds: through zero (no fixed part: the most a sample can cost) and what
+            # the failure says (it needed more than the room: at least `spare` over the sizes
+            # between). Their geometric mean, with twice the margin: through zero alone, a run
+            # whose fixed part was 60% of the room sat at half the size that fits.
+            most = max(need / m for m, need in whole.items())
+            least = spare / (failed - size)
+            per_sample, times = (math.sqrt(most * least), 2) if 0 < least < most else (most, 4)
+        margin = (1 - self.share()) * times * self.full_room
+        slack = spare - margin
         if per_sample <= 0 or slack <= 0:
             return size
         return max(size, min(failed - 1, size + int(slack / per_sample)))

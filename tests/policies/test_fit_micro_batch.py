@@ -84,6 +84,22 @@ def test_from_8x_above_at_most_2_ooms_and_ends_within_10_percent():
     assert len(set(sizes[-10:])) == 1
 
 
+@pytest.mark.parametrize("fixed_share", [0.0, 0.3, 0.6])
+def test_from_8x_above_a_large_fixed_part_does_not_hold_the_run_at_half(fixed_share):
+    """Two OOMs from 8x above leave one size measured and the failures: a move up is bounded between
+    what that size needed through zero (every byte a sample's) and what the failure says. Bounded
+    through zero alone, a run whose fixed part was 60% of the room stayed at half the size that fits
+    (66 of 133) until the failure was forgotten, and one at 30% took four steps."""
+    fixed, per_sample = int(fixed_share * 1000 * MiB), 3 * MiB
+    best = largest(fixed, per_sample)
+    sizes, ooms = simulate(best * 8, fixed, per_sample, batch=best * 8)
+    within_headroom = (0.95 * 1000 * MiB - fixed) // per_sample
+    assert ooms <= 2, sizes
+    assert sizes[-1] >= 0.9 * within_headroom and sizes[-1] <= best, sizes
+    if fixed_share < 0.5:
+        assert sizes[2:] == [sizes[-1]] * (len(sizes) - 2), sizes  # settled by the third step
+
+
 def test_a_failure_the_line_did_not_predict_raises_it():
     """The steps measured say 600 fits; it does not (something the line does not see): the next
     move is below the failure and the failed size is not tried again."""
