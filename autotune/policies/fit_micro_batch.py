@@ -278,7 +278,7 @@ class FitMicroBatch:
             # It (or a larger size) ran: the room shrank or the need grew since. Sizes measured long
             # ago may have left much free then and say nothing now: none below what halving gives.
             self.room_before_failure = self.room
-            self.spare_at_failure = min(slack for m, slack in self.slack.items() if m >= size)
+            self.spare_at_failure = min((slack for m, slack in self.slack.items() if m >= size), default=0)
         safe = [m for m, slack in self.slack.items()
                 if m < size and slack >= margin and (not had_fit or m >= size // 2)]
         if had_fit and not safe:
