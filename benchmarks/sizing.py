@@ -28,7 +28,7 @@ Issue 58's matrix (`--matrix ROUNDS`, its own results file): the default preset 
 whole batch and through a jump in memory mid-run, on a CNN with BatchNorm, the LM and the LM with an EMA
 copy, against the plain loop's largest, with the settled size's throughput beside the plain loop's.
 
-    python benchmarks/sizing.py --matrix 3 --steps 8
+    python benchmarks/sizing.py --matrix 3 --steps 8 [--plain cnn-bn=110:80,lm=66:49,ema=66:50]
 """
 
 from __future__ import annotations
@@ -257,17 +257,20 @@ MATRIX_MODELS = ("cnn-bn", "lm", "ema")
 JUMP_AFTER = 4  # the step after which a quarter of the room is taken, for the rest of the run
 
 
-def matrix_rows(tmp: Path, steps: int, rounds: int) -> tuple[list[str], int]:
+def matrix_rows(tmp: Path, steps: int, rounds: int, known: dict[str, tuple[int, int]]) -> tuple[list[str], int]:
     """Issue 58's matrix: AutoTrainer's default preset on a CNN with BatchNorm, the LM and the LM with
     an EMA copy, from 8x below the plain loop's largest, from the whole batch, and through a jump (a
     quarter of the room taken after step JUMP_AFTER, from 8x below), `rounds` times; a row a run,
-    and how many rows met the bar (within 10% by the third step with at most 2 OOMs)."""
+    and how many rows met the bar (within 10% by the third step with at most 2 OOMs). `known`: the
+    plain loop's largest before and after the jump, per model, from an earlier run of this machine
+    (the bisection is most of the time); the others are bisected."""
     rows, met = [], 0
     plains = {}
     for model in MATRIX_MODELS:
         batch, jump_bytes = ABOUT[model] * 8, room(tmp, model) // 4
-        before = largest_plain(tmp, model, batch, steps, ABOUT[model] // 4, ABOUT[model] * 2)
-        after = largest_plain(tmp, model, batch, steps, ABOUT[model] // 8, ABOUT[model] * 2, jump_bytes)
+        before, after = known.get(model) or (
+            largest_plain(tmp, model, batch, steps, ABOUT[model] // 4, ABOUT[model] * 2),
+            largest_plain(tmp, model, batch, steps, ABOUT[model] // 8, ABOUT[model] * 2, jump_bytes))
         plains[model] = [(size, median(plain_run(fresh(tmp), model, size, batch, steps, jump)["step_seconds"]))
                          for size, jump in ((before, 0), (after, jump_bytes))]
         print(f"{model}: plain loop's largest {before}, {after} after the jump", file=sys.stderr)
@@ -335,8 +338,8 @@ def settled_at(sizes: dict[int, int], best: int, above_counts: bool = False) -> 
     return None
 
 
-def write_matrix(tmp: Path, steps: int, rounds: int) -> None:
-    rows, met = matrix_rows(tmp, steps, rounds)
+def write_matrix(tmp: Path, steps: int, rounds: int, known: dict[str, tuple[int, int]]) -> None:
+    rows, met = matrix_rows(tmp, steps, rounds, known)
     lines = [f"AutoTrainer with its default preset (fit_micro_batch), {steps} optimizer steps a run, batch 8x the "
              "model's ABOUT size, one thread, oneDNN's primitive cache off, the caps of tests/memory/test_sizing_e2e.py "
              "(measured on this machine so that about ABOUT samples fit): a CNN with BatchNorm (three convs at 64x64, "
@@ -365,10 +368,18 @@ def main() -> None:
     parser.add_argument("--only", choices=("cnn", "lm", "resnet18"), help="one scenario (the results file then has its rows only)")
     parser.add_argument("--matrix", type=int, metavar="ROUNDS",
                         help="issue 58's matrix instead, ROUNDS times (results in sizing-matrix.md)")
+    parser.add_argument("--plain", default="", metavar="MODEL=BEFORE:AFTER,...",
+                        help="with --matrix: the plain loop's largest before and after the jump, from an earlier "
+                             "run on this machine (not bisected again)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="sizing-"))
     if args.matrix:
-        write_matrix(tmp, args.steps, args.matrix)
+        known = {}
+        for item in filter(None, args.plain.split(",")):
+            model, sizes = item.split("=")
+            before, after = sizes.split(":")
+            known[model] = (int(before), int(after))
+        write_matrix(tmp, args.steps, args.matrix, known)
         return
     preset = tmp / "grow_back.toml"
     preset.write_text(GROW_BACK)
