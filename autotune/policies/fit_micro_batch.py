@@ -185,7 +185,7 @@ class FitMicroBatch:
             # between). Their geometric mean, with twice the margin: through zero alone, a run
             # whose fixed part was 60% of the room sat at half the size that fits.
             most = max(need / m for m, need in whole.items())
-            least = spare / (failed - size)
+            least = spare / (failed - size) if failed > size else 0.0  # a size that failed once ran since
             per_sample, times = (math.sqrt(most * least), 2) if 0 < least < most else (most, 4)
         margin = (1 - self.share()) * times * self.full_room
         slack = spare - margin

@@ -282,3 +282,13 @@ def test_after_calm_steps_the_run_grows_again_below_the_failure_and_the_margin_n
     assert quiet == [[]] * 4
     (up,) = fit.decide(Event.BATCH_MEASURED, measured(7, back.size, need=(200 + back.size) * MiB, room=1000 * MiB))
     assert back.size < up.size < 600 and fit.widened == 0 and fit.share() == pytest.approx(0.95)
+
+
+def test_a_size_that_failed_and_then_ran_is_no_division_by_zero():
+    """The hostile review: an OOM at micro-batch 1, a relief, then a step at 1 that ran. The bound
+    between the size that ran and the failure divided by their difference: ZeroDivisionError."""
+    fit = FitMicroBatch()
+    fit.decide(Event.OOM, Snapshot(step=0, epoch=0, batch_size=64, micro_batch_size=1, device="cpu",
+                                   failed_micro_batch=1))
+    moves = fit.decide(Event.BATCH_MEASURED, snap(0, 1, batch=64, need=300 * MiB, reliefs=("autocast",)))
+    assert all(1 <= move.size <= 64 for move in moves)
