@@ -32,10 +32,12 @@ it proposes the largest size whose last step left that margin free (halve_on_oom
 the smaller of the two is taken): where the failed size was above all that ran (the line
 overshot), at least the largest size that ran scaled in proportion to its need; where a size
 that ran failed, none below half of it (what a size measured long ago left free says nothing
-now). For `calm_steps` steps after it does not move up, unless the next measured step shows the
-room smaller by more than the failed size had spare (something else took memory: a jump): then
-the sizes measured before are charged what was lost and the run refits to the room left at
-once. Each `calm_steps` steps without an OOM narrow the margin a notch again (a spike that passed). While
+now). After a size that had run fails, for `calm_steps` steps it does not move up, unless the
+next measured step shows the room smaller by more than the failed size had spare (something else
+took memory: a jump): then the sizes measured before are charged what was lost, the margin steps
+back a notch (it was not what failed) and the run refits to the room left at once. After an
+overshoot (a size that never ran) there is no calm: the next step's measure refines the line,
+and a move up stays below the failure. Each `calm_steps` steps without an OOM narrow the margin a notch again (a spike that passed). While
 a failure is remembered (`forget_failure_steps`) a move up is bounded by what the sizes measured
 say for certain: from the size that ran, the slack it left (the room less its need) over the
 cost of a sample, the line's slope where two sizes are far enough apart and, with one, the whole
@@ -101,6 +103,7 @@ class FitMicroBatch:
     room_before_failure: int | None = dataclasses.field(default=None, init=False, repr=False)
     spare_at_failure: int = dataclasses.field(default=0, init=False, repr=False)
     room_lost: bool = dataclasses.field(default=False, init=False, repr=False)  # the last OOM was the room's
+    failed_had_run: bool = dataclasses.field(default=True, init=False, repr=False)  # the last failure had fit before
 
     def __post_init__(self) -> None:
         check_fraction(self.name, "headroom", self.headroom)
@@ -235,7 +238,7 @@ class FitMicroBatch:
         target = min(snap.batch_size, self.largest_fitting(self.room) or micro)
         failed = self._recent_failure(snap.step)
         if (self.widened and self.failed_step is not None and snap.step - self.failed_step < self.calm_steps
-                and not self.room_lost):
+                and self.failed_had_run and not self.room_lost):
             return []  # an OOM since sizes were measured: no move up for a while (two OOMs at most)
         allowed = self.below_failure(micro, failed) if failed is not None and target > micro else target
         bounded = allowed < target
@@ -258,6 +261,7 @@ class FitMicroBatch:
         if lost > self.spare_at_failure:
             self.slack = {m: (slack if m == micro else slack - lost) for m, slack in self.slack.items()}
             self.room_lost = True
+            self.widened = max(0, self.widened - 1)  # the margin was not what failed
         self.room_before_failure = None
 
     def _after_oom(self, snap: Snapshot) -> Sequence[Action]:
@@ -274,6 +278,7 @@ class FitMicroBatch:
         # The largest size whose last step left the (now wider) margin free: measured, not predicted.
         margin = (1 - self.share()) * self.full_room
         had_fit = size <= max(self.needs)
+        self.failed_had_run = had_fit
         if had_fit:
             # It (or a larger size) ran: the room shrank or the need grew since. Sizes measured long
             # ago may have left much free then and say nothing now: none below what halving gives.
@@ -312,7 +317,8 @@ class FitMicroBatch:
                 "first": self.first, "first_kept": self.first_kept, "whole_needs": dict(self.whole_needs),
                 "slack": dict(self.slack), "full_room": self.full_room, "widened": self.widened,
                 "narrowed_step": self.narrowed_step, "room_before_failure": self.room_before_failure,
-                "spare_at_failure": self.spare_at_failure, "room_lost": self.room_lost}
+                "spare_at_failure": self.spare_at_failure, "room_lost": self.room_lost,
+                "failed_had_run": self.failed_had_run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.needs = {int(k): int(v) for k, v in state.get("needs", {}).items()}
@@ -328,3 +334,4 @@ class FitMicroBatch:
         self.room_before_failure = state.get("room_before_failure")
         self.spare_at_failure = int(state.get("spare_at_failure", 0))
         self.room_lost = bool(state.get("room_lost", False))
+        self.failed_had_run = bool(state.get("failed_had_run", True))

@@ -275,13 +275,28 @@ def test_after_calm_steps_the_run_grows_again_below_the_failure_and_the_margin_n
     fit = FitMicroBatch(calm_steps=5)
     fit.decide(Event.BATCH_MEASURED, measured(0, 100, need=300 * MiB, room=1000 * MiB))
     fit.decide(Event.BATCH_MEASURED, measured(1, 200, need=400 * MiB, room=1000 * MiB))  # 1 MiB a sample
-    (back,) = fit.decide(Event.OOM, measured(2, 600, need=400 * MiB, room=1000 * MiB, failed=600))
-    assert back.size < 600 and fit.widened == 1
+    fit.decide(Event.BATCH_MEASURED, measured(2, 600, need=800 * MiB, room=1000 * MiB))  # ran: 20% free
+    spike = measured(3, 600, need=800 * MiB, room=1000 * MiB, failed=600)
+    assert fit.decide(Event.OOM, spike) == [] and fit.widened == 1  # no size of 300 or more measured: halving answers
+    (back,) = HalveOnOOM().decide(Event.OOM, spike)
+    assert back.size == 300
     quiet = [fit.decide(Event.BATCH_MEASURED, measured(step, back.size, need=(200 + back.size) * MiB,
-                                                       room=1000 * MiB)) for step in range(3, 7)]
-    assert quiet == [[]] * 4
-    (up,) = fit.decide(Event.BATCH_MEASURED, measured(7, back.size, need=(200 + back.size) * MiB, room=1000 * MiB))
+                                                       room=1000 * MiB)) for step in range(4, 8)]
+    assert quiet == [[]] * 4  # the room is as it was: the spike was the need's, calm
+    (up,) = fit.decide(Event.BATCH_MEASURED, measured(8, back.size, need=(200 + back.size) * MiB, room=1000 * MiB))
     assert back.size < up.size < 600 and fit.widened == 0 and fit.share() == pytest.approx(0.95)
+
+
+def test_after_an_overshoot_the_next_step_refines_the_line_without_a_calm():
+    """A size that never ran fails (the line overshot: a CNN with BatchNorm at 13 and 51 predicted
+    141 where 110 fits): no calm, the size halving chose is measured and the run moves up below
+    the failure at once."""
+    fit = FitMicroBatch()
+    fit.decide(Event.BATCH_MEASURED, measured(0, 100, need=300 * MiB, room=1000 * MiB))
+    fit.decide(Event.BATCH_MEASURED, measured(1, 200, need=400 * MiB, room=1000 * MiB))  # the line: 1 MiB a sample
+    fit.decide(Event.OOM, measured(2, 850, need=400 * MiB, room=1000 * MiB, failed=850))  # it costs 1.5 from 200
+    (up,) = fit.decide(Event.BATCH_MEASURED, measured(3, 425, need=737 * MiB, room=1000 * MiB))
+    assert 425 < up.size < 850
 
 
 def test_a_size_that_failed_and_then_ran_is_no_division_by_zero():
