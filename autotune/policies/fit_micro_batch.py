@@ -37,12 +37,13 @@ next measured step shows the room smaller by more than the failed size had spare
 took memory: a jump): then the sizes measured before are charged what was lost, the margin steps
 back a notch (it was not what failed) and the run refits to the room left at once. After an
 overshoot (a size that never ran) there is no calm: the next step's measure refines the line,
-and a move up stays below the failure. Each `calm_steps` steps without an OOM narrow the margin a notch again (a spike that passed). While
-a failure is remembered (`forget_failure_steps`) a move up is bounded by what the sizes measured
-say for certain: from the size that ran, the slack it left (the room less its need) over the
-cost of a sample, the line's slope where two sizes are far enough apart and, with one, the whole
-of the largest need a size showed over that size, with four times the margin (a step after an
-OOM's clean-up regrows the heap, so it shows what the batch costs from a trimmed heap).
+and a move up stays below the failure. Each `calm_steps` steps without an OOM narrow the margin
+a notch again (a spike that passed). While a failure is remembered (`forget_failure_steps`) a
+move up is bounded by what the sizes measured say: from the size that ran, the slack it left
+(the room less its need) over the cost of a sample, the line's slope where two sizes are far
+enough apart and, with one, between the whole of its need over it and what the failure implies
+(`below_failure`), with a wider margin (a step after an OOM's clean-up regrows the heap, so it
+shows what the batch costs from a trimmed heap).
 torchvision's classification reference under its cap went 64, 16, 26, 21, 18 (four OOMs) on the
 prediction alone; so bounded, two at most (tests/test_moving_in.py). The margin shapes the sizes
 chosen after an OOM; it does not shrink a run before one (a need that creeps up while the size
@@ -173,10 +174,12 @@ class FitMicroBatch:
         """The largest size above `size` (measured: its last step's slack, the room less the need)
         below `failed` that what was measured says fits within `share()` of the room: the slack
         over the cost of a sample. With two sizes far enough apart that cost is the line's slope;
-        with one, the whole of its largest need over it, and four times the margin (resnet18 on
-        CPU, 128 measured after an OOM at 512: 0.84 MiB a sample measured, 223 with 5% kept did
-        not fit; the larger sizes' kernels ask for more). The move measures a second size, so
-        the line is there for the next one."""
+        with one, the geometric mean of its whole need over it (every byte a sample's: the most a
+        sample can cost) and what the failure implies (the slack over the sizes between: the
+        least), with twice the margin; where the failure implies nothing below the first, that
+        first alone, with four times the margin (resnet18 on CPU, 128 measured after an OOM at
+        512: 0.84 MiB a sample measured, 223 with 5% kept did not fit; the larger sizes' kernels
+        ask for more). The move measures a second size, so the line is there for the next one."""
         line = self._line()
         whole = self.whole_needs or self.needs  # a checkpoint from before whole needs were kept: the lower ones
         spare = self.slack.get(size, 0)
@@ -289,6 +292,7 @@ class FitMicroBatch:
         if had_fit and not safe:
             return []  # none left the margin: halve_on_oom answers, and the next step measures the room
         target = max(safe) if safe else 1
+        why = f"{target} left {format_bytes(self.slack[target])} of the room free" if safe else f"{target}"
         if not had_fit:
             predicted = self.predict_need(size)
             if predicted is not None and predicted <= self.room:
@@ -300,13 +304,12 @@ class FitMicroBatch:
             # was the edge (the small size's need is mostly a fixed part the larger ones absorb).
             ran = max(self.needs)
             whole = self.whole_needs.get(ran, self.needs[ran])
-            if whole > 0:
-                target = max(target, min(size - 1, int(ran * self.share() * self.room / whole)))
+            proportional = min(size - 1, int(ran * self.share() * self.room / whole)) if whole > 0 else 0
+            if proportional > target:
+                target, why = proportional, f"{proportional} in proportion to what {ran} needed"
         good = snap.last_good_micro_batch
         if good is not None and target < good < size and not had_fit:
-            target = good  # measured to fit: better than a prediction that says otherwise
-        why = (f"{target} left {format_bytes(self.slack[target])} of the room free" if target in safe else
-               f"{target} in proportion to what {max(self.needs)} needed")
+            target, why = good, f"{good}, the size the last batch completed at"  # measured: better than a prediction
         return [SetMicroBatch(target, reason=f"out of memory at {size}; {why} ({1 - self.share():.0%} of the room kept "
                                              "from now on)")]
 
