@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_results  # noqa: E402
 
 from tests.conftest import run_python  # noqa: E402
-from tests.memory.test_sizing_e2e import ABOUT, SETUP, fits, room, run  # noqa: E402  the same scenario as the tests
+from tests.memory.test_sizing_e2e import ABOUT, SETUP, fits, room, run, variables  # noqa: E402  the same scenario as the tests
 
 MODEL_SETUP = SETUP[:SETUP.index("from autotune import AutoTrainer")]  # the model, data, step and warm-up
 
@@ -194,9 +194,8 @@ RESNET18_BATCH, RESNET18_STEPS = 512, 5
 
 def head(tmp: Path, model: str, start: int, batch: int, steps: int, jump_bytes: int = 0, **more: object) -> str:
     """The variables the scripts of this file and of tests/memory/test_sizing_e2e.py read."""
-    names = dict(MODEL=model, START=start, BATCH=batch, STEPS=steps, ROOM=room(tmp, model), JUMP_AT=0,
-                 JUMP_BYTES=jump_bytes, **more)
-    return "".join(f"{name}={value!r}\n" for name, value in names.items())
+    return variables(MODEL=model, START=start, BATCH=batch, STEPS=steps, ROOM=room(tmp, model), JUMP_AT=0,
+                     JUMP_BYTES=jump_bytes, **more)
 
 
 def plain_run(tmp: Path, model: str, size: int, batch: int, steps: int, jump_bytes: int = 0) -> dict:

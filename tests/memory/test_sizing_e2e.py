@@ -114,14 +114,19 @@ def room(tmp_path, model):
     return ROOMS[model]
 
 
+def variables(**names) -> str:
+    """The lines that set SETUP's variables (and benchmarks/sizing.py's scripts'), one a name."""
+    return "".join(f"{name}={value!r}\n" for name, value in names.items())
+
+
 def run(tmp_path, model, start, batch, steps, policies="default", headroom=None, calibrate=False, jump_at=0,
         jump_bytes=0):
     run_dir = tmp_path / f"{model}-{start}-{'calibrate' if calibrate else Path(str(policies)).stem}"
     run_dir.mkdir()
     headroom = room(tmp_path, model) if headroom is None else headroom
-    head = (f"MODEL={model!r}\nSTART={start}\nBATCH={batch}\nSTEPS={steps}\nROOM={headroom}\nABOUT={ABOUT[model]}\n"
-            f"RUN_DIR={str(run_dir / 'run')!r}\nPOLICIES={policies!r}\nCALIBRATE={calibrate}\n"
-            f"JUMP_AT={jump_at}\nJUMP_BYTES={jump_bytes}\n")
+    head = variables(MODEL=model, START=start, BATCH=batch, STEPS=steps, ROOM=headroom, ABOUT=ABOUT[model],
+                     RUN_DIR=str(run_dir / "run"), POLICIES=policies, CALIBRATE=calibrate, JUMP_AT=jump_at,
+                     JUMP_BYTES=jump_bytes)
     proc, result = run_python(head + SETUP, run_dir, timeout=240, env={"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "OMP_NUM_THREADS": "1"})
     if calibrate:
         assert proc.returncode == 0 and result is not None, proc.stderr[-3000:]
