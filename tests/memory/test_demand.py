@@ -34,9 +34,12 @@ def test_a_step_after_unmeasured_ones_measures_its_own_need_against_the_room_lef
     del step
     demand.finish()
     second = demand.last_memory
-    # Its own 64 MiB, not the 100 MiB kept before it began; and 100 MiB less room.
+    # Its own 64 MiB, not the 100 MiB kept before it began; and less room by what stayed resident
+    # since the first began: the 100 MiB, and the first step's 64 MiB where glibc kept its freed
+    # pages (a worker whose earlier tests raised the mmap threshold: CI saw 164 MiB).
     assert 60 * MiB <= second.need_bytes <= 80 * MiB
-    assert 90 * MiB <= first.room_bytes - second.room_bytes <= 110 * MiB
+    kept_since = 100 * MiB + first.kept_bytes
+    assert abs(first.room_bytes - second.room_bytes - kept_since) <= 10 * MiB, (first, second)
     del kept
 
 
