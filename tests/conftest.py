@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.forkserver import ForkServer
 
 # Every journal record's fields checked against autotune/observe/records.py, here and in every process the
 # tests start (set before autotune.observe.journal is imported).
@@ -97,10 +100,31 @@ def run_python(script: str, tmp_path: Path, timeout: float = 120,
     """)
     # One malloc arena: a refused allocation then leaves no reserved heap behind, so what
     # fits under the cap is the same on every run (see autotune.memory.limits.single_malloc_arena).
-    proc = subprocess.run([sys.executable, "-c", preamble + textwrap.dedent(script)], capture_output=True,
-                          text=True, timeout=timeout, cwd=tmp_path, env={**os.environ, "MALLOC_ARENA_MAX": "1", **(env or {})})
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", **(env or {})}
+    script = preamble + textwrap.dedent(script)
+    server = _fork_server()
+    if server is not None and server.forkable(env):
+        proc = server.run(script, tmp_path, env, timeout)
+    else:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
+                              cwd=tmp_path, env=env)
     result = json.loads(out.read_text()) if out.exists() else None
     return proc, result
+
+
+_server: ForkServer | None = None
+
+
+def _fork_server() -> ForkServer | None:
+    """This process's fork server (tests/forkserver.py), started at its first use; None where
+    AUTOTUNE_TESTS_FRESH=1 asks for a fresh interpreter a script, as `python -c` starts them."""
+    global _server
+    if os.environ.get("AUTOTUNE_TESTS_FRESH") == "1":
+        return None
+    if _server is None:
+        _server = ForkServer()
+        atexit.register(_server.close)
+    return _server
 
 
 def skip_if_uncalibrated(result: dict | None) -> None:

@@ -1,0 +1,130 @@
+"""One interpreter per pytest worker that has imported torch, forked for each `run_python` script.
+
+A fresh interpreter spends ~2 CPU-s importing torch and ~2 more on torch._dynamo, which an optimizer's first
+call imports: about 200 scripts a suite run, on two cores, spent minutes there. A child forked from this
+server starts with both imported and runs its script as `python -c` would: its own `__main__`, `sys.argv ==
+["-c"]`, the environment and folder asked for, stdout and stderr into files, and the interpreter's own exit
+(atexit handlers, an uncaught exception's traceback and code 1, a signal's death).
+
+What a fork cannot give falls back to a fresh interpreter (`forkable`): an environment that differs from the
+server's where a library reads it once, at its load (OpenMP, oneDNN, malloc, torch, Python's own).
+
+The server reads one JSON request a line on its stdin and answers on its stdout: the child's pid, then its
+exit status. It ends when its stdin closes (the worker ended). No threads run in it, so a fork is safe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+# Read once, at a library's load, in the server's fork as in a fresh interpreter; a request that differs
+# from the server's environment in one of these runs in a fresh interpreter.
+READ_AT_LOAD = ("OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "MALLOC_", "LD_", "PYTHON", "TORCH",
+                "PYTORCH_", "CUDA_", "ATEN_", "NVIDIA_", "GLIBC_", "KINETO_")
+
+_SERVE = f"import runpy; runpy.run_path({__file__!r}, run_name='tests_forkserver')['serve']()"
+
+
+def serve() -> None:
+    """The server's loop (run by `_SERVE` in a `python -c` interpreter, so sys.path is a `-c` child's)."""
+    import gc
+
+    import torch
+    import torch._dynamo  # noqa: F401  (what an optimizer's first call imports)
+
+    requests = os.fdopen(os.dup(0), "r")
+    replies = os.fdopen(os.dup(1), "w")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(2, 1)  # nothing of the server's own on the replies' pipe
+    gc.collect()
+    gc.freeze()  # the objects of the imports stay shared with the children (no copy on the GC's writes)
+    for line in requests:
+        request = json.loads(line)
+        sys.stdout.flush(), sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            requests.close(), replies.close()
+            _become(request, null)
+            return  # the child: its script ran; the interpreter ends as `python -c` does
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        replies.flush()
+
+
+def _become(request: dict, null: int) -> None:
+    # In the forked child: the process `python -c script` would be, then its script.
+    import types
+
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.dup2(null, 0)
+    os.close(null)
+    main = types.ModuleType("__main__")  # no __file__: multiprocessing's spawn treats it as `-c`'s
+    main.__builtins__ = __builtins__
+    sys.modules["__main__"] = main
+    sys.argv = ["-c"]
+    exec(compile(request["script"], "<string>", "exec"), main.__dict__)
+
+
+class ForkServer:
+    """The client, in a pytest worker: `run` is `subprocess.run([python, "-c", script], capture_output=True,
+    text=True, timeout=..., cwd=..., env=...)` for a forkable environment."""
+
+    def __init__(self) -> None:
+        self.env = {**os.environ, "MALLOC_ARENA_MAX": "1"}
+        self.server = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True, env=self.env)
+        self.lock = threading.Lock()
+
+    def forkable(self, env: dict[str, str]) -> bool:
+        keys = {key for key in {*env, *self.env} if key.startswith(READ_AT_LOAD)}
+        return self.server.poll() is None and all(env.get(key) == self.env.get(key) for key in keys)
+
+    def run(self, script: str, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        with self.lock, tempfile.TemporaryDirectory() as folder:
+            out, err = Path(folder) / "out", Path(folder) / "err"
+            request = {"script": script, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+            self.server.stdin.write(json.dumps(request) + "\n")
+            self.server.stdin.flush()
+            pid = json.loads(self.server.stdout.readline())["pid"]
+            killed: list[int] = []
+            timer = threading.Timer(timeout, _kill, (pid, killed))
+            timer.start()
+            try:
+                reply = self.server.stdout.readline()
+            finally:
+                timer.cancel()
+            if not reply:
+                raise RuntimeError(f"the tests' fork server ended (code {self.server.wait()})")
+            code = json.loads(reply)["returncode"]
+            stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
+            command = [sys.executable, "-c", script]
+            if killed:
+                raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+            return subprocess.CompletedProcess(command, code, stdout, stderr)
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        self.server.wait(timeout=30)
+
+
+def _kill(pid: int, killed: list[int]) -> None:
+    killed.append(pid)
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:  # it ended meanwhile
+        pass

@@ -1,0 +1,73 @@
+"""tests/forkserver.py runs `run_python`'s scripts as `python -c` would: each thing a script may see of its
+process (its code, its exit, its output, its folder and environment, its `__main__`) compared with a fresh
+interpreter's, and what a fork cannot give sent to one."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.forkserver import ForkServer
+
+SCRIPTS = {
+    "prints": "print('out'); import sys; print('err', file=sys.stderr)",
+    "raises": "raise ValueError('the message')",
+    "exits": "import sys; sys.exit(3)",
+    "exits with a message": "import sys; sys.exit('a message')",
+    "dies of a signal": "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+    "interrupted": "raise KeyboardInterrupt",
+    "its process": textwrap.dedent("""
+        import json, os, sys, __main__
+        print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "asked": os.environ.get("ASKED"),
+                          "main_file": hasattr(__main__, "__file__"), "path0": sys.path[0],
+                          "stdin": sys.stdin.read()}))
+    """),
+    "atexit runs": "import atexit; atexit.register(lambda: print('at exit'))",
+    "unflushed output": "import sys; sys.stdout.write('no newline')",
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ForkServer()
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_forked_script_is_seen_as_a_fresh_interpreters(server, name, tmp_path):
+    env = {**server.env, "ASKED": "yes"}
+    fresh = subprocess.run([sys.executable, "-c", SCRIPTS[name]], capture_output=True, text=True, cwd=tmp_path,
+                           env=env, timeout=60, stdin=subprocess.DEVNULL)
+    forked = server.run(SCRIPTS[name], tmp_path, env, timeout=60)
+    assert forked.returncode == fresh.returncode
+    assert forked.stdout == fresh.stdout
+    # The traceback's last lines (a forked one shows the server's frames above the script's).
+    assert forked.stderr.splitlines()[-2:] == fresh.stderr.splitlines()[-2:]
+
+
+def test_a_script_past_its_time_is_killed_and_raises_as_subprocess_run_does(server, tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired):
+        server.run("import time; print('started', flush=True); time.sleep(60)", tmp_path, server.env, timeout=1)
+    assert server.run("print('next')", tmp_path, server.env, timeout=60).stdout == "next\n"  # the server goes on
+
+
+def test_an_environment_read_at_a_librarys_load_goes_to_a_fresh_interpreter(server):
+    assert server.forkable({**server.env, "AUTOTUNE_ANYTHING": "1"})
+    assert not server.forkable({**server.env, "OMP_NUM_THREADS": "7"})
+    assert not server.forkable({**server.env, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    unset = {key: value for key, value in server.env.items() if key != "MALLOC_ARENA_MAX"}
+    assert not server.forkable(unset)
+
+
+def test_run_python_forks_in_a_worker_and_starts_fresh_when_asked(tmp_path, monkeypatch):
+    from tests.conftest import run_python
+
+    script = "import sys; save({'parent': __import__('os').getppid(), 'torch': 'torch' in sys.modules})"
+    _, forked = run_python(script, tmp_path)
+    monkeypatch.setenv("AUTOTUNE_TESTS_FRESH", "1")
+    _, fresh = run_python(script, tmp_path)
+    assert forked["parent"] != os.getpid() and forked["torch"]  # the server's child, torch imported there
+    assert fresh["parent"] == os.getpid() and not fresh["torch"]
