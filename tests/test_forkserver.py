@@ -62,6 +62,28 @@ def test_an_environment_read_at_a_librarys_load_goes_to_a_fresh_interpreter(serv
     assert not server.forkable(unset)
 
 
+def test_onednns_cache_capacity_asked_of_a_forked_script_is_the_one_it_gets(server, tmp_path):
+    # oneDNN reads it at its first primitive, in the child: the one environment key forked though read by a library.
+    from autotune.memory import onednn
+
+    if not onednn.available():
+        pytest.skip("this torch does not export oneDNN's cache functions")
+    script = textwrap.dedent("""
+        import ctypes, torch
+        from autotune.memory import onednn
+        torch.nn.functional.conv2d(torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 3))
+        capacity = ctypes.c_int(-1)
+        onednn._load().get_capacity(ctypes.byref(capacity))
+        print(capacity.value)
+    """)
+    env = {**server.env, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
+    assert server.forkable(env)
+    unasked = server.run(script, tmp_path, server.env, timeout=60).stdout
+    asked = server.run(script, tmp_path, env, timeout=60).stdout
+    fresh = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60).stdout
+    assert asked == fresh == "0\n" and unasked != asked
+
+
 def test_run_python_forks_in_a_worker_and_starts_fresh_when_asked(tmp_path, monkeypatch):
     from tests.conftest import run_python
 
