@@ -9,8 +9,9 @@ server starts with both imported and runs its script as `python -c` would: its o
 What a fork cannot give falls back to a fresh interpreter (`forkable`): an environment that differs from the
 server's where a library reads it once, at its load (OpenMP, oneDNN, malloc, torch, Python's own).
 
-The server reads one JSON request a line on its stdin and answers on its stdout: the child's pid, then its
-exit status. It ends when its stdin closes (the worker ended). No threads run in it, so a fork is safe.
+The server reads one JSON request a line on its stdin, forks at once, and answers on its stdout, each line
+naming its request: the child's pid, then, when it ends, its exit status. It ends when its stdin closes (the
+worker ended). No threads run in it, so a fork is safe.
 """
 
 from __future__ import annotations
@@ -35,32 +36,64 @@ _SERVE = f"import runpy; runpy.run_path({__file__!r}, run_name='tests_forkserver
 
 
 def serve() -> None:
-    """The server's loop (run by `_SERVE` in a `python -c` interpreter, so sys.path is a `-c` child's)."""
+    """The server's loop (run by `_SERVE` in a `python -c` interpreter, so sys.path is a `-c` child's):
+    a child forked for each request as it comes, each child's end answered as it comes (scripts run at
+    once, as a test's threads ask)."""
     import gc
+    import select
+    import signal
 
-    import torch
+    import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (what an optimizer's first call imports)
 
-    requests = os.fdopen(os.dup(0), "r")
-    replies = os.fdopen(os.dup(1), "w")
+    requests, replies = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(2, 1)  # nothing of the server's own on the replies' pipe
+    woken, wake = os.pipe()
+    os.set_blocking(woken, False), os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)  # a child's end (SIGCHLD) wakes the select below
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     gc.collect()
     gc.freeze()  # the objects of the imports stay shared with the children (no copy on the GC's writes)
-    for line in requests:
-        request = json.loads(line)
-        sys.stdout.flush(), sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            requests.close(), replies.close()
-            _become(request, null)
-            return  # the child: its script ran; the interpreter ends as `python -c` does
-        replies.write(json.dumps({"pid": pid}) + "\n")
-        replies.flush()
-        _, status = os.waitpid(pid, 0)
-        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        replies.flush()
+    children: dict[int, int] = {}  # pid -> its request's id
+    pending = b""
+    while True:
+        ready, _, _ = select.select([requests, woken], [], [])
+        while woken in ready:
+            try:
+                os.read(woken, 512)
+            except BlockingIOError:
+                break
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            _reply(replies, id=children.pop(pid), returncode=os.waitstatus_to_exitcode(status))
+        if requests not in ready:
+            continue
+        chunk = os.read(requests, 1 << 16)
+        if not chunk:
+            return  # the worker ended
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            sys.stdout.flush(), sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (requests, replies, woken, wake):
+                    os.close(fd)
+                _become(request, null)
+                return  # the child: its script ran; the interpreter ends as `python -c` does
+            children[pid] = request["id"]
+            _reply(replies, id=request["id"], pid=pid)
+
+
+def _reply(replies: int, **reply: int) -> None:
+    os.write(replies, (json.dumps(reply) + "\n").encode())  # one write, under PIPE_BUF: never interleaved
 
 
 def _become(request: dict, null: int) -> None:
@@ -85,48 +118,66 @@ def _become(request: dict, null: int) -> None:
 
 class ForkServer:
     """The client, in a pytest worker: `run` is `subprocess.run([python, "-c", script], capture_output=True,
-    text=True, timeout=..., cwd=..., env=...)` for a forkable environment."""
+    text=True, timeout=..., cwd=..., env=...)` for a forkable environment; several threads may run at once."""
 
     def __init__(self) -> None:
         self.env = {**os.environ, "MALLOC_ARENA_MAX": "1"}
         self.server = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True, env=self.env)
+                                       stdout=subprocess.PIPE, env=self.env)
         self.lock = threading.Lock()
+        self.asked = 0
+        self.waiting: dict[int, dict] = {}  # request id -> its replies, and events set as they come
+        threading.Thread(target=self._read_replies, daemon=True).start()
 
     def forkable(self, env: dict[str, str]) -> bool:
         keys = {key for key in {*env, *self.env} if key.startswith(READ_AT_LOAD) and key not in READ_LATER}
         return self.server.poll() is None and all(env.get(key) == self.env.get(key) for key in keys)
 
     def run(self, script: str, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-        with self.lock, tempfile.TemporaryDirectory() as folder:
+        with tempfile.TemporaryDirectory() as folder:
             out, err = Path(folder) / "out", Path(folder) / "err"
-            request = {"script": script, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
-            self.server.stdin.write(json.dumps(request) + "\n")
-            self.server.stdin.flush()
-            pid = json.loads(self.server.stdout.readline())["pid"]
-            killed: list[int] = []
-            timer = threading.Timer(timeout, _kill, (pid, killed))
-            timer.start()
-            try:
-                reply = self.server.stdout.readline()
-            finally:
-                timer.cancel()
-            if not reply:
+            slot = {"started": threading.Event(), "ended": threading.Event()}
+            with self.lock:
+                self.asked += 1
+                self.waiting[self.asked] = slot
+                request = {"id": self.asked, "script": script, "cwd": str(cwd), "env": env,
+                           "stdout": str(out), "stderr": str(err)}
+                self.server.stdin.write((json.dumps(request) + "\n").encode())
+                self.server.stdin.flush()
+            slot["started"].wait()
+            if "pid" not in slot:
                 raise RuntimeError(f"the tests' fork server ended (code {self.server.wait()})")
-            code = json.loads(reply)["returncode"]
+            try:
+                ended = slot["ended"].wait(timeout)
+            finally:  # past its time, or the wait cut short (pytest-timeout's SIGALRM, ^C): as subprocess.run does
+                if not slot["ended"].is_set():
+                    _kill(slot["pid"])
+                    slot["ended"].wait()
             stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
             command = [sys.executable, "-c", script]
-            if killed:
+            if not ended:
                 raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
-            return subprocess.CompletedProcess(command, code, stdout, stderr)
+            if "returncode" not in slot:
+                raise RuntimeError(f"the tests' fork server ended (code {self.server.wait()})")
+            return subprocess.CompletedProcess(command, slot["returncode"], stdout, stderr)
+
+    def _read_replies(self) -> None:
+        for line in self.server.stdout:
+            reply = json.loads(line)
+            slot = self.waiting[reply["id"]]
+            slot.update(reply)
+            slot["started" if "pid" in reply else "ended"].set()
+            if "returncode" in reply:
+                del self.waiting[reply["id"]]
+        for slot in list(self.waiting.values()):  # the server ended: no more answers
+            slot["started"].set(), slot["ended"].set()
 
     def close(self) -> None:
         self.server.stdin.close()
         self.server.wait(timeout=30)
 
 
-def _kill(pid: int, killed: list[int]) -> None:
-    killed.append(pid)
+def _kill(pid: int) -> None:
     try:
         os.kill(pid, 9)
     except ProcessLookupError:  # it ended meanwhile

@@ -93,3 +93,16 @@ def test_run_python_forks_in_a_worker_and_starts_fresh_when_asked(tmp_path, monk
     _, fresh = run_python(script, tmp_path)
     assert forked["parent"] != os.getpid() and forked["torch"]  # the server's child, torch imported there
     assert fresh["parent"] == os.getpid() and not fresh["torch"]
+
+
+def test_scripts_asked_at_once_run_at_once(server, tmp_path):
+    # A test's threads run scripts side by side (tests/test_moving_in.py, the sizing tests' two models).
+    import concurrent.futures
+    import time
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(server.run, f"import time; time.sleep(2); print({i})", tmp_path, server.env, 60)
+                for i in range(3)]
+        assert [run.result().stdout for run in runs] == ["0\n", "1\n", "2\n"]
+    assert time.monotonic() - started < 5  # not 6 s, one after another
