@@ -100,14 +100,8 @@ def run_python(script: str, tmp_path: Path, timeout: float = 120,
     """)
     # One malloc arena: a refused allocation then leaves no reserved heap behind, so what
     # fits under the cap is the same on every run (see autotune.memory.limits.single_malloc_arena).
-    env = {**os.environ, "MALLOC_ARENA_MAX": "1", **(env or {})}
-    script = preamble + textwrap.dedent(script)
-    server = _fork_server()
-    if server is not None and server.forkable(env):
-        proc = server.run(script, tmp_path, env, timeout)
-    else:
-        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
-                              cwd=tmp_path, env=env)
+    proc = python(["-c", preamble + textwrap.dedent(script)], tmp_path, {"MALLOC_ARENA_MAX": "1", **(env or {})},
+                  timeout)
     result = json.loads(out.read_text()) if out.exists() else None
     return proc, result
 
@@ -125,6 +119,16 @@ def _fork_server() -> ForkServer | None:
         _server = ForkServer()
         atexit.register(_server.close)
     return _server
+
+
+def python(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run([python, *argv], capture_output=True, text=True, ...)` with `env` added to the
+    environment: forked from this worker's fork server (torch imported there) where the environment allows."""
+    env = {**os.environ, **env}
+    server = _fork_server()
+    if server is not None and server.forkable(env):
+        return server.run(argv, cwd, env, timeout)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
 def skip_if_uncalibrated(result: dict | None) -> None:

@@ -97,7 +97,7 @@ def _reply(replies: int, **reply: int) -> None:
 
 
 def _become(request: dict, null: int) -> None:
-    # In the forked child: the process `python -c script` would be, then its script.
+    # In the forked child: the process `python *argv` would be (`-c CODE ...` or `FILE ...`), then its code.
     import types
 
     os.chdir(request["cwd"])
@@ -109,16 +109,25 @@ def _become(request: dict, null: int) -> None:
         os.close(opened)
     os.dup2(null, 0)
     os.close(null)
-    main = types.ModuleType("__main__")  # no __file__: multiprocessing's spawn treats it as `-c`'s
+    argv = request["argv"]
+    main = types.ModuleType("__main__")  # `-c`: no __file__, so multiprocessing's spawn treats it as `-c`'s
     main.__builtins__ = __builtins__
+    if argv[0] == "-c":
+        sys.argv, filename, code = ["-c", *argv[2:]], "<string>", argv[1]
+    else:  # a file: its folder first on sys.path, its path in __file__ (spawn's children run it again)
+        sys.argv, filename = list(argv), argv[0]
+        sys.path[0] = os.path.dirname(os.path.realpath(filename))
+        main.__file__ = os.path.abspath(filename)  # as Python 3.9+ gives it
+        with open(filename) as source:
+            code = source.read()
     sys.modules["__main__"] = main
-    sys.argv = ["-c"]
-    exec(compile(request["script"], "<string>", "exec"), main.__dict__)
+    exec(compile(code, filename, "exec"), main.__dict__)
 
 
 class ForkServer:
-    """The client, in a pytest worker: `run` is `subprocess.run([python, "-c", script], capture_output=True,
-    text=True, timeout=..., cwd=..., env=...)` for a forkable environment; several threads may run at once."""
+    """The client, in a pytest worker: `run(argv, ...)` is `subprocess.run([python, *argv], capture_output=True,
+    text=True, timeout=..., cwd=..., env=...)`, argv `["-c", code, ...]` or `[file, ...]`, for a forkable
+    environment; several threads may run at once."""
 
     def __init__(self) -> None:
         self.env = {**os.environ, "MALLOC_ARENA_MAX": "1"}
@@ -133,14 +142,14 @@ class ForkServer:
         keys = {key for key in {*env, *self.env} if key.startswith(READ_AT_LOAD) and key not in READ_LATER}
         return self.server.poll() is None and all(env.get(key) == self.env.get(key) for key in keys)
 
-    def run(self, script: str, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as folder:
             out, err = Path(folder) / "out", Path(folder) / "err"
             slot = {"started": threading.Event(), "ended": threading.Event()}
             with self.lock:
                 self.asked += 1
                 self.waiting[self.asked] = slot
-                request = {"id": self.asked, "script": script, "cwd": str(cwd), "env": env,
+                request = {"id": self.asked, "argv": [str(arg) for arg in argv], "cwd": str(cwd), "env": env,
                            "stdout": str(out), "stderr": str(err)}
                 self.server.stdin.write((json.dumps(request) + "\n").encode())
                 self.server.stdin.flush()
@@ -154,7 +163,7 @@ class ForkServer:
                     _kill(slot["pid"])
                     slot["ended"].wait()
             stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
-            command = [sys.executable, "-c", script]
+            command = [sys.executable, *argv]
             if not ended:
                 raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
             if "returncode" not in slot:

@@ -2,12 +2,12 @@
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import python
 
 pytestmark = pytest.mark.slow  # each example runs in its own interpreter
 
@@ -17,7 +17,7 @@ HAS = {name: importlib.util.find_spec(name) is not None for name in ("transforme
 
 @pytest.fixture(scope="module")
 def examples(tmp_path_factory):
-    """Every example at once, each in its own interpreter and folder: {script: (process, stdout, stderr, folder)}.
+    """Every example at once, each in its own interpreter and folder: {script: (process, folder)}.
     Most of an example's time is its interpreter starting, on one core: side by side they share the two."""
     tmp = tmp_path_factory.mktemp("examples")
     runs = {"custom_policy/train.py": [], "torchvision_resnet.py": []}  # the plug-in: installed by `make install`
@@ -31,24 +31,20 @@ def examples(tmp_path_factory):
         runs["accelerate_loop.py"] = ["--epochs", "1", "--run-dir", "run"]
     # MALLOC_ARENA_MAX: what fits under a cap the same on every run (conftest.py). One OpenMP thread each:
     # seven processes with two each on two cores spin in libgomp's barriers against each other (51 s -> 33 s).
-    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
-    started = {}
-    for script, args in runs.items():
-        folder = tmp / script.replace("/", "-").removesuffix(".py")
-        folder.mkdir()
-        started[script] = (subprocess.Popen([sys.executable, str(EXAMPLES / script), *args], stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True, cwd=folder, env=env), folder)
-    finished = {}
-    for script, (proc, folder) in started.items():
-        out, err = proc.communicate(timeout=300)
-        finished[script] = (proc, out, err, folder)
-    return finished
+    env = {"MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+    folders = {script: tmp / script.replace("/", "-").removesuffix(".py") for script in runs}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        for folder in folders.values():
+            folder.mkdir()
+        started = {script: pool.submit(python, [str(EXAMPLES / script), *args], folders[script], env, 300)
+                   for script, args in runs.items()}
+        return {script: (run.result(), folders[script]) for script, run in started.items()}
 
 
 def run(examples, script):
-    proc, out, err, folder = examples[script]
-    assert proc.returncode == 0, (script, err[-3000:])
-    return out, folder
+    proc, folder = examples[script]
+    assert proc.returncode == 0, (script, proc.stderr[-3000:])
+    return proc.stdout, folder
 
 
 def test_plugin_policy_example_journals_its_actions(examples):

@@ -21,7 +21,7 @@ SCRIPTS = {
     "its process": textwrap.dedent("""
         import json, os, sys, __main__
         print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "asked": os.environ.get("ASKED"),
-                          "main_file": hasattr(__main__, "__file__"), "path0": sys.path[0],
+                          "main_file": getattr(__main__, "__file__", None), "path0": sys.path[0],
                           "stdin": sys.stdin.read()}))
     """),
     "atexit runs": "import atexit; atexit.register(lambda: print('at exit'))",
@@ -36,12 +36,19 @@ def server():
     server.close()
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_a_forked_script_is_seen_as_a_fresh_interpreters(server, name, tmp_path):
+@pytest.mark.parametrize("form,name", [("-c", name) for name in SCRIPTS] +
+                         [("file", name) for name in ("its process", "raises", "dies of a signal")])
+def test_a_forked_script_is_seen_as_a_fresh_interpreters(server, name, form, tmp_path):
     env = {**server.env, "ASKED": "yes"}
-    fresh = subprocess.run([sys.executable, "-c", SCRIPTS[name]], capture_output=True, text=True, cwd=tmp_path,
-                           env=env, timeout=60, stdin=subprocess.DEVNULL)
-    forked = server.run(SCRIPTS[name], tmp_path, env, timeout=60)
+    if form == "-c":
+        argv = ["-c", SCRIPTS[name], "an argument"]
+    else:
+        (tmp_path / "scripts").mkdir()
+        (tmp_path / "scripts" / "script.py").write_text(SCRIPTS[name])
+        argv = ["scripts/script.py", "an argument"]
+    fresh = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=tmp_path, env=env,
+                           timeout=60, stdin=subprocess.DEVNULL)
+    forked = server.run(argv, tmp_path, env, timeout=60)
     assert forked.returncode == fresh.returncode
     assert forked.stdout == fresh.stdout
     # The traceback's last lines (a forked one shows the server's frames above the script's).
@@ -50,8 +57,8 @@ def test_a_forked_script_is_seen_as_a_fresh_interpreters(server, name, tmp_path)
 
 def test_a_script_past_its_time_is_killed_and_raises_as_subprocess_run_does(server, tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
-        server.run("import time; print('started', flush=True); time.sleep(60)", tmp_path, server.env, timeout=1)
-    assert server.run("print('next')", tmp_path, server.env, timeout=60).stdout == "next\n"  # the server goes on
+        server.run(["-c", "import time; print('started', flush=True); time.sleep(60)"], tmp_path, server.env, timeout=1)
+    assert server.run(["-c", "print('next')"], tmp_path, server.env, timeout=60).stdout == "next\n"  # the server goes on
 
 
 def test_an_environment_read_at_a_librarys_load_goes_to_a_fresh_interpreter(server):
@@ -78,8 +85,8 @@ def test_onednns_cache_capacity_asked_of_a_forked_script_is_the_one_it_gets(serv
     """)
     env = {**server.env, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
     assert server.forkable(env)
-    unasked = server.run(script, tmp_path, server.env, timeout=60).stdout
-    asked = server.run(script, tmp_path, env, timeout=60).stdout
+    unasked = server.run(["-c", script], tmp_path, server.env, timeout=60).stdout
+    asked = server.run(["-c", script], tmp_path, env, timeout=60).stdout
     fresh = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60).stdout
     assert asked == fresh == "0\n" and unasked != asked
 
@@ -102,7 +109,7 @@ def test_scripts_asked_at_once_run_at_once(server, tmp_path):
 
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        runs = [pool.submit(server.run, f"import time; time.sleep(2); print({i})", tmp_path, server.env, 60)
+        runs = [pool.submit(server.run, ["-c", f"import time; time.sleep(2); print({i})"], tmp_path, server.env, 60)
                 for i in range(3)]
         assert [run.result().stdout for run in runs] == ["0\n", "1\n", "2\n"]
     assert time.monotonic() - started < 5  # not 6 s, one after another
