@@ -30,7 +30,8 @@ READ_AT_LOAD = ("OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "MALLOC_", 
                 "PYTORCH_", "CUDA_", "ATEN_", "NVIDIA_", "GLIBC_", "KINETO_")
 # Read later: oneDNN reads its cache's capacity at its first primitive, which the server never builds
 # (tests/test_forkserver.py checks it).
-READ_LATER = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+# PYTHONPATH: its folders are put on sys.path in the child, where a fresh interpreter has them.
+READ_LATER = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY", "PYTHONPATH"}
 
 _SERVE = f"import runpy; runpy.run_path({__file__!r}, run_name='tests_forkserver')['serve']()"
 
@@ -101,6 +102,7 @@ def _become(request: dict, null: int) -> None:
     import types
 
     os.chdir(request["cwd"])
+    _python_path(os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", ""))
     os.environ.clear()
     os.environ.update(request["env"])
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
@@ -122,6 +124,15 @@ def _become(request: dict, null: int) -> None:
             code = source.read()
     sys.modules["__main__"] = main
     exec(compile(code, filename, "exec"), main.__dict__)
+
+
+def _python_path(server: str, asked: str) -> None:
+    # PYTHONPATH's folders, made absolute, between sys.path[0] (the script's folder, or "" for -c) and the
+    # standard ones, as at a fresh start.
+    if server == asked:
+        return
+    standard = sys.path[1 + len([folder for folder in server.split(os.pathsep) if folder]):]
+    sys.path[1:] = [*(os.path.abspath(folder) for folder in asked.split(os.pathsep) if folder), *standard]
 
 
 class ForkServer:

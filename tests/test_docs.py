@@ -3,13 +3,14 @@ docs/ is run here (Python), or is a file's text line for line, or is marked with
 run (shell, TOML); `text` blocks are output. Every public name has a docstring the API reference shows."""
 
 import inspect
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import python
 
 import autotune
 
@@ -51,8 +52,7 @@ def test_every_python_block_is_run_or_marked(page, tmp_path):
     # One interpreter a page, its blocks in order, in a folder of its own (runs/ lands there).
     script = tmp_path / "page.py"
     script.write_text("\n".join(runnable))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = python([str(script)], tmp_path, {"PYTHONPATH": str(ROOT)}, timeout=300)
     assert done.returncode == 0, f"{page.name}'s Python blocks failed:\n{done.stderr[-3000:]}"
 
 

@@ -113,3 +113,14 @@ def test_scripts_asked_at_once_run_at_once(server, tmp_path):
                 for i in range(3)]
         assert [run.result().stdout for run in runs] == ["0\n", "1\n", "2\n"]
     assert time.monotonic() - started < 5  # not 6 s, one after another
+
+
+@pytest.mark.parametrize("form", ["-c", "file"])
+def test_a_python_path_asked_for_is_the_one_a_fresh_interpreter_has(server, form, tmp_path):
+    script = "import json, sys; print(json.dumps(sys.path))"
+    (tmp_path / "script.py").write_text(script)
+    argv = ["-c", script] if form == "-c" else ["script.py"]
+    env = {**server.env, "PYTHONPATH": os.pathsep.join([str(tmp_path / "a"), "relative/b"])}
+    assert server.forkable(env)
+    fresh = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert server.run(argv, tmp_path, env, timeout=60).stdout == fresh.stdout

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import python
 import torch
 
 ROOT = Path(__file__).parents[1]
@@ -17,8 +19,7 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machi
 
 
 def check(*args, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CHECK), "--out", str(out), *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    return python([str(CHECK), "--out", str(out), *args], ROOT, {}, timeout=300)
 
 
 @needs_no_cuda

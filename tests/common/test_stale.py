@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import python
+
 from autotune.common.stale import remove_stale_shared_memory, shared_memory_dir
 
 RUN = """
@@ -158,8 +160,8 @@ def test_a_sigkilled_runs_shared_memory_is_gone_once_the_next_run_starts(tmp_pat
     run.send_signal(signal.SIGKILL)
     run.wait()
     assert all(p.exists() for p in left)  # nothing removes them when it dies
-    done = subprocess.run([sys.executable, "-c", "import sys, torch\nfrom autotune import Tuner\n"
-                           "Tuner(torch.nn.Linear(2, 2), device='cpu', run_dir=sys.argv[1]).close()",
-                           str(tmp_path / "second")], capture_output=True, text=True, timeout=120)
+    done = python(["-c", "import sys, torch\nfrom autotune import Tuner\n"
+                   "Tuner(torch.nn.Linear(2, 2), device='cpu', run_dir=sys.argv[1]).close()", str(tmp_path / "second")],
+                  tmp_path, {}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not any(p.exists() for p in left), left

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import _kill_tree, free_port, journal
+from tests.conftest import _kill_tree, free_port, journal, python
 
 pytestmark = pytest.mark.slow
 
@@ -157,8 +157,8 @@ def whole(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("whole")
     script = folder / "train.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(folder), str(GLOBAL_BATCH), "none", "0"],
-                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = python([str(script), str(folder), str(GLOBAL_BATCH), "none", "0"], folder, {"OMP_NUM_THREADS": "1"},
+                  timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder
 

@@ -13,12 +13,9 @@ import json
 import pytest
 import torch
 
-import os
-import subprocess
-import sys
 
 from autotune.observe.report import render, summarize
-from tests.conftest import journal, torchrun
+from tests.conftest import journal, python, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -84,9 +81,7 @@ def run(tmp_path, world, run_dir, phase, tag, batch_size, shard=False):
     if world == 2:
         torchrun(script, args, results)
     else:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=240,
-                              env=env)
+        proc = python([str(script), *args], tmp_path, {"OMP_NUM_THREADS": "1"}, timeout=240)
         assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(path.read_text()) for path in results]
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import python
+
 from autotune.run_folder.run_lock import LOCK_NAME, PID_NAME, RunDirInUse, RunDirLost, _started, still_held, take
 
 HOLDER = """
@@ -56,7 +58,7 @@ def _start_holder(tmp_path: Path, run_dir: Path) -> subprocess.Popen:
 
 
 def _second(run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SECOND, str(run_dir)], capture_output=True, text=True, timeout=120)
+    return python(["-c", SECOND, str(run_dir)], run_dir.parent, {}, timeout=120)
 
 
 @pytest.mark.slow  # three interpreters, one killed
