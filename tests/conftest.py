@@ -126,7 +126,7 @@ def python(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> s
     environment: forked from this worker's fork server (torch imported there) where the environment allows."""
     env = {**os.environ, **env}
     server = _fork_server()
-    if server is not None and server.forkable(env):
+    if server is not None and server.forkable(env, argv, cwd):
         return server.run(argv, cwd, env, timeout)
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 

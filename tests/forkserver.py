@@ -7,7 +7,16 @@ server starts with both imported and runs its script as `python -c` would: its o
 (atexit handlers, an uncaught exception's traceback and code 1, a signal's death).
 
 What a fork cannot give falls back to a fresh interpreter (`forkable`): an environment that differs from the
-server's where a library reads it once, at its load (OpenMP, oneDNN, malloc, torch, Python's own).
+server's where a library reads it once, at its load (OpenMP, oneDNN, malloc, torch, Python's own, the locale),
+interpreter options and `-m`, a file that is not there. A child's random states are its own (torch and numpy
+reseeded, TMPDIR and TZ read again). What stays the server's, by design or found by a hostile review:
+- its memory: torch and torch._dynamo imported, so a child's virtual and resident sizes, and its peaks, start
+  from the server's (a cap set in the child from its own size, as the tests' scripts set theirs, is unmoved);
+- the hash seed (PYTHONHASHSEED unset), torch's loggers and warnings filters before the script imports torch;
+- stdout and stderr are files, read when the child ends: a grandchild that outlives it is not waited for (a
+  pipe would be), and its later lines are lost; stdin is /dev/null;
+- a KeyboardInterrupt's traceback and faulthandler's dumps show the server's frames above the script's;
+- the child's CPU time reaches the worker's `getrusage(RUSAGE_CHILDREN)` only when the server ends.
 
 The server reads one JSON request a line on its stdin, forks at once, and answers on its stdout, each line
 naming its request: the child's pid, then, when it ends, its exit status. It ends when its stdin closes (the
@@ -26,8 +35,9 @@ from pathlib import Path
 
 # Read once, at a library's load, in the server's fork as in a fresh interpreter; a request that differs
 # from the server's environment in one of these runs in a fresh interpreter.
-READ_AT_LOAD = ("OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "MALLOC_", "LD_", "PYTHON", "TORCH",
-                "PYTORCH_", "CUDA_", "ATEN_", "NVIDIA_", "GLIBC_", "KINETO_")
+READ_AT_LOAD = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "ONEDNN_", "DNNL_", "MALLOC_", "LD_", "PYTHON",
+                "TORCH", "PYTORCH_", "CUDA_", "ATEN_", "NVIDIA_", "GLIBC_", "KINETO_", "SYMPY_", "COVERAGE_",
+                "LC_", "LANG")  # LC_ and LANG: Python's encodings and UTF-8 mode, set at its start
 # Read later: oneDNN reads its cache's capacity at its first primitive, which the server never builds
 # (tests/test_forkserver.py checks it).
 # PYTHONPATH: its folders are put on sys.path in the child, where a fresh interpreter has them.
@@ -99,12 +109,23 @@ def _reply(replies: int, **reply: int) -> None:
 
 def _become(request: dict, null: int) -> None:
     # In the forked child: the process `python *argv` would be (`-c CODE ...` or `FILE ...`), then its code.
+    import builtins
+    import time
     import types
+
+    import torch
 
     os.chdir(request["cwd"])
     _python_path(os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", ""))
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # TMPDIR read again
+    time.tzset()  # TZ
+    # A fresh interpreter's random states are its own: torch and numpy seed from the OS at their import
+    # (Python's random reseeds itself after a fork). The hash seed stays the server's: PYTHONHASHSEED unset.
+    torch.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(opened, fd)
@@ -113,17 +134,26 @@ def _become(request: dict, null: int) -> None:
     os.close(null)
     argv = request["argv"]
     main = types.ModuleType("__main__")  # `-c`: no __file__, so multiprocessing's spawn treats it as `-c`'s
-    main.__builtins__ = __builtins__
+    main.__builtins__ = builtins
     if argv[0] == "-c":
         sys.argv, filename, code = ["-c", *argv[2:]], "<string>", argv[1]
     else:  # a file: its folder first on sys.path, its path in __file__ (spawn's children run it again)
-        sys.argv, filename = list(argv), argv[0]
+        sys.argv, filename = list(argv), os.path.abspath(argv[0])  # absolute, as Python 3.9+ gives it
         sys.path[0] = os.path.dirname(os.path.realpath(filename))
-        main.__file__ = os.path.abspath(filename)  # as Python 3.9+ gives it
+        main.__file__ = filename
         with open(filename) as source:
             code = source.read()
     sys.modules["__main__"] = main
-    exec(compile(code, filename, "exec"), main.__dict__)
+    try:
+        exec(compile(code, filename, "exec"), main.__dict__)
+    except (SystemExit, KeyboardInterrupt):
+        raise  # the interpreter's own ending: an exit code, or death by SIGINT
+    except BaseException as error:  # noqa: BLE001  (reported as the interpreter reports it, then exit 1)
+        trace = error.__traceback__
+        while trace is not None and trace.tb_frame.f_code.co_filename == __file__:
+            trace = trace.tb_next  # the script's frames only, as a fresh interpreter shows them
+        sys.excepthook(type(error), error.with_traceback(trace), trace)
+        raise SystemExit(1) from None
 
 
 def _python_path(server: str, asked: str) -> None:
@@ -149,7 +179,14 @@ class ForkServer:
         self.waiting: dict[int, dict] = {}  # request id -> its replies, and events set as they come
         threading.Thread(target=self._read_replies, daemon=True).start()
 
-    def forkable(self, env: dict[str, str]) -> bool:
+    def forkable(self, env: dict[str, str], argv: list[str] | None = None, cwd: Path | None = None) -> bool:
+        """Whether `python *argv` in `env` (and `cwd`) runs forked as it would fresh: `-c CODE` or an existing
+        FILE (no interpreter options, no -m), in an environment no library read at its load differs in."""
+        if argv is not None:
+            first = str(argv[0]) if argv else "-"
+            if first == "-c" and len(argv) < 2 or first != "-c" and (
+                    first.startswith("-") or not (Path(cwd or ".") / first).is_file()):
+                return False
         keys = {key for key in {*env, *self.env} if key.startswith(READ_AT_LOAD) and key not in READ_LATER}
         return self.server.poll() is None and all(env.get(key) == self.env.get(key) for key in keys)
 
@@ -173,7 +210,7 @@ class ForkServer:
                 if not slot["ended"].is_set():
                     _kill(slot["pid"])
                     slot["ended"].wait()
-            stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
+            stdout, stderr = (path.read_text() if path.exists() else "" for path in (out, err))  # strict, as text=True
             command = [sys.executable, *argv]
             if not ended:
                 raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)

@@ -26,6 +26,9 @@ SCRIPTS = {
     """),
     "atexit runs": "import atexit; atexit.register(lambda: print('at exit'))",
     "unflushed output": "import sys; sys.stdout.write('no newline')",
+    "its builtins": "print(__builtins__.__name__)",
+    "its temporary folder": "import os, tempfile; print(tempfile.gettempdir() == os.environ['TMPDIR'])",
+    "its time zone": "import time; print(time.tzname)",
 }
 
 
@@ -39,7 +42,8 @@ def server():
 @pytest.mark.parametrize("form,name", [("-c", name) for name in SCRIPTS] +
                          [("file", name) for name in ("its process", "raises", "dies of a signal")])
 def test_a_forked_script_is_seen_as_a_fresh_interpreters(server, name, form, tmp_path):
-    env = {**server.env, "ASKED": "yes"}
+    (tmp_path / "tmp").mkdir()
+    env = {**server.env, "ASKED": "yes", "TMPDIR": str(tmp_path / "tmp"), "TZ": "Asia/Tokyo"}
     if form == "-c":
         argv = ["-c", SCRIPTS[name], "an argument"]
     else:
@@ -51,8 +55,10 @@ def test_a_forked_script_is_seen_as_a_fresh_interpreters(server, name, form, tmp
     forked = server.run(argv, tmp_path, env, timeout=60)
     assert forked.returncode == fresh.returncode
     assert forked.stdout == fresh.stdout
-    # The traceback's last lines (a forked one shows the server's frames above the script's).
-    assert forked.stderr.splitlines()[-2:] == fresh.stderr.splitlines()[-2:]
+    if name == "interrupted":  # a KeyboardInterrupt's traceback shows the server's frames above the script's
+        assert forked.stderr.splitlines()[-2:] == fresh.stderr.splitlines()[-2:]
+    else:
+        assert forked.stderr == fresh.stderr
 
 
 def test_a_script_past_its_time_is_killed_and_raises_as_subprocess_run_does(server, tmp_path):
@@ -61,10 +67,25 @@ def test_a_script_past_its_time_is_killed_and_raises_as_subprocess_run_does(serv
     assert server.run(["-c", "print('next')"], tmp_path, server.env, timeout=60).stdout == "next\n"  # the server goes on
 
 
+def test_each_forked_script_has_random_states_of_its_own(server, tmp_path):
+    script = "import numpy, random, torch; print(torch.initial_seed(), numpy.random.rand(), random.random())"
+    first, second = (server.run(["-c", script], tmp_path, server.env, timeout=60).stdout.split() for _ in range(2))
+    assert all(a != b for a, b in zip(first, second)), (first, second)
+
+
+def test_what_a_fork_cannot_run_as_python_would_goes_to_a_fresh_interpreter(server, tmp_path):
+    (tmp_path / "script.py").write_text("pass")
+    assert server.forkable(server.env, ["script.py", "an argument"], tmp_path)
+    assert server.forkable(server.env, ["-c", "pass"], tmp_path)
+    for argv in (["-m", "json.tool"], ["-u", "script.py"], ["-W", "error", "-c", "pass"], ["-c"], ["missing.py"], []):
+        assert not server.forkable(server.env, argv, tmp_path), argv
+
+
 def test_an_environment_read_at_a_librarys_load_goes_to_a_fresh_interpreter(server):
     assert server.forkable({**server.env, "AUTOTUNE_ANYTHING": "1"})
     assert not server.forkable({**server.env, "OMP_NUM_THREADS": "7"})
     assert not server.forkable({**server.env, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert not server.forkable({**server.env, "LC_ALL": "C"})  # Python's encodings, set at its start
     unset = {key: value for key, value in server.env.items() if key != "MALLOC_ARENA_MAX"}
     assert not server.forkable(unset)
 
