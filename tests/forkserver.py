@@ -9,7 +9,8 @@ server starts with both imported and runs its script as `python -c` would: its o
 What a fork cannot give falls back to a fresh interpreter (`forkable`): an environment that differs from the
 server's where a library reads it once, at its load (OpenMP, oneDNN, malloc, torch, Python's own, the locale),
 interpreter options and `-m`, a file that is not there. A child's random states are its own (torch and numpy
-reseeded, TMPDIR and TZ read again). What stays the server's, by design or found by a hostile review:
+reseeded, TMPDIR and TZ read again), and its resource limits are its asker's at the time it asks (a worker under
+a test's cap passes it on; the server itself lifts its soft limits, so a cap never stops its imports). What stays the server's, by design or found by a hostile review:
 - its memory: torch and torch._dynamo imported, so a child's virtual and resident sizes, and its peaks, start
   from the server's (a cap set in the child from its own size, as the tests' scripts set theirs, is unmoved);
 - the hash seed (PYTHONHASHSEED unset), torch's loggers and warnings filters before the script imports torch;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -43,6 +45,9 @@ READ_AT_LOAD = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "ONEDNN_", "DNNL_"
 # PYTHONPATH: its folders are put on sys.path in the child, where a fresh interpreter has them.
 READ_LATER = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY", "PYTHONPATH"}
 
+# The resource limits a child takes from the process that asked for it (a test's cap on the worker, say).
+LIMITS = ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_FSIZE", "RLIMIT_STACK")
+
 _SERVE = f"import runpy; runpy.run_path({__file__!r}, run_name='tests_forkserver')['serve']()"
 
 
@@ -53,6 +58,14 @@ def serve() -> None:
     import gc
     import select
     import signal
+
+    import resource
+
+    # Started by a worker under a test's cap (soft RLIMIT_AS), the server would import torch under it: each
+    # child gets its asker's limits instead (`_become`).
+    for name in LIMITS:
+        limit = getattr(resource, name)
+        resource.setrlimit(limit, (resource.getrlimit(limit)[1],) * 2)
 
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (what an optimizer's first call imports)
@@ -110,11 +123,14 @@ def _reply(replies: int, **reply: int) -> None:
 def _become(request: dict, null: int) -> None:
     # In the forked child: the process `python *argv` would be (`-c CODE ...` or `FILE ...`), then its code.
     import builtins
+    import resource
     import time
     import types
 
     import torch
 
+    for name, (soft, hard) in request["limits"].items():  # the asker's, as a child of its own would have them
+        resource.setrlimit(getattr(resource, name), (soft, hard))
     os.chdir(request["cwd"])
     _python_path(os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", ""))
     os.environ.clear()
@@ -198,7 +214,8 @@ class ForkServer:
                 self.asked += 1
                 self.waiting[self.asked] = slot
                 request = {"id": self.asked, "argv": [str(arg) for arg in argv], "cwd": str(cwd), "env": env,
-                           "stdout": str(out), "stderr": str(err)}
+                           "stdout": str(out), "stderr": str(err),
+                           "limits": {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS}}
                 self.server.stdin.write((json.dumps(request) + "\n").encode())
                 self.server.stdin.flush()
             slot["started"].wait()

@@ -116,6 +116,7 @@ def test_run_python_forks_in_a_worker_and_starts_fresh_when_asked(tmp_path, monk
     from tests.conftest import run_python
 
     script = "import sys; save({'parent': __import__('os').getppid(), 'torch': 'torch' in sys.modules})"
+    monkeypatch.delenv("AUTOTUNE_TESTS_FRESH", raising=False)  # a suite run with it set
     _, forked = run_python(script, tmp_path)
     monkeypatch.setenv("AUTOTUNE_TESTS_FRESH", "1")
     _, fresh = run_python(script, tmp_path)
@@ -145,3 +146,22 @@ def test_a_python_path_asked_for_is_the_one_a_fresh_interpreter_has(server, form
     assert server.forkable(env)
     fresh = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
     assert server.run(argv, tmp_path, env, timeout=60).stdout == fresh.stdout
+
+
+def test_a_forked_script_has_the_resource_limits_of_the_process_that_asked(server, tmp_path):
+    # subprocess.run's child inherits the worker's limits as they are then (a test's cap on itself, say);
+    # the server's child takes them from the request, not from the server's start.
+    import resource
+
+    script = "import resource; print(resource.getrlimit(resource.RLIMIT_NOFILE), resource.getrlimit(resource.RLIMIT_AS))"
+    before = {limit: resource.getrlimit(limit) for limit in (resource.RLIMIT_NOFILE, resource.RLIMIT_AS)}
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, before[resource.RLIMIT_NOFILE][1]))
+        resource.setrlimit(resource.RLIMIT_AS, (2**46, before[resource.RLIMIT_AS][1]))
+        fresh = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout
+        forked = server.run(["-c", script], tmp_path, server.env, timeout=60).stdout
+    finally:
+        for limit, value in before.items():
+            resource.setrlimit(limit, value)
+    assert forked == fresh and "(200, " in forked
+    assert server.run(["-c", script], tmp_path, server.env, timeout=60).stdout != forked  # and lifted again
