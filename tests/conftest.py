@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -107,6 +108,7 @@ def run_python(script: str, tmp_path: Path, timeout: float = 120,
 
 
 _server: ForkServer | None = None
+_server_lock = threading.Lock()
 
 
 def _fork_server() -> ForkServer | None:
@@ -115,9 +117,10 @@ def _fork_server() -> ForkServer | None:
     global _server
     if os.environ.get("AUTOTUNE_TESTS_FRESH") == "1":
         return None
-    if _server is None:
-        _server = ForkServer()
-        atexit.register(_server.close)
+    with _server_lock:  # a test's threads ask at once (the examples): one server, not one each
+        if _server is None:
+            _server = ForkServer()
+            atexit.register(_server.close)
     return _server
 
 

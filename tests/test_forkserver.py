@@ -165,3 +165,28 @@ def test_a_forked_script_has_the_resource_limits_of_the_process_that_asked(serve
             resource.setrlimit(limit, value)
     assert forked == fresh and "(200, " in forked
     assert server.run(["-c", script], tmp_path, server.env, timeout=60).stdout != forked  # and lifted again
+
+
+def test_threads_that_ask_for_the_server_at_once_share_one(monkeypatch):
+    import concurrent.futures
+    import time
+
+    import tests.conftest as conftest
+
+    monkeypatch.delenv("AUTOTUNE_TESTS_FRESH", raising=False)
+    monkeypatch.setattr(conftest, "_server", None)
+    started = []
+
+    class Slow:  # a server takes seconds to start: the window where a second thread would start another
+        def __init__(self):
+            time.sleep(0.2)
+            started.append(self)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(conftest, "ForkServer", Slow)
+    monkeypatch.setattr(conftest.atexit, "register", lambda close: None)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        servers = list(pool.map(lambda _: conftest._fork_server(), range(8)))
+    assert len(started) == 1 and all(server is started[0] for server in servers)
