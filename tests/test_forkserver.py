@@ -112,16 +112,21 @@ def test_onednns_cache_capacity_asked_of_a_forked_script_is_the_one_it_gets(serv
     assert asked == fresh == "0\n" and unasked != asked
 
 
-def test_run_python_forks_in_a_worker_and_starts_fresh_when_asked(tmp_path, monkeypatch):
-    from tests.conftest import run_python
+def test_run_python_and_python_fork_in_a_worker_and_start_fresh_when_asked(tmp_path, monkeypatch):
+    from tests.conftest import python, run_python
 
     script = "import sys; save({'parent': __import__('os').getppid(), 'torch': 'torch' in sys.modules})"
     monkeypatch.delenv("AUTOTUNE_TESTS_FRESH", raising=False)  # a suite run with it set
     _, forked = run_python(script, tmp_path)
+    assert forked["parent"] != os.getpid() and forked["torch"]  # the server's child, torch imported there
+    (tmp_path / "file.py").write_text("import os; print(os.getppid())")
+    for argv in (["-c", "import os; print(os.getppid())"], ["file.py"]):  # conftest.python's, env or none
+        for env in ({}, {"PYTHONPATH": str(tmp_path)}):
+            assert int(python(argv, tmp_path, env, timeout=60).stdout) != os.getpid(), (argv, env)
     monkeypatch.setenv("AUTOTUNE_TESTS_FRESH", "1")
     _, fresh = run_python(script, tmp_path)
-    assert forked["parent"] != os.getpid() and forked["torch"]  # the server's child, torch imported there
     assert fresh["parent"] == os.getpid() and not fresh["torch"]
+    assert int(python(["file.py"], tmp_path, {}, timeout=60).stdout) == os.getpid()
 
 
 def test_scripts_asked_at_once_run_at_once(server, tmp_path):
