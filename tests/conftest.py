@@ -99,8 +99,6 @@ def run_python(script: str, tmp_path: Path, timeout: float = 120,
             with open(OUT, "w") as f:
                 json.dump(obj, f)
     """)
-    # One malloc arena: a refused allocation then leaves no reserved heap behind, so what
-    # fits under the cap is the same on every run (see autotune.memory.limits.single_malloc_arena).
     proc = python(["-c", preamble + textwrap.dedent(script)], tmp_path, env or {}, timeout)
     result = json.loads(out.read_text()) if out.exists() else None
     return proc, result
@@ -125,9 +123,10 @@ def _fork_server() -> ForkServer | None:
 
 def python(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """`subprocess.run([python, *argv], capture_output=True, text=True, ...)` with `env` added to the
-    environment, and one malloc arena as run_python's scripts and torchrun's ranks have (`MALLOC_ARENA_MAX=1`,
-    unless `env` says otherwise): forked from this worker's fork server (torch imported there) where the
-    environment allows."""
+    environment, and one malloc arena as torchrun's ranks have (`MALLOC_ARENA_MAX=1`, unless `env` says
+    otherwise: a refused allocation then leaves no reserved heap behind, so what fits under a cap is the same
+    on every run; autotune.memory.limits.single_malloc_arena): forked from this worker's fork server (torch
+    imported there) where the environment allows."""
     env = {**os.environ, "MALLOC_ARENA_MAX": "1", **env}
     server = _fork_server()
     if server is not None and server.forkable(env, argv, cwd):

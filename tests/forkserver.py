@@ -1,9 +1,9 @@
-"""One interpreter per pytest worker that has imported torch, forked for each `run_python` script.
+"""One interpreter per pytest worker that has imported torch, forked for each script of `run_python` and `python`.
 
 A fresh interpreter spends ~2 CPU-s importing torch and ~2 more on torch._dynamo, which an optimizer's first
 call imports: about 200 scripts a suite run, on two cores, spent minutes there. A child forked from this
-server starts with both imported and runs its script as `python -c` would: its own `__main__`, `sys.argv ==
-["-c"]`, the environment and folder asked for, stdout and stderr into files, and the interpreter's own exit
+server starts with both imported and runs its script as `python -c` or `python FILE` would: its own `__main__`,
+`sys.argv`, the environment and folder asked for, stdout and stderr into files, and the interpreter's own exit
 (atexit handlers, an uncaught exception's traceback and code 1, a signal's death).
 
 What a fork cannot give falls back to a fresh interpreter (`forkable`): an environment that differs from the
@@ -58,8 +58,6 @@ def serve() -> None:
     import gc
     import select
     import signal
-
-    import resource
 
     # Started by a worker under a test's cap (soft RLIMIT_AS), the server would import torch under it: each
     # child gets its asker's limits instead (`_become`).
@@ -123,7 +121,6 @@ def _reply(replies: int, **reply: int) -> None:
 def _become(request: dict, null: int) -> None:
     # In the forked child: the process `python *argv` would be (`-c CODE ...` or `FILE ...`), then its code.
     import builtins
-    import resource
     import time
     import types
 

@@ -29,9 +29,9 @@ def examples(tmp_path_factory):
         runs["lightning_module.py"] = ["--epochs", "1", "--root-dir", "run"]
     if HAS["accelerate"]:
         runs["accelerate_loop.py"] = ["--epochs", "1", "--run-dir", "run"]
-    # MALLOC_ARENA_MAX: what fits under a cap the same on every run (conftest.py). One OpenMP thread each:
+    # One malloc arena (conftest.python's): what fits under a cap the same on every run. One OpenMP thread each:
     # seven processes with two each on two cores spin in libgomp's barriers against each other (51 s -> 33 s).
-    env = {"MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1"}
     folders = {script: tmp / script.replace("/", "-").removesuffix(".py") for script in runs}
     with ThreadPoolExecutor(len(runs)) as pool:
         for folder in folders.values():

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import python
-import torch
 
 ROOT = Path(__file__).parents[1]
 CHECK = ROOT / "benchmarks" / "gpu_check.py"

@@ -13,7 +13,6 @@ import json
 import pytest
 import torch
 
-
 from autotune.observe.report import render, summarize
 from tests.conftest import journal, python, torchrun
 
